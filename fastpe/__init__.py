@@ -1,0 +1,37 @@
+"""fastpe: fused kernels for positional encodings and attention.
+
+``import fastpe`` imports NumPy only: numba, triton and torch are imported by the backends on
+first use, and no device is queried until a call needs one.
+"""
+
+from fastpe import implementations as _implementations  # registers every (backend, op)
+from fastpe.api import (
+    apply_rope,
+    attention,
+    embed,
+    merge_attention,
+    relative_transform,
+    rope_table,
+    sinusoidal_table,
+)
+from fastpe.dispatch import BackendNotSupportedError, backends, explain, use_backend
+from fastpe.rope_scaling import rope_inv_freq
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendNotSupportedError",
+    "apply_rope",
+    "attention",
+    "backends",
+    "embed",
+    "explain",
+    "merge_attention",
+    "relative_transform",
+    "rope_inv_freq",
+    "rope_table",
+    "sinusoidal_table",
+    "use_backend",
+]
+
+del _implementations

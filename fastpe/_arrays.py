@@ -1,0 +1,133 @@
+"""Framework-neutral handling of the arrays users pass in: NumPy arrays and torch tensors.
+
+torch is never imported here unless the caller already holds a tensor or asked for a torch
+device: ``import fastpe`` must stay light, so a tensor is recognised through ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# NumPy has no bfloat16 and Numba neither half type: the low-precision types come in as torch tensors.
+NUMPY_FLOAT_DTYPES = ("float32", "float64")
+
+
+def is_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an op's arrays live and therefore where its result goes."""
+
+    framework: str  # "numpy" | "torch"
+    device: str = "cpu"  # torch device string ("cpu", "cuda:0"); always "cpu" for NumPy
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    def __str__(self) -> str:
+        return "NumPy array" if self.framework == "numpy" else f"torch tensor on {self.device}"
+
+
+NUMPY = Placement("numpy")
+
+
+def placement_of(x) -> Placement:
+    if is_tensor(x):
+        return Placement("torch", str(x.device))
+    return NUMPY
+
+
+def dtype_name(x) -> str:
+    """'float32', 'bfloat16', 'int64', 'bool', ... for an array or tensor."""
+    if is_tensor(x):
+        return str(x.dtype).removeprefix("torch.")
+    return np.asarray(x).dtype.name
+
+
+def is_float_dtype(name: str) -> bool:
+    return name in FLOAT_DTYPES
+
+
+def is_int_dtype(name: str) -> bool:
+    return name.startswith(("int", "uint"))
+
+
+def as_array(x):
+    """A tensor stays a tensor; anything else becomes a NumPy array (lists, scalars, ...)."""
+    return x if is_tensor(x) else np.asarray(x)
+
+
+def to_float64(x) -> np.ndarray:
+    """Host float64 copy (or view when already float64 NumPy) for the oracle. Never written to."""
+    if is_tensor(x):
+        return x.detach().to(device="cpu", dtype=sys.modules["torch"].float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def to_int64(x) -> np.ndarray:
+    if is_tensor(x):
+        return x.detach().to(device="cpu", dtype=sys.modules["torch"].int64).numpy()
+    return np.asarray(x, dtype=np.int64)
+
+
+def to_bool(x) -> np.ndarray:
+    if is_tensor(x):
+        return x.detach().cpu().numpy().astype(bool)
+    return np.asarray(x, dtype=bool)
+
+
+def from_float64(result: np.ndarray, placement: Placement, dtype: str):
+    """Cast the oracle's float64 result once, into the caller's framework, device and dtype."""
+    if placement.framework == "numpy":
+        return np.ascontiguousarray(result, dtype=dtype)
+    torch = sys.modules["torch"]
+    tensor = torch.from_numpy(np.ascontiguousarray(result))
+    return tensor.to(device=placement.device, dtype=getattr(torch, dtype))
+
+
+def resolve_device(device) -> Placement:
+    """``device=None`` means NumPy output; anything else is a torch device ("cpu", "cuda:1", ...)."""
+    if device is None:
+        return NUMPY
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            f"device={device!r} asks for a torch tensor but torch is not installed; "
+            "pass device=None for a NumPy array or `pip install torch`"
+        ) from exc
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device must be None (NumPy) or a torch device such as 'cpu' or 'cuda:0'; got {device!r}"
+        ) from exc
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return Placement("torch", str(dev))
+
+
+def normalize_dtype(dtype, placement: Placement) -> str:
+    """Accept 'float32', np.float32, torch.float32, ...; return the canonical name."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)
+    allowed = NUMPY_FLOAT_DTYPES if placement.framework == "numpy" else FLOAT_DTYPES
+    if name not in allowed:
+        hint = "" if placement.framework == "torch" else " (float16/bfloat16 need a torch device=)"
+        raise TypeError(f"dtype must be one of {', '.join(allowed)}{hint}; got {dtype!r}")
+    return name

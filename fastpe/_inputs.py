@@ -1,0 +1,624 @@
+"""One frozen record of validated, normalised inputs per op (after xformers' fmha ``Inputs``).
+
+Each public op builds its record once; the dispatcher reads it to choose a backend and the
+backend reads it to launch a kernel. Nothing downstream re-validates user input. Arrays keep
+their framework, device and dtype; scalars are normalised to plain Python values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fastpe import _arrays
+from fastpe._arrays import Placement
+from fastpe._validate import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_float,
+    check_float_array,
+    check_int,
+    check_int_array,
+    check_range,
+    check_same_placement,
+)
+
+LAYOUTS = ("interleaved", "concat")
+FREQS = ("paper", "tensor2tensor")
+ROPE_LAYOUTS = ("bhsd", "bshd")
+PE_KINDS = ("sinusoidal", "table", None)
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def _check_sinusoidal_dim(name: str, dim: int, freq: str) -> None:
+    if dim % 2:
+        raise ValueError(
+            f"{name} must be even for a sinusoidal encoding (sin/cos pairs); got {dim}"
+        )
+    if freq == "tensor2tensor" and dim < 4:
+        raise ValueError(f"{name} must be >= 4 with freq='tensor2tensor' (ω divides by dim/2 - 1)")
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Row indices into a table for every (batch, seq) slot: ``offset + s`` or an int array."""
+
+    offset: int = 0
+    array: Any = None  # None, or integer array [S] or [B, S] in the caller's framework
+
+    def as_int64(self, batch: int, seq: int) -> np.ndarray:
+        """[B, S] int64 NumPy array of the positions (for the oracle)."""
+        if self.array is None:
+            return np.broadcast_to(np.arange(self.offset, self.offset + seq), (batch, seq))
+        return np.broadcast_to(_arrays.to_int64(self.array), (batch, seq))
+
+
+def _positions(name: str, value, batch: int, seq: int, limit: int | None, what: str) -> Positions:
+    """None -> 0 + s; int -> offset + s; int array [S] or [B, S]. Every position in [0, limit)."""
+    bound = "" if limit is None else f" (the table has {limit} rows)"
+    if value is None or isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        offset = 0 if value is None else check_int(name, value, minimum=0)
+        if limit is not None and offset + seq > limit:
+            raise IndexError(
+                f"{name}: positions {offset} … {offset + seq - 1} are needed but {what} has only "
+                f"{limit} rows; pass a longer table or smaller {name}"
+            )
+        return Positions(offset=offset)
+    array = check_int_array(name, value, ndim=(1, 2))
+    expected = [(seq,), (batch, seq)]
+    if tuple(array.shape) not in expected:
+        raise ValueError(
+            f"{name} must be an int offset or an int array of shape [S]={expected[0]} or "
+            f"[B, S]={expected[1]}; got shape {tuple(array.shape)}"
+        )
+    check_range(name, array, 0, limit if limit is not None else 2**62, what=bound)
+    return Positions(array=array)
+
+
+def _features(**flags: bool) -> frozenset[str]:
+    return frozenset(name for name, on in flags.items() if on)
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class SinusoidalTableInputs:
+    op: ClassVar[str] = "sinusoidal_table"
+    num_positions: int
+    dim: int
+    base: float
+    layout: str
+    freq: str
+    offset: int
+    dtype: str
+    placement: Placement
+
+    @property
+    def features(self) -> frozenset[str]:
+        return frozenset()
+
+    @classmethod
+    def build(cls, num_positions, dim, *, base, layout, freq, offset, dtype, device):
+        num_positions = check_int("num_positions", num_positions, minimum=0)
+        dim = check_int("dim", dim, minimum=2)
+        layout = check_choice("layout", layout, LAYOUTS)
+        freq = check_choice("freq", freq, FREQS)
+        _check_sinusoidal_dim("dim", dim, freq)
+        placement = _arrays.resolve_device(device)
+        return cls(
+            num_positions=num_positions,
+            dim=dim,
+            base=check_float("base", base, positive=True),
+            layout=layout,
+            freq=freq,
+            offset=check_int("offset", offset, minimum=0),
+            dtype=_arrays.normalize_dtype(dtype, placement),
+            placement=placement,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class RopeTableInputs:
+    op: ClassVar[str] = "rope_table"
+    num_positions: int
+    inv_freq: np.ndarray  # float64 [R/2]
+    attention_factor: float
+    offset: int
+    dtype: str
+    placement: Placement
+
+    @property
+    def features(self) -> frozenset[str]:
+        return frozenset()
+
+    @classmethod
+    def build(cls, num_positions, rotary_dim, *, base, scaling, offset, dtype, device):
+        from fastpe.rope_scaling import rope_inv_freq
+
+        num_positions = check_int("num_positions", num_positions, minimum=0)
+        offset = check_int("offset", offset, minimum=0)
+        # dynamic NTK and longrope pick their parameters from the longest position in the table
+        inv_freq, attention_factor = rope_inv_freq(
+            rotary_dim, base=base, scaling=scaling, seq_len=offset + num_positions
+        )
+        placement = _arrays.resolve_device(device)
+        return cls(
+            num_positions=num_positions,
+            inv_freq=inv_freq,
+            attention_factor=attention_factor,
+            offset=offset,
+            dtype=_arrays.normalize_dtype(dtype, placement),
+            placement=placement,
+        )
+
+
+def _check_rope_tables(prefix: str, cos, sin, head_dim: int):
+    cos = check_float_array(f"{prefix}cos", cos, ndim=2)
+    sin = check_float_array(f"{prefix}sin", sin, ndim=2)
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(
+            f"{prefix}cos and {prefix}sin must have the same shape [P, R/2]; "
+            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    rotary_dim = 2 * cos.shape[1]
+    if rotary_dim == 0 or rotary_dim > head_dim:
+        raise ValueError(
+            f"{prefix}cos/sin have R/2 = {cos.shape[1]} columns, so rotary dim R = {rotary_dim}; "
+            f"it must be in [2, head_dim = {head_dim}] (tables hold half the rotary dim, not "
+            "duplicated halves)"
+        )
+    return cos, sin
+
+
+@dataclass(frozen=True, eq=False)
+class ApplyRopeInputs:
+    op: ClassVar[str] = "apply_rope"
+    x: Any
+    cos: Any
+    sin: Any
+    positions: Positions
+    interleaved: bool
+    layout: str  # "bhsd" | "bshd"
+    inplace: bool
+    dtype: str
+    placement: Placement
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.x.shape[1 if self.layout == "bhsd" else 2]
+
+    @property
+    def seq(self) -> int:
+        return self.x.shape[2 if self.layout == "bhsd" else 1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.x.shape[3]
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.cos.shape[1]
+
+    @property
+    def features(self) -> frozenset[str]:
+        return _features(inplace=self.inplace, position_array=self.positions.array is not None)
+
+    @classmethod
+    def build(cls, x, cos, sin, *, positions, interleaved, layout, inplace):
+        x = check_float_array("x", x, ndim=4)
+        layout = check_choice("layout", layout, ROPE_LAYOUTS)
+        cos, sin = _check_rope_tables("", cos, sin, x.shape[3])
+        inplace = check_bool("inplace", inplace)
+        if inplace and not _arrays.is_tensor(x) and not x.flags.writeable:
+            raise ValueError("inplace=True needs a writeable x; got a read-only NumPy array")
+        batch = x.shape[0]
+        seq = x.shape[2 if layout == "bhsd" else 1]
+        pos = _positions("positions", positions, batch, seq, cos.shape[0], "cos/sin")
+        placement = check_same_placement({"x": x, "cos": cos, "sin": sin, "positions": pos.array})
+        return cls(
+            x=x,
+            cos=cos,
+            sin=sin,
+            positions=pos,
+            interleaved=check_bool("interleaved", interleaved),
+            layout=layout,
+            inplace=inplace,
+            dtype=_arrays.dtype_name(x),
+            placement=placement,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class EmbedInputs:
+    op: ClassVar[str] = "embed"
+    ids: Any  # int [B, S]
+    weight: Any  # [V, D]
+    positions: Positions
+    pe: str | None
+    pe_table: Any  # [P, D] or None
+    scale: float
+    base: float
+    layout: str
+    freq: str
+    token_type_ids: Any  # int [B, S] or None
+    token_type_weight: Any  # [T, D] or None
+    dtype: str
+    placement: Placement
+
+    @property
+    def batch(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def seq(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def features(self) -> frozenset[str]:
+        return _features(
+            pe_sinusoidal=self.pe == "sinusoidal",
+            pe_table=self.pe == "table",
+            token_types=self.token_type_ids is not None,
+            position_array=self.positions.array is not None,
+        )
+
+    @classmethod
+    def build(
+        cls, ids, weight, *, positions, pe, pe_table, scale, base, layout, freq,
+        token_type_ids, token_type_weight,
+    ):  # fmt: skip
+        ids = check_int_array("ids", ids, ndim=2)
+        weight = check_float_array("weight", weight, ndim=2)
+        vocab, dim = weight.shape
+        batch, seq = ids.shape
+        pe = check_choice("pe", pe, PE_KINDS)
+        layout = check_choice("layout", layout, LAYOUTS)
+        freq = check_choice("freq", freq, FREQS)
+        limit = None
+        if pe == "table":
+            if pe_table is None:
+                raise ValueError("pe='table' needs pe_table=[num_positions, D]")
+            pe_table = check_float_array("pe_table", pe_table, ndim=2)
+            if pe_table.shape[1] != dim:
+                raise ValueError(
+                    f"pe_table must have D = {dim} columns like weight; got shape "
+                    f"{tuple(pe_table.shape)}"
+                )
+            limit = pe_table.shape[0]
+        elif pe_table is not None:
+            raise ValueError(f"pe_table is only read with pe='table'; got pe={pe!r}")
+        if pe == "sinusoidal":
+            _check_sinusoidal_dim("weight's embedding dim", dim, freq)
+        if (token_type_ids is None) != (token_type_weight is None):
+            raise ValueError("token_type_ids and token_type_weight must be given together")
+        if token_type_ids is not None:
+            token_type_ids = check_int_array("token_type_ids", token_type_ids, ndim=2)
+            if tuple(token_type_ids.shape) != (batch, seq):
+                raise ValueError(
+                    f"token_type_ids must have the shape of ids {(batch, seq)}; "
+                    f"got {tuple(token_type_ids.shape)}"
+                )
+            token_type_weight = check_float_array("token_type_weight", token_type_weight, ndim=2)
+            if token_type_weight.shape[1] != dim:
+                raise ValueError(
+                    f"token_type_weight must have D = {dim} columns like weight; "
+                    f"got shape {tuple(token_type_weight.shape)}"
+                )
+            check_range("token_type_ids", token_type_ids, 0, token_type_weight.shape[0])
+        check_range("ids", ids, 0, vocab, what=f"(weight has {vocab} rows)")
+        pos = _positions("positions", positions, batch, seq, limit, "pe_table")
+        placement = check_same_placement(
+            {
+                "ids": ids,
+                "weight": weight,
+                "pe_table": pe_table,
+                "positions": pos.array,
+                "token_type_ids": token_type_ids,
+                "token_type_weight": token_type_weight,
+            }
+        )
+        return cls(
+            ids=ids,
+            weight=weight,
+            positions=pos,
+            pe=pe,
+            pe_table=pe_table,
+            scale=check_float("scale", scale),
+            base=check_float("base", base, positive=True),
+            layout=layout,
+            freq=freq,
+            token_type_ids=token_type_ids,
+            token_type_weight=token_type_weight,
+            dtype=_arrays.dtype_name(weight),
+            placement=placement,
+        )
+
+
+ROPE_KEYS = frozenset({"cos", "sin", "interleaved", "q_positions", "k_positions"})
+RELATIVE_BIAS_KEYS = frozenset({"table", "num_buckets", "max_distance", "bidirectional"})
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionInputs:
+    op: ClassVar[str] = "attention"
+    q: Any  # [B, Hq, Sq, D]
+    k: Any  # [B, Hkv, Sk, D]
+    v: Any  # [B, Hkv, Sk, Dv]
+    scale: float
+    causal: bool
+    q_offset: int  # query i sits at key position i + q_offset
+    mask: Any  # bool (True = attend) or float (added), broadcastable to [B, Hq, Sq, Sk]
+    key_lengths: Any  # int [B] or None
+    rope_cos: Any  # [P, R/2] or None
+    rope_sin: Any
+    rope_interleaved: bool
+    q_positions: Positions | None
+    k_positions: Positions | None
+    alibi_slopes: Any  # [Hq] or [B, Hq] or None
+    t5_table: Any  # [num_buckets, Hq] or None
+    t5_num_buckets: int
+    t5_max_distance: int
+    t5_bidirectional: bool
+    return_lse: bool
+    dtype: str
+    placement: Placement
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int]:
+        """(B, Hq, Hkv, Sq, Sk, D, Dv)."""
+        b, hq, sq, d = self.q.shape
+        return b, hq, self.k.shape[1], sq, self.k.shape[2], d, self.v.shape[3]
+
+    @property
+    def features(self) -> frozenset[str]:
+        b, hq, hkv, sq, sk, d, dv = self.shape
+        return _features(
+            causal=self.causal,
+            bool_mask=self.mask is not None and _arrays.dtype_name(self.mask) == "bool",
+            additive_mask=self.mask is not None and _arrays.dtype_name(self.mask) != "bool",
+            key_lengths=self.key_lengths is not None,
+            gqa=hq != hkv,
+            rope=self.rope_cos is not None,
+            alibi=self.alibi_slopes is not None,
+            relative_bias=self.t5_table is not None,
+            lse=self.return_lse,
+            value_dim_differs=d != dv,
+        )
+
+    @classmethod
+    def build(
+        cls, q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope, alibi_slopes,
+        relative_bias, return_lse,
+    ):  # fmt: skip
+        q = check_float_array("q", q, ndim=4)
+        k = check_float_array("k", k, ndim=4)
+        v = check_float_array("v", v, ndim=4)
+        dtypes = {_arrays.dtype_name(t) for t in (q, k, v)}
+        if len(dtypes) > 1:
+            raise TypeError(f"q, k and v must share one dtype; got {sorted(dtypes)}")
+        b, hq, sq, d = q.shape
+        if k.shape[0] != b or v.shape[0] != b:
+            raise ValueError(
+                f"q, k, v must share batch size B; got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+            )
+        hkv, sk = k.shape[1], k.shape[2]
+        if k.shape[3] != d:
+            raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {d}")
+        if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+            raise ValueError(
+                f"v must be [B, Hkv, Sk, Dv] matching k's {tuple(k.shape[:3])}; "
+                f"got {tuple(v.shape)}"
+            )
+        if hkv == 0 or hq % hkv:
+            raise ValueError(
+                f"q heads ({hq}) must be a multiple of k/v heads ({hkv}) for grouped-query attention"
+            )
+        if d == 0:
+            raise ValueError("head_dim must be >= 1; got q of shape " + str(tuple(q.shape)))
+        causal = check_bool("causal", causal)
+        alignment = check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
+        q_offset = sk - sq if alignment == "bottom_right" else 0
+        scale = 1.0 / math.sqrt(d) if scale is None else check_float("scale", scale)
+
+        if mask is not None:
+            mask = _arrays.as_array(mask)
+            mask_dtype = _arrays.dtype_name(mask)
+            if mask_dtype != "bool" and not _arrays.is_float_dtype(mask_dtype):
+                raise TypeError(
+                    f"mask must be bool (True = may attend) or float (added to scores); "
+                    f"got {mask_dtype}"
+                )
+            full = (b, hq, sq, sk)
+            try:
+                ok = mask.ndim <= 4 and np.broadcast_shapes(tuple(mask.shape), full) == full
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"mask of shape {tuple(mask.shape)} does not broadcast to "
+                    f"[B, Hq, Sq, Sk] = {list(full)}"
+                )
+            if mask_dtype != "bool":
+                values = _arrays.to_float64(mask)
+                if np.isnan(values).any() or np.isposinf(values).any():
+                    raise ValueError(
+                        "mask (additive) must not contain NaN or +inf; use -inf to block"
+                    )
+
+        if key_lengths is not None:
+            key_lengths = check_int_array("key_lengths", key_lengths, ndim=1)
+            if tuple(key_lengths.shape) != (b,):
+                raise ValueError(
+                    f"key_lengths must have shape [B] = [{b}]; got {tuple(key_lengths.shape)}"
+                )
+            check_range("key_lengths", key_lengths, 0, sk + 1, what=f"(Sk = {sk})")
+
+        rope_cos = rope_sin = q_pos = k_pos = None
+        rope_interleaved = False
+        if rope is not None:
+            if not isinstance(rope, Mapping):
+                raise TypeError(f"rope must be None or a dict(cos=, sin=, ...); got {type(rope)}")
+            unknown = set(rope) - ROPE_KEYS
+            if unknown or "cos" not in rope or "sin" not in rope:
+                raise ValueError(
+                    f"rope must be a dict with keys cos, sin and optionally interleaved, "
+                    f"q_positions, k_positions; got keys {sorted(rope)}"
+                )
+            rope_cos, rope_sin = _check_rope_tables("rope['", rope["cos"], rope["sin"], d)
+            rope_interleaved = check_bool("rope['interleaved']", rope.get("interleaved", False))
+            p = rope_cos.shape[0]
+            # default positions follow the alignment: with bottom_right, queries are the last Sq
+            # of the Sk keys (a KV cache), so query i is at position Sk - Sq + i
+            q_pos = _positions(
+                "rope['q_positions']",
+                rope.get("q_positions", max(q_offset, 0)),
+                b,
+                sq,
+                p,
+                "rope cos/sin",
+            )
+            k_pos = _positions(
+                "rope['k_positions']", rope.get("k_positions"), b, sk, p, "rope cos/sin"
+            )
+
+        if alibi_slopes is not None:
+            alibi_slopes = check_float_array("alibi_slopes", alibi_slopes)
+            if tuple(alibi_slopes.shape) not in [(hq,), (b, hq)]:
+                raise ValueError(
+                    f"alibi_slopes must have shape [Hq] = [{hq}] or [B, Hq] = [{b}, {hq}]; "
+                    f"got {tuple(alibi_slopes.shape)}"
+                )
+            check_finite("alibi_slopes", alibi_slopes)
+
+        t5_table, t5_buckets, t5_distance, t5_bidirectional = None, 32, 128, True
+        if relative_bias is not None:
+            if not isinstance(relative_bias, Mapping):
+                raise TypeError(
+                    f"relative_bias must be None or a dict(table=, ...); got {type(relative_bias)}"
+                )
+            unknown = set(relative_bias) - RELATIVE_BIAS_KEYS
+            if unknown or "table" not in relative_bias:
+                raise ValueError(
+                    "relative_bias must be a dict with key table and optionally num_buckets, "
+                    f"max_distance, bidirectional; got keys {sorted(relative_bias)}"
+                )
+            t5_buckets = check_int(
+                "relative_bias['num_buckets']", relative_bias.get("num_buckets", 32), minimum=2
+            )
+            t5_bidirectional = check_bool(
+                "relative_bias['bidirectional']", relative_bias.get("bidirectional", True)
+            )
+            max_exact = t5_buckets // (4 if t5_bidirectional else 2)
+            if max_exact < 1:
+                raise ValueError(
+                    f"relative_bias['num_buckets'] = {t5_buckets} is too small: needs >= 4 when "
+                    "bidirectional, >= 2 otherwise"
+                )
+            t5_distance = check_int(
+                "relative_bias['max_distance']",
+                relative_bias.get("max_distance", 128),
+                minimum=max_exact + 1,
+            )
+            t5_table = check_float_array("relative_bias['table']", relative_bias["table"], ndim=2)
+            if tuple(t5_table.shape) != (t5_buckets, hq):
+                raise ValueError(
+                    f"relative_bias['table'] must have shape [num_buckets, Hq] = "
+                    f"[{t5_buckets}, {hq}]; got {tuple(t5_table.shape)}"
+                )
+            check_finite("relative_bias['table']", t5_table)
+
+        placement = check_same_placement(
+            {
+                "q": q,
+                "k": k,
+                "v": v,
+                "mask": mask,
+                "key_lengths": key_lengths,
+                "rope['cos']": rope_cos,
+                "rope['sin']": rope_sin,
+                "rope['q_positions']": q_pos.array if q_pos else None,
+                "rope['k_positions']": k_pos.array if k_pos else None,
+                "alibi_slopes": alibi_slopes,
+                "relative_bias['table']": t5_table,
+            }
+        )
+        return cls(
+            q=q,
+            k=k,
+            v=v,
+            scale=scale,
+            causal=causal,
+            q_offset=q_offset,
+            mask=mask,
+            key_lengths=key_lengths,
+            rope_cos=rope_cos,
+            rope_sin=rope_sin,
+            rope_interleaved=rope_interleaved,
+            q_positions=q_pos,
+            k_positions=k_pos,
+            alibi_slopes=alibi_slopes,
+            t5_table=t5_table,
+            t5_num_buckets=t5_buckets,
+            t5_max_distance=t5_distance,
+            t5_bidirectional=t5_bidirectional,
+            return_lse=check_bool("return_lse", return_lse),
+            dtype=_arrays.dtype_name(q),
+            placement=placement,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class MergeAttentionInputs:
+    op: ClassVar[str] = "merge_attention"
+    out_a: Any  # [B, H, S, D]
+    lse_a: Any  # [B, H, S] float
+    out_b: Any
+    lse_b: Any
+    dtype: str
+    placement: Placement
+
+    @property
+    def features(self) -> frozenset[str]:
+        return frozenset()
+
+    @classmethod
+    def build(cls, out_a, lse_a, out_b, lse_b):
+        out_a = check_float_array("out_a", out_a, ndim=4)
+        out_b = check_float_array("out_b", out_b, ndim=4)
+        if tuple(out_a.shape) != tuple(out_b.shape):
+            raise ValueError(
+                f"out_a and out_b must have the same shape; got {tuple(out_a.shape)} and "
+                f"{tuple(out_b.shape)}"
+            )
+        if _arrays.dtype_name(out_a) != _arrays.dtype_name(out_b):
+            raise TypeError(
+                f"out_a and out_b must share a dtype; got {_arrays.dtype_name(out_a)} and "
+                f"{_arrays.dtype_name(out_b)}"
+            )
+        for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+            lse = check_float_array(name, lse, ndim=3)
+            if tuple(lse.shape) != tuple(out_a.shape[:3]):
+                raise ValueError(
+                    f"{name} must have shape [B, H, S] = {list(out_a.shape[:3])}; "
+                    f"got {tuple(lse.shape)}"
+                )
+            values = _arrays.to_float64(lse)
+            if np.isnan(values).any() or np.isposinf(values).any():
+                raise ValueError(f"{name} must not contain NaN or +inf (-inf marks an empty row)")
+        lse_a, lse_b = _arrays.as_array(lse_a), _arrays.as_array(lse_b)
+        placement = check_same_placement(
+            {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+        )
+        return cls(out_a, lse_a, out_b, lse_b, _arrays.dtype_name(out_a), placement)

@@ -1,0 +1,99 @@
+"""Argument checks shared by every op. Each error names the argument, what was given and what
+is accepted. (Never ``assert``: it vanishes under ``python -O``.)"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from fastpe import _arrays
+
+
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return value
+
+
+def check_float(name: str, value, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0; got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
+
+
+def check_choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_float_array(name: str, x, *, ndim: int | None = None):
+    """A float array or tensor (NumPy: float32/float64; torch: also float16/bfloat16)."""
+    x = _arrays.as_array(x)
+    dtype = _arrays.dtype_name(x)
+    allowed = _arrays.FLOAT_DTYPES if _arrays.is_tensor(x) else _arrays.NUMPY_FLOAT_DTYPES
+    if dtype not in allowed:
+        hint = "" if _arrays.is_tensor(x) else " (float16/bfloat16 are accepted as torch tensors)"
+        raise TypeError(f"{name} must have a float dtype in {allowed}{hint}; got {dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions; got shape {tuple(x.shape)}")
+    return x
+
+
+def check_int_array(name: str, x, *, ndim: int | tuple[int, ...] | None = None):
+    x = _arrays.as_array(x)
+    dtype = _arrays.dtype_name(x)
+    if not _arrays.is_int_dtype(dtype):
+        raise TypeError(f"{name} must have an integer dtype; got {dtype}")
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if dims is not None and x.ndim not in dims:
+        want = " or ".join(map(str, dims))
+        raise ValueError(f"{name} must have {want} dimensions; got shape {tuple(x.shape)}")
+    return x
+
+
+def check_range(name: str, x, low: int, high: int, *, what: str = "") -> None:
+    """Every entry of integer array ``x`` lies in [low, high); else IndexError naming the value."""
+    values = _arrays.to_int64(x)
+    bad = (values < low) | (values >= high)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise IndexError(
+            f"{name} contains {int(values[where])} at index {list(where)}, outside [{low}, {high})"
+            + (f" {what}" if what else "")
+        )
+
+
+def check_finite(name: str, x) -> None:
+    if not np.isfinite(_arrays.to_float64(x)).all():
+        raise ValueError(f"{name} must be finite (no NaN or inf)")
+
+
+def check_same_placement(named_arrays: dict) -> _arrays.Placement:
+    """All arrays in one framework on one device; returns that placement."""
+    placements = {
+        name: _arrays.placement_of(x) for name, x in named_arrays.items() if x is not None
+    }
+    distinct = set(placements.values())
+    if len(distinct) > 1:
+        listing = ", ".join(f"{name}: {p}" for name, p in placements.items())
+        raise TypeError(
+            f"all arrays must be NumPy arrays or all torch tensors on one device; got {listing}"
+        )
+    return distinct.pop()

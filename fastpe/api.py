@@ -1,0 +1,173 @@
+"""The public ops (SPEC §5): validate once into an inputs record, then dispatch.
+
+Arrays in, arrays out: a NumPy array in gives a NumPy array out; a torch tensor in gives a torch
+tensor on the same device. ``backend=`` picks "numpy" (float64 oracle), "numba" (CPU) or
+"triton" (CUDA); None means ``use_backend``'s choice, then $FASTPE_BACKEND, then automatic.
+"""
+
+from __future__ import annotations
+
+from fastpe import dispatch, reference
+from fastpe._inputs import (
+    FREQS,
+    LAYOUTS,
+    ApplyRopeInputs,
+    AttentionInputs,
+    EmbedInputs,
+    MergeAttentionInputs,
+    RopeTableInputs,
+    SinusoidalTableInputs,
+    _check_sinusoidal_dim,
+)
+from fastpe._validate import check_choice, check_float, check_int
+
+
+def sinusoidal_table(
+    num_positions, dim, *, base=10000.0, layout="interleaved", freq="paper", offset=0,
+    dtype="float32", device=None, backend=None,
+):  # fmt: skip
+    """Sinusoidal positional-encoding table (Vaswani et al. 2017, §3.5).
+
+    Returns ``[num_positions, dim]`` for positions ``offset … offset + num_positions - 1``.
+
+    - ``freq="paper"``: ω_i = base^(-2i/dim) (paper, XLM, Marian, DistilBERT, GPT-J);
+      ``freq="tensor2tensor"``: ω_i = base^(-i/(dim/2 - 1)) (fairseq, M2M100, Whisper).
+    - ``layout="interleaved"``: PE[p, 2i] = sin(pω_i), PE[p, 2i+1] = cos(pω_i) (the paper);
+      ``layout="concat"``: PE[p, i] = sin, PE[p, dim/2 + i] = cos (fairseq/Marian ``[sin | cos]``).
+
+    ``dtype`` float32/float64 (float16/bfloat16 with a torch ``device``); ``device=None`` returns
+    NumPy, otherwise a torch tensor on that device. Matches transformers' XLM / Marian / M2M100
+    tables.
+    """
+    inputs = SinusoidalTableInputs.build(
+        num_positions, dim, base=base, layout=layout, freq=freq, offset=offset, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+def relative_transform(k, dim, *, base=10000.0, freq="paper", layout="interleaved"):
+    """The matrix T(k) [dim, dim] (float64 NumPy) with ``PE[p + k] = T(k) @ PE[p]`` for every p.
+
+    Block-diagonal: one 2x2 rotation [[cos ωk, sin ωk], [-sin ωk, cos ωk]] per frequency, acting
+    on the (sin, cos) pair of that frequency in the given ``layout``. Independent of p — the
+    property for which the paper chose sinusoids. ``k`` may be negative.
+    """
+    k = check_int("k", k)
+    dim = check_int("dim", dim, minimum=2)
+    freq = check_choice("freq", freq, FREQS)
+    layout = check_choice("layout", layout, LAYOUTS)
+    _check_sinusoidal_dim("dim", dim, freq)
+    return reference.relative_transform(
+        k, dim, check_float("base", base, positive=True), freq, layout
+    )
+
+
+def rope_table(
+    num_positions, rotary_dim, *, base=10000.0, scaling=None, offset=0, dtype="float32",
+    device=None, backend=None,
+):  # fmt: skip
+    """RoPE cos/sin tables ``(cos, sin)``, each ``[num_positions, rotary_dim/2]`` (halves not
+    duplicated): ``cos[p, i] = attention_factor · cos((offset + p) · inv_freq[i])``, same for sin.
+
+    ``inv_freq`` and ``attention_factor`` come from ``rope_inv_freq(rotary_dim, base=, scaling=,
+    seq_len=offset + num_positions)``: a Hugging Face ``rope_scaling`` dict (linear, dynamic, yarn,
+    longrope, llama3) gives the same frequencies as transformers; dynamic NTK and longrope choose
+    their parameters from the table's length, as transformers does for that sequence length.
+    """
+    inputs = RopeTableInputs.build(
+        num_positions, rotary_dim, base=base, scaling=scaling, offset=offset, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+def apply_rope(
+    x, cos, sin, *, positions=None, interleaved=False, layout="bhsd", inplace=False, backend=None
+):
+    """Rotate ``x`` by rotary position embedding.
+
+    ``x``: [B, H, S, D] (``layout="bhsd"``) or [B, S, H, D] (``"bshd"``); ``cos``/``sin``:
+    [P, R/2] tables (``rope_table``), R <= D. Row ``positions[b, s]`` rotates token (b, s):
+    ``positions`` is None (0 … S-1), an int offset (offset … offset + S - 1), or an int array
+    [S] or [B, S]; every position must be < P.
+
+    Pairs (a, b) -> (a·cos - b·sin, b·cos + a·sin), with pairs (i, i + R/2) for
+    ``interleaved=False`` (GPT-NeoX / Llama / HF ``rotate_half``) or (2i, 2i + 1) for
+    ``interleaved=True`` (GPT-J / RoFormer). Elements R … D-1 pass through (partial rotary).
+    Returns a new array in x's dtype, or x itself, rotated, when ``inplace=True``.
+    """
+    inputs = ApplyRopeInputs.build(
+        x, cos, sin, positions=positions, interleaved=interleaved, layout=layout, inplace=inplace
+    )
+    return dispatch.run(inputs, backend)
+
+
+def embed(
+    ids, weight, *, positions=None, pe="sinusoidal", pe_table=None, scale=1.0, base=10000.0,
+    layout="interleaved", freq="paper", token_type_ids=None, token_type_weight=None, backend=None,
+):  # fmt: skip
+    """Fused token embedding + positional encoding [+ token type] -> [B, S, D] in weight's dtype.
+
+    ``out[b, s] = scale · weight[ids[b, s]] + PE(positions[b, s]) [+ token_type_weight[tt[b, s]]]``
+
+    ``ids`` int [B, S]; ``weight`` [V, D]. ``pe="sinusoidal"`` computes the encoding of
+    ``sinusoidal_table`` (``base``, ``layout``, ``freq``) for each position, ``pe="table"`` adds
+    rows of ``pe_table`` [P, D] (BERT, GPT-2 learned positions), ``pe=None`` adds nothing.
+    ``positions``: None (0 … S-1), an int offset (incremental decoding) or an int array [S] or
+    [B, S]. ``scale`` is sqrt(D) for the paper / Marian / fairseq, 1 for BERT. An id, token type
+    or (table) position outside its table raises IndexError naming the value.
+    """
+    inputs = EmbedInputs.build(
+        ids, weight, positions=positions, pe=pe, pe_table=pe_table, scale=scale, base=base,
+        layout=layout, freq=freq, token_type_ids=token_type_ids,
+        token_type_weight=token_type_weight,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+def attention(
+    q, k, v, *, causal=False, causal_alignment="bottom_right", mask=None, key_lengths=None,
+    scale=None, rope=None, alibi_slopes=None, relative_bias=None, return_lse=False, backend=None,
+):  # fmt: skip
+    """Masked scaled dot-product attention, flash-style, in q's dtype (float32 accumulation).
+
+    ``q`` [B, Hq, Sq, D], ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv]; query head h reads kv
+    head h // (Hq / Hkv) (GQA/MQA). ``scale`` defaults to 1/sqrt(D).
+
+    Query i sits at key position ``i + Sk - Sq`` (``causal_alignment="bottom_right"``, the
+    FlashAttention >= 2.1 rule for a KV cache) or ``i`` (``"top_left"``, torch SDPA's rule); the
+    same alignment is used by ``causal`` (keys j <= that position), by ALiBi and by the T5
+    distance. With Sq == Sk both are identical.
+
+    - ``mask``: bool (True = may attend, as torch SDPA) or float (added to scores, -inf blocks),
+      broadcastable to [B, Hq, Sq, Sk].
+    - ``key_lengths`` int [B]: keys j >= key_lengths[b] are padding.
+    - ``rope``: dict(cos=, sin=, interleaved=False, q_positions=None, k_positions=None) rotates q
+      and k (see ``apply_rope``) inside the kernel; default positions are 0 … Sk-1 for keys and
+      the aligned positions above for queries.
+    - ``alibi_slopes`` [Hq] or [B, Hq]: adds ``-slope · |query position - j|`` (FlashAttention).
+    - ``relative_bias``: dict(table=[num_buckets, Hq], num_buckets=32, max_distance=128,
+      bidirectional=True) adds ``table[bucket(j - query position), h]`` with T5's bucketing.
+
+    A query row with no key to attend returns zeros (and lse = -inf), never NaN. With
+    ``return_lse=True`` returns ``(out, lse)``, lse [B, Hq, Sq] float32 natural-log
+    log-sum-exp of the scores, for ``merge_attention``.
+    """
+    inputs = AttentionInputs.build(
+        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
+        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias, return_lse=return_lse,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
+    """Merge two attention results over disjoint key sets into the result over their union.
+
+    ``out_*`` [B, H, S, D], ``lse_*`` [B, H, S] (from ``attention(..., return_lse=True)``).
+    ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse)``;
+    returns ``(out, lse)`` with lse float32. The primitive for split-KV decoding and for
+    sharding a context over devices. Rows empty on both sides stay 0 with lse = -inf.
+    """
+    return dispatch.run(MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), backend)

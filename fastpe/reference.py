@@ -1,0 +1,216 @@
+"""The float64 NumPy oracle: the mathematics of SPEC §1-4, written to be obviously right.
+
+Every function takes and returns float64 NumPy arrays (ints for ids and positions) whose
+arguments were already validated by ``fastpe._inputs``; nothing here is tuned for speed. Every
+other backend is tested against these functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# §1 sinusoidal positional encoding
+
+
+def sinusoidal_frequencies(dim: int, base: float, freq: str) -> np.ndarray:
+    """ω_i for i = 0 … dim/2 - 1.
+
+    paper:          ω_i = base ** (-2i / dim)
+    tensor2tensor:  ω_i = base ** (-i / (dim/2 - 1))
+    """
+    i = np.arange(dim // 2, dtype=np.float64)
+    if freq == "paper":
+        return base ** (-2.0 * i / dim)
+    return base ** (-i / (dim // 2 - 1))
+
+
+def sinusoidal_rows(positions: np.ndarray, dim: int, base: float, layout: str, freq: str):
+    """PE rows for arbitrary (integer-valued) positions, any leading shape -> [..., dim]."""
+    angle = np.asarray(positions, dtype=np.float64)[..., None] * sinusoidal_frequencies(
+        dim, base, freq
+    )
+    out = np.empty(angle.shape[:-1] + (dim,), dtype=np.float64)
+    if layout == "interleaved":
+        out[..., 0::2] = np.sin(angle)
+        out[..., 1::2] = np.cos(angle)
+    else:  # concat: [sin | cos]
+        out[..., : dim // 2] = np.sin(angle)
+        out[..., dim // 2 :] = np.cos(angle)
+    return out
+
+
+def sinusoidal_table(
+    num_positions: int, dim: int, base: float, layout: str, freq: str, offset: int
+):
+    return sinusoidal_rows(np.arange(offset, offset + num_positions), dim, base, layout, freq)
+
+
+def relative_transform(k: int, dim: int, base: float, freq: str, layout: str) -> np.ndarray:
+    """T(k) with PE[p + k] = T(k) @ PE[p]: one 2x2 rotation per frequency.
+
+    [sin ω(p+k)]   [ cos ωk  sin ωk] [sin ωp]
+    [cos ω(p+k)] = [-sin ωk  cos ωk] [cos ωp]
+    """
+    omega_k = sinusoidal_frequencies(dim, base, freq) * k
+    c, s = np.cos(omega_k), np.sin(omega_k)
+    t = np.zeros((dim, dim), dtype=np.float64)
+    half = dim // 2
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, half + i)
+        t[a, a], t[a, b] = c[i], s[i]
+        t[b, a], t[b, b] = -s[i], c[i]
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# §2 rotary position embedding
+
+
+def rope_table(num_positions: int, inv_freq: np.ndarray, attention_factor: float, offset: int):
+    """cos/sin [P, R/2] = attention_factor · cos/sin(p · inv_freq)."""
+    angle = np.arange(offset, offset + num_positions, dtype=np.float64)[:, None] * inv_freq
+    return attention_factor * np.cos(angle), attention_factor * np.sin(angle)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, interleaved):
+    """Rotate x [B, H, S, D] by the rows ``positions`` [B, S] of cos/sin [P, R/2].
+
+    (a, b) -> (a·cos - b·sin, b·cos + a·sin); pairs (i, i + R/2) or (2i, 2i + 1); the tail
+    R … D-1 is copied.
+    """
+    half = cos.shape[1]
+    c = cos[positions][:, None]  # [B, 1, S, R/2]
+    s = sin[positions][:, None]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2] = a * c - b * s
+        out[..., 1 : 2 * half : 2] = b * c + a * s
+    else:
+        a, b = x[..., :half], x[..., half : 2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half : 2 * half] = b * c + a * s
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# §3 token embedding + positional encoding
+
+
+def embed(ids, weight, positions, pe, pe_table, scale, base, layout, freq, tt_ids, tt_weight):
+    """scale · weight[ids] + PE(positions) [+ tt_weight[tt_ids]] -> [B, S, D]."""
+    out = scale * weight[ids]
+    if pe == "sinusoidal":
+        out = out + sinusoidal_rows(positions, weight.shape[1], base, layout, freq)
+    elif pe == "table":
+        out = out + pe_table[positions]
+    if tt_ids is not None:
+        out = out + tt_weight[tt_ids]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# §4 attention
+
+
+def t5_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's bucket of ``relative_position = key position - query position``.
+
+    The logarithmic part is evaluated in float32 exactly as T5 does, so that bucket boundaries
+    (an integer function of float rounding) agree with the models' trained tables.
+    """
+    rel = np.asarray(relative_position, dtype=np.int64)
+    buckets = np.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (rel > 0).astype(np.int64) * num_buckets
+        rel = np.abs(rel)
+    else:
+        rel = -np.minimum(rel, 0)
+    max_exact = num_buckets // 2
+    with np.errstate(divide="ignore"):
+        log_ratio = np.log(rel.astype(np.float32) / np.float32(max_exact))
+    large = max_exact + (
+        log_ratio
+        / np.float32(math.log(max_distance / max_exact))
+        * np.float32(num_buckets - max_exact)
+    ).astype(np.int64, copy=False)
+    large = np.minimum(large, num_buckets - 1)
+    return buckets + np.where(rel < max_exact, rel, large)
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    scale: float,
+    causal: bool,
+    q_offset: int,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    t5_table=None,
+    t5_num_buckets: int = 32,
+    t5_max_distance: int = 128,
+    t5_bidirectional: bool = True,
+):
+    """Materialised softmax attention on float64 arrays.
+
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]; query i sits at key position
+    i + q_offset (used by the causal rule, ALiBi and the T5 distance). ``mask`` is a bool array
+    (True = attend) or a float array to add, already broadcast to [B, Hq, Sq, Sk];
+    ``alibi_slopes`` is [B, Hq]; ``t5_table`` is [num_buckets, Hq].
+    Returns out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (-inf where a row sees no key; out = 0 there).
+    """
+    batch, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    k_full = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
+    v_full = np.repeat(v, group, axis=1)
+    scores = scale * np.einsum("bhid,bhjd->bhij", q, k_full)
+
+    i = np.arange(sq)[:, None] + q_offset  # query positions on the key axis
+    j = np.arange(sk)[None, :]
+    allowed = np.ones((batch, hq, sq, sk), dtype=bool)
+    if causal:
+        allowed &= j <= i
+    if key_lengths is not None:
+        allowed &= j[None, None] < key_lengths[:, None, None, None]
+    if mask is not None:
+        if mask.dtype == bool:
+            allowed &= mask
+        else:
+            scores = scores + mask
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes[:, :, None, None] * np.abs(i - j)
+    if t5_table is not None:
+        bucket = t5_bucket(j - i, t5_bidirectional, t5_num_buckets, t5_max_distance)  # [Sq, Sk]
+        scores = scores + np.transpose(t5_table[bucket], (2, 0, 1))[None]
+    scores = np.where(allowed, scores, -np.inf)
+
+    row_max = scores.max(axis=-1, keepdims=True)
+    seen = np.isfinite(row_max)  # rows with at least one key of finite score
+    weights = np.exp(scores - np.where(seen, row_max, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    out = np.einsum("bhij,bhjd->bhid", weights / np.where(seen, total, 1.0), v_full)
+    out = np.where(seen, out, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
+    return out, lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combine attention over two disjoint key sets:
+    lse = logaddexp(lse_a, lse_b), out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse).
+    Rows that saw no key on either side (both -inf) stay 0 with lse -inf.
+    """
+    lse = np.logaddexp(lse_a, lse_b)
+    seen = np.isfinite(lse)
+    safe = np.where(seen, lse, 0.0)
+    w_a = np.where(seen, np.exp(lse_a - safe), 0.0)[..., None]
+    w_b = np.where(seen, np.exp(lse_b - safe), 0.0)[..., None]
+    return out_a * w_a + out_b * w_b, lse

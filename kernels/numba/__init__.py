@@ -1,0 +1,1 @@
+"""Numba CPU kernels: one module per op (imported lazily by fastpe's dispatcher)."""

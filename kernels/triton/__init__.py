@@ -1,0 +1,1 @@
+"""Triton GPU kernels: one module per op (imported lazily by fastpe's dispatcher)."""
