@@ -184,7 +184,8 @@ def run(inputs, backend: str | None = None):
 class Explanation(str):
     """What ``explain`` returns: a readable report (a str) with the chosen backend attached."""
 
-    chosen: str | None
+    chosen: str | None  # the backend that would run, or None if the call would raise
+    inputs: object  # the validated inputs record
 
     def __new__(cls, inputs, backend):
         lines = [f"{inputs.op} on {inputs.placement}, dtype {inputs.dtype}"]
@@ -205,7 +206,7 @@ class Explanation(str):
             state = "can run" if not reasons else "cannot run: " + "; ".join(reasons)
             lines.append(f"   {name:7s} [{rank}] {state}")
         self = super().__new__(cls, "\n".join(lines))
-        self.chosen = chosen
+        self.chosen, self.inputs = chosen, inputs
         return self
 
 

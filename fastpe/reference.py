@@ -131,8 +131,8 @@ def t5_bucket(relative_position, bidirectional: bool, num_buckets: int, max_dist
     else:
         rel = -np.minimum(rel, 0)
     max_exact = num_buckets // 2
-    with np.errstate(divide="ignore"):
-        log_ratio = np.log(rel.astype(np.float32) / np.float32(max_exact))
+    # the log branch is only used where rel >= max_exact; clamp so it never sees log(0)
+    log_ratio = np.log(np.maximum(rel, max_exact).astype(np.float32) / np.float32(max_exact))
     large = max_exact + (
         log_ratio
         / np.float32(math.log(max_distance / max_exact))
@@ -179,7 +179,10 @@ def attention(
     if causal:
         allowed &= j <= i
     if key_lengths is not None:
-        allowed &= j[None, None] < key_lengths[:, None, None, None]
+        is_key = j[0][None, :] < key_lengths[:, None]  # [B, Sk]
+        allowed &= is_key[:, None, None, :]
+        # padding is never read: a zero weight times a NaN value would still be NaN
+        v_full = np.where(is_key[:, None, :, None], v_full, 0.0)
     if mask is not None:
         if mask.dtype == bool:
             allowed &= mask

@@ -1,0 +1,5 @@
+import sys
+
+from fastpe.cli import main
+
+sys.exit(main())

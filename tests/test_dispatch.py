@@ -1,0 +1,127 @@
+"""Backend choice: registry, explicit choice, automatic choice, explain, and a light import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastpe
+from fastpe import dispatch
+from fastpe.dispatch import Implementation
+
+OPS = dispatch.OPS
+
+
+def test_every_backend_implements_every_op():
+    for name in dispatch.BACKEND_NAMES:
+        for op in OPS:
+            impl = dispatch.REGISTRY[(name, op)]
+            assert impl.backend == name and impl.op == op
+
+
+def test_backends_reports_each_backend():
+    status = fastpe.backends()
+    assert set(status) == set(dispatch.BACKEND_NAMES)
+    assert status["numpy"] == "available"
+    for value in status.values():
+        assert value == "available" or value.startswith("unavailable: ")
+
+
+def test_import_is_light():
+    code = (
+        "import sys, fastpe; print(fastpe.backends()); "
+        "heavy = [m for m in ('numba', 'torch', 'triton') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_unknown_backend_names():
+    with pytest.raises(ValueError, match="backend must be one of numpy, numba, triton"):
+        fastpe.sinusoidal_table(2, 4, backend="cupy")
+    with pytest.raises(ValueError, match="use_backend"):
+        with fastpe.use_backend("jax"):
+            pass
+
+
+def test_env_var_and_precedence(monkeypatch):
+    monkeypatch.setenv("FASTPE_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="\\$FASTPE_BACKEND must be one of"):
+        fastpe.sinusoidal_table(2, 4)
+    monkeypatch.setenv("FASTPE_BACKEND", "numpy")
+    assert fastpe.explain("sinusoidal_table", 2, 4).chosen == "numpy"
+    # use_backend beats the environment, backend= beats both
+    with fastpe.use_backend("triton"):
+        with pytest.raises(fastpe.BackendNotSupportedError, match="backend 'triton' cannot run"):
+            fastpe.sinusoidal_table(2, 4)
+        assert fastpe.explain("sinusoidal_table", 2, 4, backend="numpy").chosen == "numpy"
+
+
+class _Broken(Implementation):
+    backend, op = "numba", "sinusoidal_table"
+
+    def not_supported_reasons(self, inputs):
+        return []
+
+    def run(self, inputs):
+        raise ZeroDivisionError("kernel bug")
+
+
+class _Refusing(_Broken):
+    def not_supported_reasons(self, inputs):
+        return ["needs a feature this test withholds"]
+
+
+def test_explicit_backend_is_never_replaced(monkeypatch):
+    monkeypatch.setitem(dispatch.REGISTRY, ("numba", "sinusoidal_table"), _Refusing())
+    with pytest.raises(fastpe.BackendNotSupportedError, match="withholds"):
+        fastpe.sinusoidal_table(2, 4, backend="numba")
+    # automatic choice falls through to the oracle on reasons alone
+    np.testing.assert_array_equal(
+        fastpe.sinusoidal_table(2, 4), fastpe.sinusoidal_table(2, 4, backend="numpy")
+    )
+
+
+def test_auto_never_hides_a_kernel_exception(monkeypatch):
+    monkeypatch.setitem(dispatch.REGISTRY, ("numba", "sinusoidal_table"), _Broken())
+    with pytest.raises(ZeroDivisionError, match="kernel bug"):
+        fastpe.sinusoidal_table(2, 4)
+
+
+def test_no_candidate_lists_every_reason(monkeypatch):
+    monkeypatch.setitem(dispatch.REGISTRY, ("numba", "sinusoidal_table"), _Refusing())
+    monkeypatch.setitem(dispatch.REGISTRY, ("numpy", "sinusoidal_table"), _Refusing())
+    with pytest.raises(fastpe.BackendNotSupportedError, match="numba: needs.*\\| numpy: needs"):
+        fastpe.sinusoidal_table(2, 4)
+
+
+def test_explain_reports_choice_and_reasons():
+    q = np.zeros((1, 2, 3, 4), np.float32)
+    report = fastpe.explain("attention", q, q[:, :1], q[:, :1], causal=True)
+    text = str(report)
+    assert text.startswith("attention on NumPy array, dtype float32, features: causal, gqa")
+    assert report.chosen in ("numba", "numpy")
+    for name in dispatch.BACKEND_NAMES:
+        assert f"   {name}" in text
+    assert "triton" in text and "cannot run" in text
+    # explain validates exactly like the call
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        fastpe.explain(fastpe.attention, q, q[:, :1].repeat(3, 1), q[:, :1].repeat(3, 1))
+    with pytest.raises(ValueError, match="op must be one of"):
+        fastpe.explain("conv2d", q)
+
+
+def test_explicit_unavailable_backend_raises_with_reason():
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    reasons = "; ".join(dispatch.REGISTRY[("triton", "attention")].not_supported_reasons(
+        fastpe.explain("attention", q, q, q).inputs
+    ))  # fmt: skip
+    assert reasons
+    with pytest.raises(
+        fastpe.BackendNotSupportedError, match="backend 'triton' cannot run attention"
+    ) as err:
+        fastpe.attention(q, q, q, backend="triton")
+    assert reasons in str(err.value)

@@ -1,0 +1,529 @@
+"""The float64 oracle (backend="numpy") against closed-form facts and independent implementations.
+
+Runs every op through the public API on NumPy arrays and on torch CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import to_fw, to_np, torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastpe
+
+ORACLE = {"backend": "numpy"}
+needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
+
+
+# ---------------------------------------------------------------------------------------------
+# §1 sinusoidal tables
+
+
+def test_spec_worked_example():
+    pe = fastpe.sinusoidal_table(2, 4, dtype="float64", **ORACLE)
+    np.testing.assert_allclose(pe[0], [0, 1, 0, 1], atol=0)
+    np.testing.assert_allclose(pe[1], [0.8415, 0.5403, 0.0100, 0.99995], atol=5e-5)
+    np.testing.assert_allclose(
+        pe[1], [math.sin(1), math.cos(1), math.sin(0.01), math.cos(0.01)], rtol=1e-15
+    )
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concat"])
+@pytest.mark.parametrize("freq", ["paper", "tensor2tensor"])
+def test_position_zero_and_unit_pairs(layout, freq):
+    pe = fastpe.sinusoidal_table(50, 12, layout=layout, freq=freq, dtype="float64", **ORACLE)
+    sin = pe[:, 0::2] if layout == "interleaved" else pe[:, :6]
+    cos = pe[:, 1::2] if layout == "interleaved" else pe[:, 6:]
+    np.testing.assert_array_equal(sin[0], 0)
+    np.testing.assert_array_equal(cos[0], 1)
+    np.testing.assert_allclose(sin**2 + cos**2, 1, atol=1e-15)
+    # the first frequency is 1 in both schemes: column 0 is sin(p)
+    np.testing.assert_allclose(sin[:, 0], np.sin(np.arange(50)), atol=1e-15)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concat"])
+@pytest.mark.parametrize("freq", ["paper", "tensor2tensor"])
+@given(p=st.integers(0, 5000), k=st.integers(-2000, 2000))
+@settings(max_examples=25, deadline=None)
+def test_relative_transform_shifts_positions(layout, freq, p, k):
+    if p + k < 0:
+        k = -p
+    kwargs = {"layout": layout, "freq": freq}
+    pe = fastpe.sinusoidal_table(1, 16, offset=p, dtype="float64", **kwargs, **ORACLE)[0]
+    shifted = fastpe.sinusoidal_table(1, 16, offset=p + k, dtype="float64", **kwargs, **ORACLE)[0]
+    t = fastpe.relative_transform(k, 16, **kwargs)
+    np.testing.assert_allclose(t @ pe, shifted, atol=1e-9)
+    # T(k) is a rotation: orthogonal, and T(-k) undoes it
+    np.testing.assert_allclose(t @ t.T, np.eye(16), atol=1e-12)
+    np.testing.assert_allclose(
+        fastpe.relative_transform(-k, 16, **kwargs) @ t, np.eye(16), atol=1e-12
+    )
+
+
+def test_offset_is_a_slice_of_the_full_table():
+    full = fastpe.sinusoidal_table(40, 8, dtype="float64", **ORACLE)
+    part = fastpe.sinusoidal_table(10, 8, offset=25, dtype="float64", **ORACLE)
+    np.testing.assert_array_equal(part, full[25:35])
+
+
+def test_matches_transformers_tables():
+    pytest.importorskip("transformers")
+    from transformers.models.m2m_100.modeling_m2m_100 import M2M100SinusoidalPositionalEmbedding
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+    from transformers.models.xlm.modeling_xlm import create_sinusoidal_embeddings
+
+    n, d = 64, 24
+    xlm = create_sinusoidal_embeddings(n, d, torch.empty(n, d))
+    np.testing.assert_allclose(fastpe.sinusoidal_table(n, d, **ORACLE), xlm.numpy(), atol=1e-6)
+    marian = MarianSinusoidalPositionalEmbedding(n, d).create_weight()
+    np.testing.assert_allclose(
+        fastpe.sinusoidal_table(n, d, layout="concat", **ORACLE), marian.numpy(), atol=1e-6
+    )
+    # M2M100 / fairseq compute p·ω in float32: error grows like p·eps
+    m2m = M2M100SinusoidalPositionalEmbedding.get_embedding(n, d)
+    ours = fastpe.sinusoidal_table(n, d, layout="concat", freq="tensor2tensor", **ORACLE)
+    np.testing.assert_allclose(ours, m2m.numpy(), atol=2e-5)
+
+
+def test_float32_table_is_accurate_at_a_million_positions():
+    """The oracle's float32 table is the float64 truth rounded once, even at p ~ 2^20."""
+    offset = 2**20 - 16
+    table = fastpe.sinusoidal_table(16, 64, offset=offset, **ORACLE)
+    p = np.arange(offset, offset + 16, dtype=np.float64)[:, None]
+    omega = 10000.0 ** (-np.arange(32) * 2 / 64)
+    np.testing.assert_allclose(table[:, 0::2], np.sin(p * omega), atol=6e-8)
+
+
+@needs_torch
+def test_tables_as_torch_tensors():
+    pe = fastpe.sinusoidal_table(5, 8, dtype="bfloat16", device="cpu", **ORACLE)
+    assert isinstance(pe, torch.Tensor) and pe.dtype == torch.bfloat16 and pe.shape == (5, 8)
+    ref = fastpe.sinusoidal_table(5, 8, dtype="float64", **ORACLE)
+    np.testing.assert_allclose(pe.float().numpy(), ref, atol=4e-3)
+    cos, sin = fastpe.rope_table(7, 6, dtype=torch.float32, device=torch.device("cpu"), **ORACLE)
+    assert cos.dtype == torch.float32 and cos.shape == (7, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# §2 RoPE
+
+
+SCALINGS = [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 512},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "beta_fast": 16,
+     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256},
+    {"rope_type": "longrope", "short_factor": list(np.linspace(1.0, 2.0, 32)),
+     "long_factor": list(np.linspace(1.0, 8.0, 32)), "original_max_position_embeddings": 256,
+     "max_position_embeddings": 2048},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "scaling", SCALINGS, ids=lambda s: "default" if s is None else s["rope_type"]
+)
+@pytest.mark.parametrize("seq_len", [None, 300, 4096])
+def test_rope_inv_freq_matches_transformers(scaling, seq_len):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "default"} if scaling is None else dict(scaling)
+    mpe = params.pop("max_position_embeddings", 2048)
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=mpe,
+        rope_parameters={**params, "rope_theta": 50000.0},
+    )  # fmt: skip
+    ours, ours_factor = fastpe.rope_inv_freq(
+        64, base=50000.0, scaling=None if scaling is None else {**scaling, "max_position_embeddings": mpe},
+        seq_len=seq_len,
+    )  # fmt: skip
+    if scaling is None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        theirs, their_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        theirs, their_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu", seq_len)
+    assert ours.dtype == np.float64 and ours.shape == (32,)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=2e-6)
+    assert ours_factor == pytest.approx(their_factor, rel=1e-6)
+
+
+def test_rope_table_closed_form():
+    cos, sin = fastpe.rope_table(10, 8, base=100.0, dtype="float64", **ORACLE)
+    inv = 100.0 ** (-np.arange(0, 8, 2) / 8)
+    np.testing.assert_allclose(cos, np.cos(np.arange(10)[:, None] * inv), rtol=1e-15)
+    np.testing.assert_allclose(sin, np.sin(np.arange(10)[:, None] * inv), rtol=1e-15)
+    scaled = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    c2, s2 = fastpe.rope_table(10, 8, scaling=scaled, dtype="float64", **ORACLE)
+    _, factor = fastpe.rope_inv_freq(8, scaling=scaled)
+    assert factor > 1
+    np.testing.assert_allclose(c2**2 + s2**2, factor**2, rtol=1e-14)
+
+
+def _hf_rotate(x, cos_half, sin_half, positions):
+    """transformers' Llama rotate_half formula on [B, H, S, D] with duplicated cos/sin."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos = torch.from_numpy(np.concatenate([cos_half, cos_half], -1)[positions])  # [B, S, R]
+    sin = torch.from_numpy(np.concatenate([sin_half, sin_half], -1)[positions])
+    r = cos.shape[-1]
+    x = torch.from_numpy(x)
+    rotated, _ = apply_rotary_pos_emb(x[..., :r], x[..., :r], cos, sin)
+    return torch.cat([rotated, x[..., r:]], -1).numpy()
+
+
+@pytest.mark.parametrize("rotary_dim", [12, 8])
+def test_apply_rope_matches_transformers(fw, rng, rotary_dim):
+    pytest.importorskip("transformers")
+    x = rng.standard_normal((2, 3, 5, 12))
+    cos, sin = fastpe.rope_table(20, rotary_dim, dtype="float64", **ORACLE)
+    positions = rng.integers(0, 20, size=(2, 5))
+    out = fastpe.apply_rope(
+        to_fw(x, fw), to_fw(cos, fw), to_fw(sin, fw), positions=to_fw(positions, fw), **ORACLE
+    )
+    np.testing.assert_allclose(to_np(out), _hf_rotate(x, cos, sin, positions), atol=1e-12)
+    # bshd layout is the same rotation on a transposed array
+    out_bshd = fastpe.apply_rope(
+        to_fw(x.transpose(0, 2, 1, 3), fw), to_fw(cos, fw), to_fw(sin, fw),
+        positions=to_fw(positions, fw), layout="bshd", **ORACLE,
+    )  # fmt: skip
+    np.testing.assert_allclose(to_np(out_bshd).transpose(0, 2, 1, 3), to_np(out), atol=0)
+
+
+def test_apply_rope_interleaved_is_gptj_pairing(rng):
+    """GPT-J pairs (2i, 2i+1): permuting to halves makes it the NeoX rotation."""
+    x = rng.standard_normal((1, 2, 6, 8))
+    cos, sin = fastpe.rope_table(6, 8, dtype="float64", **ORACLE)
+    gptj = fastpe.apply_rope(x, cos, sin, interleaved=True, **ORACLE)
+    perm = np.r_[0:8:2, 1:8:2]  # interleaved -> [evens | odds]
+    neox = fastpe.apply_rope(x[..., perm], cos, sin, **ORACLE)
+    np.testing.assert_allclose(gptj[..., perm], neox, atol=1e-14)
+
+
+@given(
+    shape=st.tuples(
+        st.integers(1, 3), st.integers(1, 3), st.integers(1, 6), st.sampled_from([2, 4, 6, 10])
+    ),
+    interleaved=st.booleans(),
+    offset=st.integers(0, 30),
+)
+@settings(max_examples=30, deadline=None)
+def test_rope_preserves_pair_norms_and_is_identity_at_zero(shape, interleaved, offset):
+    x = np.random.default_rng(0).standard_normal(shape)
+    d = shape[-1]
+    cos, sin = fastpe.rope_table(64, d, dtype="float64", **ORACLE)
+    out = fastpe.apply_rope(x, cos, sin, positions=offset, interleaved=interleaved, **ORACLE)
+    pairs = (
+        (lambda a: a[..., 0::2] ** 2 + a[..., 1::2] ** 2)
+        if interleaved
+        else (lambda a: a[..., : d // 2] ** 2 + a[..., d // 2 :] ** 2)
+    )
+    np.testing.assert_allclose(pairs(out), pairs(x), rtol=1e-12)
+    at_zero = fastpe.apply_rope(
+        x, cos, sin, positions=np.zeros(shape[2], np.int64), interleaved=interleaved, **ORACLE
+    )
+    np.testing.assert_array_equal(at_zero, x)
+
+
+def test_apply_rope_positions_forms_agree(rng):
+    x = rng.standard_normal((2, 2, 4, 6))
+    cos, sin = fastpe.rope_table(16, 6, dtype="float64", **ORACLE)
+    by_offset = fastpe.apply_rope(x, cos, sin, positions=3, **ORACLE)
+    by_seq = fastpe.apply_rope(x, cos, sin, positions=np.arange(3, 7), **ORACLE)
+    by_batch = fastpe.apply_rope(x, cos, sin, positions=np.tile(np.arange(3, 7), (2, 1)), **ORACLE)
+    np.testing.assert_array_equal(by_offset, by_seq)
+    np.testing.assert_array_equal(by_offset, by_batch)
+
+
+def test_apply_rope_inplace_and_inputs_untouched(fw, rng):
+    x = to_fw(rng.standard_normal((1, 2, 3, 4)), fw)
+    before = to_np(x).copy()
+    cos, sin = fastpe.rope_table(3, 4, dtype="float64", **ORACLE)
+    out = fastpe.apply_rope(x, to_fw(cos, fw), to_fw(sin, fw), **ORACLE)
+    np.testing.assert_array_equal(to_np(x), before)
+    same = fastpe.apply_rope(x, to_fw(cos, fw), to_fw(sin, fw), inplace=True, **ORACLE)
+    assert same is x
+    np.testing.assert_array_equal(to_np(x), to_np(out))
+
+
+@needs_torch
+def test_apply_rope_low_precision_torch(rng):
+    x = torch.from_numpy(rng.standard_normal((1, 2, 8, 16))).to(torch.bfloat16)
+    cos, sin = fastpe.rope_table(8, 16, dtype="float32", device="cpu", **ORACLE)
+    out = fastpe.apply_rope(x, cos, sin, **ORACLE)
+    assert out.dtype == torch.bfloat16
+    ref = fastpe.apply_rope(
+        x.double().numpy(), cos.double().numpy(), sin.double().numpy(), **ORACLE
+    )
+    np.testing.assert_allclose(out.double().numpy(), ref, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# §3 embedding + PE
+
+
+def test_embed_is_the_three_way_sum(fw, rng):
+    weight = rng.standard_normal((11, 8))
+    ids = rng.integers(0, 11, size=(2, 5))
+    tt_w = rng.standard_normal((2, 8))
+    tt = rng.integers(0, 2, size=(2, 5))
+    out = fastpe.embed(
+        to_fw(ids, fw), to_fw(weight, fw), scale=math.sqrt(8), positions=4,
+        token_type_ids=to_fw(tt, fw), token_type_weight=to_fw(tt_w, fw), **ORACLE,
+    )  # fmt: skip
+    pe = fastpe.sinusoidal_table(5, 8, offset=4, dtype="float64", **ORACLE)
+    np.testing.assert_allclose(to_np(out), math.sqrt(8) * weight[ids] + pe + tt_w[tt], atol=1e-14)
+
+
+def test_embed_learned_table_and_no_pe(fw, rng):
+    weight = rng.standard_normal((7, 6))
+    table = rng.standard_normal((9, 6))
+    ids = rng.integers(0, 7, size=(3, 4))
+    positions = rng.integers(0, 9, size=(3, 4))
+    out = fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), pe="table", pe_table=to_fw(table, fw),
+                       positions=to_fw(positions, fw), **ORACLE)  # fmt: skip
+    np.testing.assert_allclose(to_np(out), weight[ids] + table[positions], atol=1e-15)
+    plain = fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), pe=None, scale=2.0, **ORACLE)
+    np.testing.assert_allclose(to_np(plain), 2.0 * weight[ids], atol=0)
+
+
+def test_embed_matches_bert_embeddings():
+    pytest.importorskip("transformers")
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertEmbeddings
+
+    config = BertConfig(vocab_size=50, hidden_size=16, max_position_embeddings=32, type_vocab_size=2,
+                        hidden_dropout_prob=0.0)  # fmt: skip
+    emb = BertEmbeddings(config).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    tt = torch.randint(0, 2, (2, 7))
+    with torch.no_grad():
+        before_norm = (emb.word_embeddings(ids) + emb.token_type_embeddings(tt)
+                       + emb.position_embeddings(torch.arange(7)))  # fmt: skip
+        ours = fastpe.embed(ids, emb.word_embeddings.weight, pe="table",
+                            pe_table=emb.position_embeddings.weight, token_type_ids=tt,
+                            token_type_weight=emb.token_type_embeddings.weight, **ORACLE)  # fmt: skip
+    torch.testing.assert_close(ours, before_norm, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# §4 attention
+
+
+def test_attention_hand_computed():
+    q = np.array([[[[1.0, 0.0]]]])  # [1, 1, 1, 2]
+    k = np.array([[[[1.0, 0.0], [0.0, 1.0]]]])
+    v = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    out, lse = fastpe.attention(q, k, v, scale=1.0, return_lse=True, **ORACLE)
+    w0 = math.e / (math.e + 1)
+    np.testing.assert_allclose(
+        out[0, 0, 0], [w0 * 1 + (1 - w0) * 3, w0 * 2 + (1 - w0) * 4], rtol=1e-15
+    )
+    assert lse[0, 0, 0] == pytest.approx(math.log(math.e + 1), rel=1e-7)
+    assert lse.dtype == np.float32
+
+
+def _sdpa(q, k, v, **kwargs):
+    import torch.nn.functional as F
+
+    t = [torch.from_numpy(a) for a in (q, k, v)]
+    return F.scaled_dot_product_attention(*t, **kwargs).numpy()
+
+
+@needs_torch
+@given(
+    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), sq=st.integers(1, 7),
+    sk=st.integers(1, 9), d=st.sampled_from([1, 3, 8]), kind=st.sampled_from(["none", "bool", "float", "causal"]),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_attention_matches_torch_sdpa(b, hkv, group, sq, sk, d, kind, seed):
+    r = np.random.default_rng(seed)
+    hq = hkv * group
+    q, k, v = (
+        r.standard_normal((b, hq, sq, d)),
+        r.standard_normal((b, hkv, sk, d)),
+        r.standard_normal((b, hkv, sk, d)),
+    )
+    kwargs, ours = {}, {}
+    if kind == "bool":
+        mask = r.random((1, hq, sq, sk)) < 0.7
+        mask[..., 0] = True  # SDPA gives NaN for fully masked rows; those are tested separately
+        kwargs["attn_mask"], ours["mask"] = torch.from_numpy(mask), mask
+    elif kind == "float":
+        mask = r.standard_normal((sq, sk))
+        kwargs["attn_mask"], ours["mask"] = torch.from_numpy(mask), mask
+    elif kind == "causal":
+        if sk < sq:
+            sk = sq
+            k, v = r.standard_normal((b, hkv, sk, d)), r.standard_normal((b, hkv, sk, d))
+        kwargs["is_causal"], ours["causal"], ours["causal_alignment"] = True, True, "top_left"
+    expected = _sdpa(q, k, v, enable_gqa=group > 1, scale=0.7, **kwargs)
+    got = fastpe.attention(q, k, v, scale=0.7, **ours, **ORACLE)
+    np.testing.assert_allclose(got, expected, atol=1e-12)
+
+
+def test_bottom_right_causal_is_the_kv_cache_rule(rng):
+    """The last Sq queries of a causal Sk x Sk attention are a bottom-right causal Sq x Sk call."""
+    q, k, v = (rng.standard_normal((2, 3, 9, 5)) for _ in range(3))
+    full = fastpe.attention(q, k, v, causal=True, **ORACLE)
+    tail = fastpe.attention(q[:, :, -3:], k, v, causal=True, **ORACLE)
+    np.testing.assert_allclose(tail, full[:, :, -3:], atol=1e-14)
+    # a single decoding query sees every key
+    last = fastpe.attention(q[:, :, -1:], k, v, causal=True, **ORACLE)
+    np.testing.assert_allclose(last, fastpe.attention(q[:, :, -1:], k, v, **ORACLE), atol=1e-14)
+
+
+def test_key_lengths_equal_truncated_keys(rng):
+    q, k, v = (
+        rng.standard_normal((2, 2, 3, 4)),
+        rng.standard_normal((2, 2, 6, 4)),
+        rng.standard_normal((2, 2, 6, 4)),
+    )
+    k[1, :, 2:], v[1, :, 2:] = np.nan, np.nan  # padding must never be read into the result
+    out = fastpe.attention(q, k, v, key_lengths=np.array([6, 2]), **ORACLE)
+    np.testing.assert_allclose(
+        out[0], fastpe.attention(q[:1], k[:1], v[:1], **ORACLE)[0], atol=1e-14
+    )
+    np.testing.assert_allclose(
+        out[1], fastpe.attention(q[1:], k[1:, :, :2], v[1:, :, :2], **ORACLE)[0], atol=1e-14
+    )
+
+
+def test_fully_masked_rows_give_zeros_and_minus_inf_lse(fw, rng):
+    q, k, v = (to_fw(rng.standard_normal((1, 2, 3, 4)), fw) for _ in range(3))
+    mask = np.ones((3, 3), dtype=bool)
+    mask[1] = False
+    out, lse = fastpe.attention(q, k, v, mask=to_fw(mask, fw), return_lse=True, **ORACLE)
+    out, lse = to_np(out), to_np(lse)
+    np.testing.assert_array_equal(out[:, :, 1], 0)
+    assert np.isneginf(lse[:, :, 1]).all() and np.isfinite(lse[:, :, [0, 2]]).all()
+    zero_len = to_np(fastpe.attention(q, k, v, key_lengths=to_fw(np.array([0]), fw), **ORACLE))
+    np.testing.assert_array_equal(zero_len, 0)
+    # bottom-right causal with more queries than keys: the first Sq - Sk rows see nothing
+    early = to_np(fastpe.attention(q, k[:, :, :1], v[:, :, :1], causal=True, **ORACLE))
+    np.testing.assert_array_equal(early[:, :, :2], 0)
+    assert not np.isnan(early).any()
+
+
+@needs_torch
+def test_alibi_and_t5_bias_match_sdpa_with_explicit_bias(rng):
+    pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    b, h, sq, sk, d = 2, 4, 5, 8, 6
+    q, k, v = (
+        rng.standard_normal((b, h, sq, d)),
+        rng.standard_normal((b, h, sk, d)),
+        rng.standard_normal((b, h, sk, d)),
+    )
+    slopes = 2.0 ** -np.arange(1, h + 1)
+    qpos = np.arange(sq)[:, None] + sk - sq
+    bias = -slopes[:, None, None] * np.abs(qpos - np.arange(sk)[None, :])
+    np.testing.assert_allclose(
+        fastpe.attention(q, k, v, alibi_slopes=slopes, **ORACLE),
+        _sdpa(q, k, v, attn_mask=torch.from_numpy(bias)), atol=1e-12,
+    )  # fmt: skip
+    table = rng.standard_normal((32, h))
+    rel = torch.from_numpy(np.arange(sk)[None, :] - qpos)
+    bucket = T5Attention._relative_position_bucket(
+        rel, bidirectional=False, num_buckets=32, max_distance=40
+    ).numpy()
+    t5_bias = table[bucket].transpose(2, 0, 1)
+    got = fastpe.attention(
+        q,
+        k,
+        v,
+        relative_bias={"table": table, "max_distance": 40, "bidirectional": False},
+        **ORACLE,
+    )
+    np.testing.assert_allclose(got, _sdpa(q, k, v, attn_mask=torch.from_numpy(t5_bias)), atol=1e-12)
+
+
+@needs_torch
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 40), (8, 9)])
+def test_t5_buckets_match_transformers(bidirectional, num_buckets, max_distance):
+    pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from fastpe.reference import t5_bucket
+
+    rel = np.arange(-600, 601)
+    theirs = T5Attention._relative_position_bucket(
+        torch.from_numpy(rel),
+        bidirectional=bidirectional,
+        num_buckets=num_buckets,
+        max_distance=max_distance,
+    ).numpy()
+    np.testing.assert_array_equal(t5_bucket(rel, bidirectional, num_buckets, max_distance), theirs)
+
+
+def test_fused_rope_equals_rotating_first(rng):
+    q, k, v = (
+        rng.standard_normal((2, 4, 3, 8)),
+        rng.standard_normal((2, 2, 7, 8)),
+        rng.standard_normal((2, 2, 7, 8)),
+    )
+    cos, sin = fastpe.rope_table(16, 6, dtype="float64", **ORACLE)
+    fused = fastpe.attention(q, k, v, causal=True, rope={"cos": cos, "sin": sin}, **ORACLE)
+    # default positions: keys 0..6, queries aligned to the end (4..6)
+    rq = fastpe.apply_rope(q, cos, sin, positions=4, **ORACLE)
+    rk = fastpe.apply_rope(k, cos, sin, **ORACLE)
+    np.testing.assert_allclose(
+        fused, fastpe.attention(rq, rk, v, causal=True, **ORACLE), atol=1e-14
+    )
+    qp = rng.integers(0, 16, size=(2, 3))
+    explicit = fastpe.attention(q, k, v, rope={"cos": cos, "sin": sin, "interleaved": True, "q_positions": qp,
+                                               "k_positions": 2}, **ORACLE)  # fmt: skip
+    rq = fastpe.apply_rope(q, cos, sin, positions=qp, interleaved=True, **ORACLE)
+    rk = fastpe.apply_rope(k, cos, sin, positions=2, interleaved=True, **ORACLE)
+    np.testing.assert_allclose(explicit, fastpe.attention(rq, rk, v, **ORACLE), atol=1e-14)
+
+
+@given(split=st.integers(0, 10), causal=st.booleans(), seed=st.integers(0, 1000))
+@settings(max_examples=25, deadline=None)
+def test_merge_of_disjoint_key_halves_is_the_whole(split, causal, seed):
+    r = np.random.default_rng(seed)
+    q, k, v = (
+        r.standard_normal((1, 2, 10, 4)),
+        r.standard_normal((1, 2, 10, 4)),
+        r.standard_normal((1, 2, 10, 4)),
+    )
+    keep = np.arange(10) < split  # keys of part a
+    mask_a = np.broadcast_to(keep, (10, 10))
+    kw = {"causal": causal, "return_lse": True, **ORACLE}
+    out_a, lse_a = fastpe.attention(q, k, v, mask=mask_a, **kw)
+    out_b, lse_b = fastpe.attention(q, k, v, mask=~mask_a, **kw)
+    out, lse = fastpe.merge_attention(out_a, lse_a, out_b, lse_b, **ORACLE)
+    full, full_lse = fastpe.attention(q, k, v, **kw)
+    # lse is float32 by contract (SPEC §4), so merge weights carry its ~6e-8 relative rounding
+    np.testing.assert_allclose(out, full, atol=1e-6)
+    np.testing.assert_allclose(lse, full_lse, rtol=1e-6)
+
+
+def test_lse_is_logsumexp_of_scores(rng):
+    q, k, v = (
+        rng.standard_normal((1, 1, 4, 3)),
+        rng.standard_normal((1, 1, 5, 3)),
+        rng.standard_normal((1, 1, 5, 3)),
+    )
+    _, lse = fastpe.attention(q, k, v, scale=0.5, return_lse=True, **ORACLE)
+    scores = 0.5 * q[0, 0] @ k[0, 0].T
+    np.testing.assert_allclose(lse[0, 0], np.log(np.exp(scores).sum(-1)), rtol=1e-6)
+
+
+@needs_torch
+def test_attention_torch_in_torch_out(rng):
+    q = torch.from_numpy(rng.standard_normal((1, 2, 4, 8))).to(torch.float16)
+    out, lse = fastpe.attention(q, q, q, causal=True, return_lse=True, **ORACLE)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32 and out.shape == q.shape

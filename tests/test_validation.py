@@ -1,0 +1,356 @@
+"""Bad input gets a clear error naming the argument — never a crash or a silent wrong answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import to_fw, torch
+
+import fastpe
+
+O = {"backend": "numpy"}
+f32 = np.float32
+
+
+def _qkv(b=1, hq=2, hkv=2, sq=3, sk=4, d=8):
+    r = np.random.default_rng(0)
+    return (r.standard_normal((b, hq, sq, d)).astype(f32), r.standard_normal((b, hkv, sk, d)).astype(f32),
+            r.standard_normal((b, hkv, sk, d)).astype(f32))  # fmt: skip
+
+
+def raises(exc, match, fn, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"num_positions": -1, "dim": 8}, ValueError, "num_positions must be >= 0"),
+        ({"num_positions": 4, "dim": 7}, ValueError, "dim must be even"),
+        ({"num_positions": 4, "dim": 2.0}, TypeError, "dim must be an integer"),
+        ({"num_positions": 4, "dim": 2, "freq": "tensor2tensor"}, ValueError, "dim must be >= 4"),
+        ({"num_positions": 4, "dim": 8, "layout": "split"}, ValueError, "layout must be one of"),
+        ({"num_positions": 4, "dim": 8, "freq": "fairseq"}, ValueError, "freq must be one of"),
+        ({"num_positions": 4, "dim": 8, "base": 0}, ValueError, "base must be > 0"),
+        ({"num_positions": 4, "dim": 8, "base": float("nan")}, ValueError, "base must be finite"),
+        ({"num_positions": 4, "dim": 8, "offset": -2}, ValueError, "offset must be >= 0"),
+        ({"num_positions": 4, "dim": 8, "dtype": "int32"}, TypeError, "dtype must be one of"),
+        ({"num_positions": 4, "dim": 8, "dtype": "bfloat16"}, TypeError, "need a torch device"),
+        ({"num_positions": 4, "dim": 8, "backend": "cuda"}, ValueError, "backend must be one of"),
+    ],
+)
+def test_sinusoidal_table_errors(kwargs, exc, match):
+    raises(exc, match, fastpe.sinusoidal_table, **kwargs)
+
+
+def test_sinusoidal_table_bad_device():
+    pytest.importorskip("torch")
+    raises(ValueError, "device must be None", fastpe.sinusoidal_table, 4, 8, device="tpu")
+
+
+def test_relative_transform_errors():
+    raises(TypeError, "k must be an integer", fastpe.relative_transform, 1.5, 8)
+    raises(ValueError, "dim must be even", fastpe.relative_transform, 1, 9)
+    raises(ValueError, "layout must be one of", fastpe.relative_transform, 1, 8, layout="x")
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((7,), {}, ValueError, "rotary_dim must be even"),
+        ((0,), {}, ValueError, "rotary_dim must be >= 2"),
+        ((8,), {"scaling": {"rope_type": "ntk"}}, ValueError, "rope_type'\\] must be one of"),
+        ((8,), {"scaling": {"rope_type": "linear"}}, ValueError, "'factor'\\] is required"),
+        ((8,), {"scaling": {"rope_type": "linear", "factor": 2, "fator": 3}}, ValueError, "unknown keys"),
+        ((8,), {"scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}},
+         ValueError, "original_max_position_embeddings"),
+        ((8,), {"scaling": {"rope_type": "dynamic", "factor": 2}}, ValueError, "max_position_embeddings"),
+        ((8,), {"scaling": {"rope_type": "longrope", "short_factor": [1, 1], "long_factor": [1, 1, 1, 1],
+                            "original_max_position_embeddings": 8, "factor": 2}}, ValueError, "4 entries"),
+        ((8,), {"scaling": "linear"}, TypeError, "scaling must be None or a dict"),
+        ((8,), {"scaling": {"rope_theta": 500.0}, "base": 100.0}, ValueError, "conflicts"),
+        ((8,), {"seq_len": -1}, ValueError, "seq_len must be >= 0"),
+    ],
+)  # fmt: skip
+def test_rope_inv_freq_errors(args, kwargs, exc, match):
+    raises(exc, match, fastpe.rope_inv_freq, *args, **kwargs)
+    if "seq_len" not in kwargs:  # rope_table takes the length from num_positions
+        raises(exc, match, fastpe.rope_table, 4, *args, **kwargs)
+
+
+def test_apply_rope_errors(fw):
+    x = to_fw(np.zeros((1, 2, 4, 8), f32), fw)
+    cos, sin = (to_fw(t, fw) for t in fastpe.rope_table(6, 8, **O))
+    ap = fastpe.apply_rope
+    raises(ValueError, "x must have 4 dimensions", ap, x[0], cos, sin, **O)
+    raises(
+        TypeError,
+        "x must have a float dtype",
+        ap,
+        to_fw(np.zeros((1, 2, 4, 8), np.int32), fw),
+        cos,
+        sin,
+        **O,
+    )
+    raises(ValueError, "same shape", ap, x, cos, sin[:, :2], **O)
+    raises(
+        ValueError,
+        "rotary dim R = 10",
+        ap,
+        x,
+        to_fw(np.zeros((6, 5), f32), fw),
+        to_fw(np.zeros((6, 5), f32), fw),
+        **O,
+    )
+    raises(
+        IndexError,
+        "positions 3 … 6 are needed but cos/sin has only 6 rows",
+        ap,
+        x,
+        cos,
+        sin,
+        positions=3,
+        **O,
+    )
+    raises(
+        IndexError,
+        "positions contains 6 at index \\[2\\]",
+        ap,
+        x,
+        cos,
+        sin,
+        positions=to_fw(np.array([0, 1, 6, 2]), fw),
+        **O,
+    )
+    raises(
+        IndexError,
+        "contains -1",
+        ap,
+        x,
+        cos,
+        sin,
+        positions=to_fw(np.array([[0, 1, -1, 2]]), fw),
+        **O,
+    )
+    raises(
+        ValueError, "shape \\[S\\]", ap, x, cos, sin, positions=to_fw(np.array([0, 1, 2]), fw), **O
+    )
+    raises(
+        TypeError,
+        "positions must have an integer dtype",
+        ap,
+        x,
+        cos,
+        sin,
+        positions=to_fw(np.zeros(4), fw),
+        **O,
+    )
+    raises(ValueError, "positions must be >= 0", ap, x, cos, sin, positions=-1, **O)
+    raises(ValueError, "layout must be one of", ap, x, cos, sin, layout="sbhd", **O)
+    raises(TypeError, "inplace must be True or False", ap, x, cos, sin, inplace="yes", **O)
+
+
+def test_apply_rope_read_only_inplace():
+    x = np.zeros((1, 1, 2, 4), f32)
+    x.setflags(write=False)
+    cos, sin = fastpe.rope_table(2, 4, **O)
+    raises(ValueError, "writeable", fastpe.apply_rope, x, cos, sin, inplace=True, **O)
+
+
+def test_embed_errors(fw):
+    w = to_fw(np.zeros((10, 8), f32), fw)
+    ids = to_fw(np.array([[1, 2, 3]]), fw)
+    em = fastpe.embed
+    raises(
+        IndexError,
+        "ids contains 10 at index \\[0, 1\\], outside \\[0, 10\\)",
+        em,
+        to_fw(np.array([[1, 10, 3]]), fw),
+        w,
+        **O,
+    )
+    raises(IndexError, "ids contains -1", em, to_fw(np.array([[-1, 1, 3]]), fw), w, **O)
+    raises(
+        TypeError, "ids must have an integer dtype", em, to_fw(np.array([[1.0, 2.0]]), fw), w, **O
+    )
+    raises(ValueError, "ids must have 2 dimensions", em, to_fw(np.array([1, 2]), fw), w, **O)
+    raises(ValueError, "weight must have 2 dimensions", em, ids, to_fw(np.zeros(8, f32), fw), **O)
+    raises(
+        ValueError, "embedding dim must be even", em, ids, to_fw(np.zeros((10, 7), f32), fw), **O
+    )
+    raises(ValueError, "pe must be one of", em, ids, w, pe="learned", **O)
+    raises(ValueError, "needs pe_table", em, ids, w, pe="table", **O)
+    raises(
+        ValueError,
+        "only read with pe='table'",
+        em,
+        ids,
+        w,
+        pe_table=to_fw(np.zeros((4, 8), f32), fw),
+        **O,
+    )
+    raises(
+        ValueError,
+        "D = 8 columns",
+        em,
+        ids,
+        w,
+        pe="table",
+        pe_table=to_fw(np.zeros((4, 6), f32), fw),
+        **O,
+    )
+    raises(IndexError, "positions 2 … 4 are needed but pe_table has only 4 rows", em, ids, w, pe="table",
+           pe_table=to_fw(np.zeros((4, 8), f32), fw), positions=2, **O)  # fmt: skip
+    raises(ValueError, "given together", em, ids, w, token_type_ids=ids, **O)
+    raises(IndexError, "token_type_ids contains 3", em, ids, w, token_type_ids=to_fw(np.array([[0, 3, 1]]), fw),
+           token_type_weight=to_fw(np.zeros((2, 8), f32), fw), **O)  # fmt: skip
+    raises(ValueError, "shape of ids", em, ids, w, token_type_ids=to_fw(np.array([[0, 1]]), fw),
+           token_type_weight=to_fw(np.zeros((2, 8), f32), fw), **O)  # fmt: skip
+    raises(ValueError, "scale must be finite", em, ids, w, scale=float("inf"), **O)
+
+
+def test_attention_errors(fw):
+    q, k, v = (to_fw(a, fw) for a in _qkv())
+    at = fastpe.attention
+    raises(ValueError, "q must have 4 dimensions", at, q[0], k, v, **O)
+    raises(
+        ValueError, "multiple of k/v heads", at, q, *(to_fw(a, fw) for a in _qkv(hkv=3)[1:]), **O
+    )
+    raises(ValueError, "k's head dim 4 must equal q's head dim 8", at, q, k[..., :4], v, **O)
+    raises(ValueError, "v must be \\[B, Hkv, Sk, Dv\\]", at, q, k, v[:, :, :2], **O)
+    raises(
+        ValueError, "share batch size", at, q, to_fw(np.concatenate([_qkv()[1]] * 2), fw), v, **O
+    )
+    raises(TypeError, "share one dtype", at, q, to_fw(_qkv()[1].astype(np.float64), fw), v, **O)
+    raises(ValueError, "does not broadcast to \\[B, Hq, Sq, Sk\\] = \\[1, 2, 3, 4\\]", at, q, k, v,
+           mask=to_fw(np.ones((3, 5), bool), fw), **O)  # fmt: skip
+    raises(
+        TypeError, "mask must be bool", at, q, k, v, mask=to_fw(np.ones((3, 4), np.int64), fw), **O
+    )
+    raises(
+        ValueError, "NaN or \\+inf", at, q, k, v, mask=to_fw(np.full((3, 4), np.nan, f32), fw), **O
+    )
+    raises(
+        IndexError, "key_lengths contains 5", at, q, k, v, key_lengths=to_fw(np.array([5]), fw), **O
+    )
+    raises(
+        ValueError,
+        "key_lengths must have shape \\[B\\]",
+        at,
+        q,
+        k,
+        v,
+        key_lengths=to_fw(np.array([1, 2]), fw),
+        **O,
+    )
+    raises(
+        ValueError,
+        "causal_alignment must be one of",
+        at,
+        q,
+        k,
+        v,
+        causal=True,
+        causal_alignment="left",
+        **O,
+    )
+    raises(TypeError, "causal must be True or False", at, q, k, v, causal=1, **O)
+    raises(ValueError, "scale must be finite", at, q, k, v, scale=float("nan"), **O)
+    cos, sin = (to_fw(t, fw) for t in fastpe.rope_table(4, 8, **O))
+    raises(
+        ValueError, "rope must be a dict with keys cos, sin", at, q, k, v, rope={"cos": cos}, **O
+    )
+    raises(
+        ValueError, "rope must be a dict", at, q, k, v, rope={"cos": cos, "sin": sin, "pos": 1}, **O
+    )
+    raises(
+        IndexError,
+        "rope\\['q_positions'\\]: positions 2 … 4",
+        at,
+        q,
+        k,
+        v,
+        rope={"cos": cos, "sin": sin, "q_positions": 2},
+        **O,
+    )
+    raises(
+        ValueError,
+        "alibi_slopes must have shape",
+        at,
+        q,
+        k,
+        v,
+        alibi_slopes=to_fw(np.ones(3, f32), fw),
+        **O,
+    )
+    raises(
+        ValueError,
+        "alibi_slopes must be finite",
+        at,
+        q,
+        k,
+        v,
+        alibi_slopes=to_fw(np.array([1, np.inf], f32), fw),
+        **O,
+    )
+    raises(ValueError, "relative_bias\\['table'\\] must have shape \\[num_buckets, Hq\\] = \\[32, 2\\]", at, q, k, v,
+           relative_bias={"table": to_fw(np.zeros((32, 3), f32), fw)}, **O)  # fmt: skip
+    raises(ValueError, "max_distance'\\] must be >= 9", at, q, k, v,
+           relative_bias={"table": to_fw(np.zeros((32, 2), f32), fw), "max_distance": 8}, **O)  # fmt: skip
+    raises(
+        ValueError, "must be a dict with key table", at, q, k, v, relative_bias={"buckets": 3}, **O
+    )
+
+
+def test_merge_attention_errors():
+    out = np.zeros((1, 2, 3, 4), f32)
+    lse = np.zeros((1, 2, 3), f32)
+    raises(ValueError, "same shape", fastpe.merge_attention, out, lse, out[:, :1], lse, **O)
+    raises(
+        ValueError,
+        "lse_b must have shape \\[B, H, S\\]",
+        fastpe.merge_attention,
+        out,
+        lse,
+        out,
+        lse[..., :2],
+        **O,
+    )
+    raises(ValueError, "NaN", fastpe.merge_attention, out, lse, out, np.full_like(lse, np.nan), **O)
+
+
+def test_mixed_frameworks_rejected():
+    if torch is None:
+        pytest.skip("torch not installed")
+    q, k, v = _qkv()
+    raises(
+        TypeError,
+        "all torch tensors on one device",
+        fastpe.attention,
+        torch.from_numpy(q),
+        k,
+        v,
+        **O,
+    )
+
+
+def test_numpy_half_precision_rejected():
+    q = np.zeros((1, 1, 2, 4), np.float16)
+    raises(
+        TypeError, "float16/bfloat16 are accepted as torch tensors", fastpe.attention, q, q, q, **O
+    )
+
+
+def test_inputs_never_modified(fw):
+    r = np.random.default_rng(3)
+    arrays = {
+        "q": r.standard_normal((1, 2, 3, 4)), "k": r.standard_normal((1, 1, 5, 4)),
+        "v": r.standard_normal((1, 1, 5, 4)), "mask": r.standard_normal((3, 5)),
+    }  # fmt: skip
+    given = {name: to_fw(a, fw) for name, a in arrays.items()}
+    cos, sin = fastpe.rope_table(8, 4, dtype="float64", **O)
+    fastpe.attention(given["q"], given["k"], given["v"], mask=given["mask"], causal=True, return_lse=True,
+                     rope={"cos": to_fw(cos, fw), "sin": to_fw(sin, fw)}, **O)  # fmt: skip
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(np.asarray(given[name]), a, err_msg=name)
