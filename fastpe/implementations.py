@@ -161,9 +161,175 @@ class NumpyMergeAttention(_Oracle):
 
 
 # ---------------------------------------------------------------------------------------------
-# numba (CPU) and triton (CUDA; CPU torch tensors under TRITON_INTERPRET=1)
+# numba: CPU kernels in fastpe.kernels.numba (float32/float64; torch half types are widened to
+# float32 at the boundary and rounded back by torch, round-to-nearest-even)
 
-_NUMBA_PENDING = "the Numba kernels have not landed yet (issue #4)"
+
+def _host(x, compute_dtype):
+    """A NumPy view (or, for half types and dtype changes, a copy) of an array or CPU tensor."""
+    if _arrays.is_tensor(x):
+        x = x.detach()
+        if _arrays.dtype_name(x) in ("float16", "bfloat16"):
+            x = x.float()
+        x = x.numpy()
+    return np.asarray(x, dtype=compute_dtype)
+
+
+def _compute_dtype(dtype: str):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def _back(result, placement, dtype):
+    """NumPy result -> the caller's framework and dtype (no copy when already right)."""
+    if placement.framework == "numpy":
+        return result if result.dtype == dtype else result.astype(dtype)
+    import torch
+
+    return torch.from_numpy(result).to(dtype=getattr(torch, dtype))
+
+
+class _Numba(Implementation):
+    backend = "numba"
+    dtypes = ALL_FLOAT  # half types arrive only as torch tensors (validated)
+
+
+@register
+class NumbaSinusoidalTable(_Numba):
+    op = "sinusoidal_table"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.sinusoidal_table import sinusoidal_table_numba
+
+        omega = reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
+        table = sinusoidal_table_numba(
+            omega,
+            inp.num_positions,
+            inp.offset,
+            inp.layout == "interleaved",
+            _compute_dtype(inp.dtype),
+        )
+        return _back(table, inp.placement, inp.dtype)
+
+
+@register
+class NumbaRopeTable(_Numba):
+    op = "rope_table"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.rope_table import rope_table_numba
+
+        cos, sin = rope_table_numba(
+            inp.inv_freq,
+            inp.attention_factor,
+            inp.num_positions,
+            inp.offset,
+            _compute_dtype(inp.dtype),
+        )
+        return _back(cos, inp.placement, inp.dtype), _back(sin, inp.placement, inp.dtype)
+
+
+@register
+class NumbaApplyRope(_Numba):
+    op = "apply_rope"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+
+        dtype = _compute_dtype(inp.dtype)
+        x = _host(inp.x, dtype)
+        # float32/64 arrays and CPU tensors come back from _host as views of the caller's memory:
+        # rotate that buffer directly; half types go through a float32 copy and are written back
+        direct = inp.inplace and inp.dtype in ("float32", "float64")
+        out = apply_rope_numba(
+            x, _host(inp.cos, dtype), _host(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
+            interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
+        )  # fmt: skip
+        if direct:
+            return inp.x
+        result = _back(out, inp.placement, inp.dtype)
+        return _write_inplace(inp.x, result) if inp.inplace else result
+
+
+@register
+class NumbaEmbed(_Numba):
+    op = "embed"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.embed import embed_numba
+
+        dtype = _compute_dtype(inp.dtype)
+        has_types = inp.token_type_ids is not None
+        out = embed_numba(
+            _arrays.to_int64(inp.ids),
+            _host(inp.weight, dtype),
+            inp.positions.as_int64(inp.batch, inp.seq),
+            scale=inp.scale,
+            pe=inp.pe,
+            pe_table=None if inp.pe_table is None else _host(inp.pe_table, dtype),
+            omega=reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
+            if inp.pe == "sinusoidal"
+            else None,
+            interleaved=inp.layout == "interleaved",
+            token_type_ids=_arrays.to_int64(inp.token_type_ids) if has_types else None,
+            token_type_weight=_host(inp.token_type_weight, dtype) if has_types else None,
+        )
+        return _back(out, inp.placement, inp.dtype)
+
+
+@register
+class NumbaAttention(_Numba):
+    op = "attention"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+        from fastpe.kernels.numba.attention import attention_numba
+
+        b, hq, hkv, sq, sk, d, dv = inp.shape
+        dtype = _compute_dtype(inp.dtype)
+        q, k, v = (_host(t, dtype) for t in (inp.q, inp.k, inp.v))
+        if inp.rope_cos is not None:
+            # rotated once into scratch: O(S·D) next to the O(Sq·Sk·D) of the attention itself
+            cos, sin = _host(inp.rope_cos, dtype), _host(inp.rope_sin, dtype)
+            rotate = lambda x, pos, s: apply_rope_numba(  # noqa: E731
+                x, cos, sin, pos.as_int64(b, s), interleaved=inp.rope_interleaved, layout="bhsd"
+            )
+            q, k = rotate(q, inp.q_positions, sq), rotate(k, inp.k_positions, sk)
+        mask = None
+        if inp.mask is not None:
+            is_bool = _arrays.dtype_name(inp.mask) == "bool"
+            mask = _arrays.to_bool(inp.mask) if is_bool else _host(inp.mask, dtype)
+        out, lse = attention_numba(
+            q, k, v, scale=inp.scale, causal=inp.causal, q_offset=inp.q_offset, mask=mask,
+            key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
+            alibi_slopes=None if inp.alibi_slopes is None else np.broadcast_to(to_float64(inp.alibi_slopes), (b, hq)),
+            t5_table=None if inp.t5_table is None else _host(inp.t5_table, dtype),
+            t5_num_buckets=inp.t5_num_buckets, t5_max_distance=inp.t5_max_distance,
+            t5_bidirectional=inp.t5_bidirectional,
+        )  # fmt: skip
+        out = _back(out, inp.placement, inp.dtype)
+        return (out, _back(lse, inp.placement, "float32")) if inp.return_lse else out
+
+
+@register
+class NumbaMergeAttention(_Numba):
+    op = "merge_attention"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.attention import merge_attention_numba
+
+        dtype = _compute_dtype(inp.dtype)
+        out, lse = merge_attention_numba(
+            _host(inp.out_a, dtype),
+            _host(inp.lse_a, np.float32),
+            _host(inp.out_b, dtype),
+            _host(inp.lse_b, np.float32),
+        )
+        return _back(out, inp.placement, inp.dtype), _back(lse, inp.placement, "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# triton (CUDA; CPU torch tensors under TRITON_INTERPRET=1): registered, kernels pending
+
 _TRITON_PENDING = "the Triton kernels have not landed yet (issue #5)"
 
 
@@ -184,5 +350,4 @@ for _op in (
     "attention",
     "merge_attention",
 ):
-    _pending("numba", _op, _NUMBA_PENDING, frozenset({"cpu"}))
     _pending("triton", _op, _TRITON_PENDING, frozenset({"cuda"}))

@@ -1,0 +1,393 @@
+"""Flash-style scaled dot-product attention on the CPU (Numba).
+
+Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]
+             -> out [B, Hq, Sq, Dv], lse [B, Hq, Sq] (natural log, float32).
+
+One work item = (batch, kv head, block of query positions, slice of keys). The item packs the
+``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
+read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ through BLAS
+(``np.dot`` into a preallocated tile), masks/biases on S, an online softmax in base 2 (log2(e)
+folded into the query scale) with a vectorisable exp2, then O += P·V through BLAS. Tiles above
+the causal diagonal are never visited; only tiles crossing it are masked. When B·Hkv·(query
+blocks) leaves cores idle (decoding), keys are split across items and the partial results are
+merged with the log-sum-exp rule of ``merge_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# 2**f for f in [0, 1): degree-6 Chebyshev fit (fitted for fastpe), max relative error 1e-7 when
+# evaluated in float32 Horner form — about 1.6 ulp, below float32 attention's own rounding.
+_P0, _P1, _P2, _P3 = (
+    1.0000000061582057,
+    0.6931468377006627,
+    0.24023109676226764,
+    0.05547891246003817,
+)
+_P4, _P5, _P6 = 0.009686186295582436, 0.001238241549274018, 0.00021871262471017766
+
+# Flags: contraction and reassociation let LLVM fuse and vectorise the row reductions. Not
+# nnan/ninf: -inf marks masked scores and must compare and propagate exactly.
+_FLAGS = {"contract", "reassoc", "nsz", "arcp"}
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _exp2_shifted(s, row_max, p, bits, m, n):
+    """p[r, c] = 2 ** (s[r, c] - row_max[r]) for the (m, n) tile; exact 0 for -inf scores.
+
+    Range reduction x = k + f (k = floor x, f in [0, 1)), 2**f by polynomial, 2**k built from
+    exponent bits: every loop is plain arithmetic, so LLVM vectorises it (Numba's math.exp is a
+    scalar libm call without Intel SVML, which PyPI's llvmlite does not carry).
+    """
+    pw = bits.view(np.float32)
+    for r in range(m):
+        mx = row_max[r]
+        for c in range(n):
+            x = s[r, c] - mx
+            x = max(x, -127.0)
+            kf = math.floor(x)
+            f = x - kf
+            poly = _P6
+            poly = poly * f + _P5
+            poly = poly * f + _P4
+            poly = poly * f + _P3
+            poly = poly * f + _P2
+            poly = poly * f + _P1
+            poly = poly * f + _P0
+            p[r, c] = poly
+            bits[r, c] = (np.int32(kf) + 127) << 23
+        for c in range(n):
+            # x clamped at -127 (also -inf, a masked score) gets exponent field 0: exactly 0
+            p[r, c] *= pw[r, c]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _exp2_shifted_f64(s, row_max, p, m, n):
+    """float64 inputs keep float64 throughout: libm exp2 (scalar, accurate)."""
+    for r in range(m):
+        mx = row_max[r]
+        for c in range(n):
+            p[r, c] = math.exp((s[r, c] - mx) * LN2)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _apply_tile_masks(
+    s, b, hk, group, i0, npos, j0, n, q_offset, causal,
+    has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
+):  # fmt: skip
+    """Add biases and set -inf where a row may not attend, on one (group·npos, n) tile.
+
+    Row r is query head hk·group + r // npos at position i0 + r % npos; column c is key j0 + c.
+    Query i sits at key position i + q_offset.
+    """
+    m = group * npos
+    if has_alibi or has_bias or has_mask:
+        for r in range(m):
+            g = r // npos
+            h = hk * group + g
+            i = i0 + r - g * npos
+            qpos = i + q_offset
+            if has_alibi:
+                slope = alibi[b, h]  # already times log2(e)
+                for c in range(n):
+                    s[r, c] -= slope * abs(qpos - (j0 + c))
+            if has_bias:
+                base = bias_offset - qpos + j0  # index of distance (j - qpos) in bias[h]
+                for c in range(n):
+                    s[r, c] += bias[h, base + c]
+            if has_mask:
+                if mask_is_bool:
+                    for c in range(n):
+                        if not mask_bool[b, h, i, j0 + c]:
+                            s[r, c] = -np.inf
+                else:
+                    for c in range(n):
+                        s[r, c] += mask[b, h, i, j0 + c]
+    # Causal: only tiles crossing the diagonal need masking (the caller never visits tiles
+    # wholly above it; key lengths already bound the key range).
+    if causal and j0 + n - 1 > i0 + q_offset:
+        for r in range(m):
+            i = i0 + r % npos
+            first_blocked = i + q_offset + 1 - j0
+            for c in range(max(first_blocked, 0), n):
+                s[r, c] = -np.inf
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_tile(
+    qt, kt, vt, s, p, bits, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
+    q_offset, causal, has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
+    bias_offset, is_f32,
+):  # fmt: skip
+    """One key tile for one row tile: S = Q·Kᵀ, masks, online-softmax update, O += P·V."""
+    m, n = s.shape
+    np.dot(qt, kt.T, s)
+    _apply_tile_masks(
+        s, b, hk, group, i0, npos, j0, n, q_offset, causal,
+        has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
+    )  # fmt: skip
+    alpha, shift = work[0], work[1]
+    for r in range(m):
+        mx = row_max[r]
+        for c in range(n):
+            mx = max(mx, s[r, c])
+        # a row that has seen only -inf keeps max -inf; shift by 0 so exp2 gives zeros
+        alpha[r] = 1.0 if mx == -np.inf else 2.0 ** (row_max[r] - mx)
+        shift[r] = 0.0 if mx == -np.inf else mx
+        row_max[r] = mx
+    if is_f32:
+        _exp2_shifted(s, shift, p, bits, m, n)
+    else:
+        _exp2_shifted_f64(s, shift, p, m, n)
+    for r in range(m):
+        total = 0.0
+        for c in range(n):
+            total += p[r, c]
+        row_sum[r] = row_sum[r] * alpha[r] + total
+    np.dot(p, vt, pv)
+    for r in range(m):
+        a = alpha[r]
+        for c in range(acc.shape[1]):
+            acc[r, c] = acc[r, c] * a + pv[r, c]
+
+
+@njit(parallel=True, cache=True, fastmath=_FLAGS)
+def _attention_numba(
+    q, k, v, part_out, part_lse, scale_log2, causal, q_offset, key_len,
+    has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
+    block_m, block_n, n_splits, is_f32,
+):  # fmt: skip
+    batch, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    n_mblocks = (sq + block_m - 1) // block_m
+    for item in prange(batch * hkv * n_mblocks * n_splits):
+        split = item % n_splits
+        rest = item // n_splits
+        mb = rest % n_mblocks
+        rest //= n_mblocks
+        hk = rest % hkv
+        b = rest // hkv
+        i0 = mb * block_m
+        npos = min(block_m, sq - i0)
+        m = group * npos
+        # keys this block can see: below the key length and, if causal, up to its last query
+        j_end = key_len[b]
+        if causal:
+            j_end = min(j_end, i0 + npos + q_offset)
+        j_end = max(j_end, 0)
+        # this item's slice of [0, j_end), in whole key tiles
+        tiles = (j_end + block_n - 1) // block_n
+        per_split = (tiles + n_splits - 1) // n_splits
+        j_begin = min(split * per_split * block_n, j_end)
+        j_stop = min((split + 1) * per_split * block_n, j_end)
+
+        qt = np.empty((m, d), dtype=q.dtype)
+        for g in range(group):
+            for r in range(npos):
+                for c in range(d):
+                    qt[g * npos + r, c] = q[b, hk * group + g, i0 + r, c] * scale_log2
+        acc = np.zeros((m, dv), dtype=q.dtype)
+        row_max = np.full(m, -np.inf, dtype=q.dtype)
+        row_sum = np.zeros(m, dtype=q.dtype)
+        work = np.empty((2, m), dtype=q.dtype)  # per-row alpha and shift of the current tile
+        pv = np.empty((m, dv), dtype=q.dtype)
+        # full-width tile buffers, and separate ones for the last partial tile (Numba's parallel
+        # array analysis forbids re-binding a name to a differently shaped array)
+        s_full = np.empty((m, block_n), dtype=q.dtype)
+        p_full = np.empty((m, block_n), dtype=q.dtype)
+        bits_full = np.empty((m, block_n), dtype=np.int32)
+        tail = (j_stop - j_begin) % block_n
+        s_tail = np.empty((m, tail), dtype=q.dtype)
+        p_tail = np.empty((m, tail), dtype=q.dtype)
+        bits_tail = np.empty((m, tail), dtype=np.int32)
+        for j0 in range(j_begin, j_stop, block_n):
+            full_tile = j_stop - j0 >= block_n
+            _attend_tile(
+                qt, k[b, hk, j0 : j0 + (block_n if full_tile else tail)],
+                v[b, hk, j0 : j0 + (block_n if full_tile else tail)],
+                s_full if full_tile else s_tail, p_full if full_tile else p_tail,
+                bits_full if full_tile else bits_tail, pv, acc, row_max, row_sum, work,
+                b, hk, group, i0, npos, j0, q_offset, causal,
+                has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
+                bias_offset, is_f32,
+            )  # fmt: skip
+        for g in range(group):
+            h = hk * group + g
+            for r in range(npos):
+                row = g * npos + r
+                total = row_sum[row]
+                if total > 0.0:
+                    inv = 1.0 / total
+                    for c in range(dv):
+                        part_out[split, b, h, i0 + r, c] = acc[row, c] * inv
+                    part_lse[split, b, h, i0 + r] = (row_max[row] + math.log2(total)) * LN2
+                else:  # no key to attend: zeros, lse = -inf
+                    for c in range(dv):
+                        part_out[split, b, h, i0 + r, c] = 0.0
+                    part_lse[split, b, h, i0 + r] = -np.inf
+
+
+@njit(parallel=True, cache=True)
+def _merge_splits_numba(part_out, part_lse, out, lse):
+    """out = Σ_s part_out[s]·exp(part_lse[s] - lse), lse = log Σ_s exp(part_lse[s])."""
+    n_splits, batch, hq, sq, dv = part_out.shape
+    for row in prange(batch * hq * sq):
+        i = row % sq
+        h = (row // sq) % hq
+        b = row // (sq * hq)
+        top = -np.inf
+        for sp in range(n_splits):
+            top = max(top, part_lse[sp, b, h, i])
+        if top == -np.inf:
+            lse[b, h, i] = -np.inf
+            for c in range(dv):
+                out[b, h, i, c] = 0.0
+            continue
+        total = 0.0
+        for sp in range(n_splits):
+            total += math.exp(part_lse[sp, b, h, i] - top)
+        lse_row = top + math.log(total)
+        lse[b, h, i] = lse_row
+        for c in range(dv):
+            out[b, h, i, c] = 0.0
+        for sp in range(n_splits):
+            w = math.exp(part_lse[sp, b, h, i] - lse_row)
+            if w > 0.0:
+                for c in range(dv):
+                    out[b, h, i, c] += w * part_out[sp, b, h, i, c]
+
+
+def _block_sizes(sq: int, sk: int, group: int, d: int) -> tuple[int, int]:
+    """Query positions per tile (times `group` heads -> rows) and keys per tile.
+
+    About 64-128 rows keeps the Q tile, an S/P tile of 128-256 keys and the accumulator inside
+    L2 while each BLAS call still does enough work to run near peak.
+    """
+    block_m = max(1, min(sq, max(64 // group, 16)))
+    block_n = 256 if d <= 64 else 128
+    return block_m, min(block_n, max(sk, 1))
+
+
+def _dummy(dtype, ndim):
+    return np.zeros((1,) * ndim, dtype=dtype)
+
+
+@njit(cache=True)
+def _t5_bias_by_distance_numba(table, first, count, bidirectional, num_buckets, max_distance):
+    """bias[h, t] = table[bucket(first + t), h] for key-minus-query distances first … first+count-1.
+
+    T5's bucketing: half the buckets (per direction when bidirectional) are exact distances, the
+    rest logarithmic up to max_distance; the log is taken in float32 as T5 does, so the bucket
+    edges land where the trained tables expect them.
+    """
+    heads = table.shape[1]
+    out = np.empty((heads, count), dtype=table.dtype)
+    buckets = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = buckets // 2
+    log_span = np.float32(math.log(max_distance / max_exact))
+    for t in range(count):
+        rel = first + t
+        bucket = 0
+        if bidirectional:
+            if rel > 0:
+                bucket = buckets
+            rel = abs(rel)
+        else:
+            rel = -min(rel, 0)
+        if rel < max_exact:
+            bucket += rel
+        else:
+            ratio = np.float32(np.float32(rel) / np.float32(max_exact))
+            large = max_exact + int(
+                np.float32(np.log(ratio) / log_span * np.float32(buckets - max_exact))
+            )
+            bucket += min(large, buckets - 1)
+        for h in range(heads):
+            out[h, t] = table[bucket, h]
+    return out
+
+
+def attention_numba(
+    q, k, v, *, scale, causal, q_offset, mask=None, key_lengths=None, alibi_slopes=None,
+    t5_table=None, t5_num_buckets=32, t5_max_distance=128, t5_bidirectional=True,
+):  # fmt: skip
+    """Launch the flash-style kernel on NumPy arrays (float32 or float64, any strides).
+
+    ``mask``: bool (True = attend) or float (added) array broadcastable to [B, Hq, Sq, Sk] (it
+    is broadcast as a view, never materialised); ``key_lengths`` int [B] or None;
+    ``alibi_slopes`` [B, Hq] or None; ``t5_table`` [num_buckets, Hq] or None.
+    Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32 [B, Hq, Sq]).
+    """
+    dtype = q.dtype
+    q, k, v = (np.ascontiguousarray(a, dtype=dtype) for a in (q, k, v))
+    batch, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    block_m, block_n = _block_sizes(sq, sk, group, d)
+    n_mblocks = -(-sq // block_m)
+    # split keys when (batch, kv head, query block) items cannot keep every thread busy
+    threads = numba.get_num_threads()
+    items = batch * hkv * n_mblocks
+    key_tiles = -(-sk // block_n)
+    n_splits = 1
+    if items < 2 * threads and key_tiles > 1:
+        n_splits = min(key_tiles, -(-2 * threads // items))
+    key_len = (
+        np.full(batch, sk, dtype=np.int64)
+        if key_lengths is None
+        else np.ascontiguousarray(key_lengths, dtype=np.int64)
+    )
+    full = (batch, hq, sq, sk)
+    mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
+    mask_is_bool = mask is not None and mask.dtype == np.bool_
+    if mask is not None:
+        mask4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if mask_is_bool:
+            mask_bool = np.broadcast_to(mask4, full)
+        else:  # scores are in log2 units inside the kernel
+            mask_add = np.broadcast_to((mask4 * LOG2E).astype(dtype), full)
+    alibi = _dummy(dtype, 2)
+    if alibi_slopes is not None:
+        alibi = np.ascontiguousarray(alibi_slopes * LOG2E, dtype=dtype)
+    bias, bias_offset = _dummy(dtype, 2), 0
+    if t5_table is not None:
+        # distances j - (i + q_offset) over the whole call; O((Sq + Sk)·H), never [Sq, Sk]
+        first = -(q_offset + sq - 1)
+        count = sk + sq - 1
+        table = np.ascontiguousarray(t5_table * LOG2E, dtype=dtype)
+        bias = _t5_bias_by_distance_numba(
+            table, first, count, t5_bidirectional, t5_num_buckets, t5_max_distance
+        )
+        bias_offset = -first
+    out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
+    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
+    _attention_numba(
+        q, k, v, out, lse, dtype.type(scale * LOG2E), causal, q_offset, key_len,
+        mask is not None, mask_bool, mask_add, mask_is_bool, alibi_slopes is not None, alibi,
+        t5_table is not None, bias, bias_offset, block_m, block_n, n_splits, dtype == np.float32,
+    )  # fmt: skip
+    if n_splits == 1:
+        return out[0], lse[0]
+    merged = np.empty((batch, hq, sq, dv), dtype=dtype)
+    merged_lse = np.empty((batch, hq, sq), dtype=np.float32)
+    _merge_splits_numba(out, lse, merged, merged_lse)
+    return merged, merged_lse
+
+
+def merge_attention_numba(out_a, lse_a, out_b, lse_b):
+    """Merge two partial results (the split-KV combine, exposed as fastpe.merge_attention)."""
+    out = np.empty(out_a.shape, dtype=out_a.dtype)
+    lse = np.empty(lse_a.shape, dtype=np.float32)
+    _merge_splits_numba(
+        np.stack([out_a, out_b]), np.stack([lse_a, lse_b]).astype(np.float32), out, lse
+    )
+    return out, lse

@@ -1,0 +1,261 @@
+"""Every kernel backend against the float64 oracle, on the shared test grid.
+
+Parametrised over the backends the registry has (never the oracle itself); a combination a
+backend cannot run is skipped with its reasons. Tolerances per dtype; for float16/bfloat16 the
+flash-attention rule: error vs the oracle at most 2x that of a plain computation in that dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import kernel_backends, run_or_skip, to_fw, to_np, torch
+
+import fastpe
+
+O = {"backend": "numpy"}
+TOL = {"float32": 2e-6, "float64": 1e-12}
+SHAPES = [(1, 1, 1, 2), (3, 7, 5, 12), (2, 4, 33, 64), (1, 2, 130, 40)]  # odd, prime, tile edges
+
+
+def _close(got, want, tol, what=""):
+    got, want = to_np(got).astype(np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert not np.isnan(got).any(), f"NaN in {what}"
+    err = np.max(np.abs(got - want), initial=0.0)
+    assert err <= tol * max(1.0, np.max(np.abs(want), initial=0.0)), (
+        f"{what}: max error {err:.3g} > {tol}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernel_backends("sinusoidal_table"))
+@pytest.mark.parametrize("layout", ["interleaved", "concat"])
+@pytest.mark.parametrize("freq", ["paper", "tensor2tensor"])
+@pytest.mark.parametrize(
+    "n,dim,offset", [(1, 4, 0), (37, 6, 5), (300, 130, 2**20 - 300), (8, 16, 2**31 + 3)]
+)
+def test_sinusoidal_table(backend, layout, freq, n, dim, offset):
+    kw = {"layout": layout, "freq": freq, "offset": offset}
+    truth = fastpe.sinusoidal_table(n, dim, dtype="float64", **kw, **O)
+    got = run_or_skip(fastpe.sinusoidal_table, backend, n, dim, **kw)
+    assert got.dtype == np.float32
+    # the accuracy promise: within 1e-6 of the float64 truth at every position up to 2^20
+    _close(got, truth, 1e-6 if offset < 2**21 else 1e-5, "float32 table")
+    # in float64 the argument p·ω itself is only known to ~p·2^-53, by any method
+    _close(run_or_skip(fastpe.sinusoidal_table, backend, n, dim, dtype="float64", **kw), truth,
+           1e-14 + 4 * (offset + n) * 2.0**-53, "float64 table")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", kernel_backends("rope_table"))
+@pytest.mark.parametrize(
+    "scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}]
+)
+@pytest.mark.parametrize("n,rdim,offset", [(1, 2, 0), (129, 10, 3), (64, 128, 2**20 - 64)])
+def test_rope_table(backend, scaling, n, rdim, offset):
+    truth = fastpe.rope_table(n, rdim, scaling=scaling, offset=offset, dtype="float64", **O)
+    got = run_or_skip(fastpe.rope_table, backend, n, rdim, scaling=scaling, offset=offset)
+    for g, t in zip(got, truth, strict=True):
+        _close(g, t, 1.5e-6, "rope table")
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("backend", kernel_backends("sinusoidal_table"))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tables_low_precision_round_once(backend, dtype):
+    truth = fastpe.sinusoidal_table(50, 24, offset=1000, dtype="float64", **O)
+    got = run_or_skip(
+        fastpe.sinusoidal_table, backend, 50, 24, offset=1000, dtype=dtype, device="cpu"
+    )
+    assert got.dtype == getattr(torch, dtype)
+    # exactly the correctly rounded truth (torch's float64 -> half rounding is to nearest even)
+    rounded = torch.from_numpy(truth).to(getattr(torch, dtype))
+    assert torch.equal(got, rounded) or (got.double() - rounded.double()).abs().max() <= 2**-10
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("pos_kind", ["none", "offset", "seq", "batch"])
+def test_apply_rope(backend, fw, shape, interleaved, layout, pos_kind, rng):
+    b, h, s, d = shape
+    rdim = d if d % 4 else d // 2  # full and partial rotary
+    x = rng.standard_normal((b, h, s, d) if layout == "bhsd" else (b, s, h, d)).astype(np.float32)
+    cos, sin = fastpe.rope_table(s + 9, rdim, **O)
+    positions = {"none": None, "offset": 9, "seq": rng.integers(0, s + 9, size=s),
+                 "batch": rng.integers(0, s + 9, size=(b, s))}[pos_kind]  # fmt: skip
+    args = (to_fw(x, fw), to_fw(cos, fw), to_fw(sin, fw))
+    kw = {"interleaved": interleaved, "layout": layout,
+          "positions": positions if positions is None or isinstance(positions, int) else to_fw(positions, fw)}  # fmt: skip
+    before = x.copy()
+    got = run_or_skip(fastpe.apply_rope, backend, *args, **kw)
+    np.testing.assert_array_equal(to_np(args[0]), before)  # input untouched
+    _close(got, fastpe.apply_rope(*args, **kw, **O), TOL["float32"], "apply_rope")
+    same = run_or_skip(fastpe.apply_rope, backend, *args, inplace=True, **kw)
+    assert same is args[0]
+    _close(args[0], to_np(got), 0, "in-place result")
+
+
+@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+def test_apply_rope_non_contiguous_and_float64(backend, fw, rng):
+    big = rng.standard_normal((2, 6, 10, 16))
+    x = to_fw(big, fw)[:, ::2, 1:9]  # strided view
+    cos, sin = fastpe.rope_table(20, 12, dtype="float64", **O)
+    got = run_or_skip(fastpe.apply_rope, backend, x, to_fw(cos, fw), to_fw(sin, fw), positions=3)
+    _close(
+        got, fastpe.apply_rope(x, to_fw(cos, fw), to_fw(sin, fw), positions=3, **O), TOL["float64"]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernel_backends("embed"))
+@pytest.mark.parametrize("pe", ["sinusoidal", "table", None])
+@pytest.mark.parametrize("layout,freq", [("interleaved", "paper"), ("concat", "tensor2tensor")])
+@pytest.mark.parametrize("types", [False, True])
+@pytest.mark.parametrize("pos_kind", ["none", "offset", "batch"])
+def test_embed(backend, fw, pe, layout, freq, types, pos_kind, rng):
+    b, s, v, d = 3, 7, 50, 12
+    weight = rng.standard_normal((v, d)).astype(np.float32)
+    ids = rng.integers(0, v, size=(b, s))
+    table = rng.standard_normal((40, d)).astype(np.float32) if pe == "table" else None
+    positions = {"none": None, "offset": 20, "batch": rng.integers(0, 33, size=(b, s))}[pos_kind]
+    kw = {"pe": pe, "pe_table": to_fw(table, fw), "layout": layout, "freq": freq, "scale": math.sqrt(d),
+          "positions": positions if not isinstance(positions, np.ndarray) else to_fw(positions, fw)}  # fmt: skip
+    if types:
+        kw |= {"token_type_ids": to_fw(rng.integers(0, 2, size=(b, s)), fw),
+               "token_type_weight": to_fw(rng.standard_normal((2, d)).astype(np.float32), fw)}  # fmt: skip
+    got = run_or_skip(fastpe.embed, backend, to_fw(ids, fw), to_fw(weight, fw), **kw)
+    _close(got, fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), **kw, **O), TOL["float32"], "embed")
+
+
+@pytest.mark.parametrize("backend", kernel_backends("embed"))
+def test_embed_far_positions_and_errors(backend, rng):
+    weight = rng.standard_normal((10, 8))
+    ids = rng.integers(0, 10, size=(2, 3))
+    far = np.array([[2**20, 5, 2**31 + 7], [0, 2**20 - 1, 17]])
+    got = run_or_skip(fastpe.embed, backend, ids, weight, positions=far)
+    _close(got, fastpe.embed(ids, weight, positions=far, **O), 1e-9, "far positions")
+    with pytest.raises(IndexError, match="ids contains 10"):
+        fastpe.embed(np.array([[10]]), weight, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+ATTN_CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "causal_top_left": {"causal": True, "causal_alignment": "top_left"},
+    "bool_mask": {"mask": "bool"},
+    "float_mask": {"mask": "float"},
+    "key_lengths": {"key_lengths": True},
+    "alibi": {"alibi_slopes": True, "causal": True},
+    "t5": {"relative_bias": True},
+    "rope": {"rope": True, "causal": True},
+    "everything": {"causal": True, "mask": "bool", "key_lengths": True, "alibi_slopes": True,
+                   "relative_bias": True, "rope": True},
+}  # fmt: skip
+
+
+def _attention_args(rng, fw, b, hq, hkv, sq, sk, d, options, dtype=np.float32):
+    q = rng.standard_normal((b, hq, sq, d)).astype(dtype)
+    k = rng.standard_normal((b, hkv, sk, d)).astype(dtype)
+    v = rng.standard_normal((b, hkv, sk, d)).astype(dtype)
+    kw = {}
+    for name, value in options.items():
+        if name == "mask":
+            if value == "bool":
+                kw["mask"] = to_fw(rng.random((b, 1, sq, sk)) < 0.8, fw)
+            else:
+                m = rng.standard_normal((sq, sk)).astype(dtype)
+                m[rng.random((sq, sk)) < 0.2] = -np.inf
+                kw["mask"] = to_fw(m, fw)
+        elif name == "key_lengths":
+            lengths = rng.integers(0, sk + 1, size=b)
+            for bi, length in enumerate(lengths):  # poison the padding: it must never be read
+                k[bi, :, length:] = np.nan
+                v[bi, :, length:] = np.nan
+            kw["key_lengths"] = to_fw(lengths, fw)
+        elif name == "alibi_slopes":
+            kw["alibi_slopes"] = to_fw(2.0 ** -np.arange(1, hq + 1), fw)
+        elif name == "relative_bias":
+            kw["relative_bias"] = {
+                "table": to_fw(rng.standard_normal((32, hq)), fw),
+                "max_distance": 20,
+            }
+        elif name == "rope":
+            cos, sin = fastpe.rope_table(max(sq, sk) + 4, d - (d % 4), **O)
+            kw["rope"] = {"cos": to_fw(cos, fw), "sin": to_fw(sin, fw), "interleaved": True}
+        else:
+            kw[name] = value
+    return (to_fw(q, fw), to_fw(k, fw), to_fw(v, fw)), kw
+
+
+@pytest.mark.parametrize("backend", kernel_backends("attention"))
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize(
+    "dims",
+    [
+        (1, 1, 1, 1, 1, 4),
+        (3, 6, 2, 7, 5, 12),
+        (2, 4, 4, 37, 300, 40),
+        (1, 8, 2, 1, 700, 64),
+        (1, 2, 1, 70, 20, 16),
+    ],
+)  # (B, Hq, Hkv, Sq, Sk, D): tiny, odd/prime with GQA, tile edges, decode split-KV, Sq > Sk
+def test_attention(backend, fw, case, dims, rng):
+    args, kw = _attention_args(rng, fw, *dims, ATTN_CASES[case])
+    before = [to_np(a).copy() for a in args]
+    got, lse = run_or_skip(fastpe.attention, backend, *args, return_lse=True, **kw)
+    want, want_lse = fastpe.attention(*args, return_lse=True, **kw, **O)
+    _close(got, want, 2e-5, "attention out")
+    finite = np.isfinite(to_np(want_lse))
+    np.testing.assert_array_equal(np.isfinite(to_np(lse)), finite)
+    np.testing.assert_allclose(to_np(lse)[finite], to_np(want_lse)[finite], rtol=2e-6, atol=2e-5)
+    for a, b in zip(args, before, strict=True):
+        np.testing.assert_array_equal(to_np(a), b)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("attention"))
+def test_attention_float64_and_non_contiguous(backend, rng):
+    base = rng.standard_normal((2, 4, 20, 24))
+    q, k, v = base[:, :, ::2], base[:, ::2, 1:19], base[:, 1::2, 2:20]  # strided views, GQA 4/2
+    got = run_or_skip(fastpe.attention, backend, q, k, v, causal=True)
+    _close(got, fastpe.attention(q, k, v, causal=True, **O), 1e-12, "float64 attention")
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("backend", kernel_backends("attention"))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_attention_low_precision_flash_rule(backend, dtype, rng):
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 4, 50, 32))).to(tdtype) for _ in range(3))
+    want = fastpe.attention(q.double(), k.double(), v.double(), causal=True, **O)
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True
+    )  # same-dtype baseline
+    got = run_or_skip(fastpe.attention, backend, q, k, v, causal=True)
+    assert got.dtype == tdtype
+    err = (got.double() - want).abs().max().item()
+    plain_err = (plain.double() - want).abs().max().item()
+    assert err <= 2 * plain_err + 1e-6, (err, plain_err)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("merge_attention"))
+def test_merge_attention(backend, fw, rng):
+    q, k, v = (
+        rng.standard_normal((2, 3, 9, 8)),
+        rng.standard_normal((2, 3, 40, 8)),
+        rng.standard_normal((2, 3, 40, 8)),
+    )
+    a = fastpe.attention(q, k[:, :, :15], v[:, :, :15], return_lse=True, **O)
+    mask = np.ones((9, 25), bool)
+    mask[4] = False  # a row empty on one side
+    b = fastpe.attention(q, k[:, :, 15:], v[:, :, 15:], mask=mask, return_lse=True, **O)
+    args = [to_fw(t, fw) for t in (*a, *b)]
+    got_out, got_lse = run_or_skip(fastpe.merge_attention, backend, *args)
+    want_out, want_lse = fastpe.merge_attention(*args, **O)
+    _close(got_out, want_out, 1e-6, "merged out")
+    _close(got_lse, want_lse, 1e-6, "merged lse")
