@@ -15,11 +15,13 @@ merged with the log-sum-exp rule of ``merge_attention``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
 import numpy as np
 from numba import njit, prange
+from threadpoolctl import ThreadpoolController
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -40,8 +42,9 @@ _FLAGS = {"contract", "reassoc", "nsz", "arcp"}
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp2_shifted(s, row_max, p, bits, m, n):
-    """p[r, c] = 2 ** (s[r, c] - row_max[r]) for the (m, n) tile; exact 0 for -inf scores.
+def _exp2_shifted(s, row_max, p, bits, m, n, totals):
+    """p[r, c] = 2 ** (s[r, c] - row_max[r]) for the (m, n) tile, exact 0 for -inf scores;
+    totals[r] = Σ_c p[r, c] (fused here: one less pass over the tile).
 
     Range reduction x = k + f (k = floor x, f in [0, 1)), 2**f by polynomial, 2**k built from
     exponent bits: every loop is plain arithmetic, so LLVM vectorises it (Numba's math.exp is a
@@ -64,18 +67,26 @@ def _exp2_shifted(s, row_max, p, bits, m, n):
             poly = poly * f + _P0
             p[r, c] = poly
             bits[r, c] = (np.int32(kf) + 127) << 23
+        total = np.float32(0.0)
         for c in range(n):
             # x clamped at -127 (also -inf, a masked score) gets exponent field 0: exactly 0
-            p[r, c] *= pw[r, c]
+            value = p[r, c] * pw[r, c]
+            p[r, c] = value
+            total += value
+        totals[r] = total
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp2_shifted_f64(s, row_max, p, m, n):
-    """float64 inputs keep float64 throughout: libm exp2 (scalar, accurate)."""
+def _exp2_shifted_f64(s, row_max, p, m, n, totals):
+    """float64 inputs keep float64 throughout: libm exp (scalar, accurate)."""
     for r in range(m):
         mx = row_max[r]
+        total = 0.0
         for c in range(n):
-            p[r, c] = math.exp((s[r, c] - mx) * LN2)
+            value = math.exp((s[r, c] - mx) * LN2)
+            p[r, c] = value
+            total += value
+        totals[r] = total
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -121,6 +132,16 @@ def _apply_tile_masks(
                 s[r, c] = -np.inf
 
 
+@njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
+def _row_max(s, r, n):
+    """max of s[r, :n]. Scores are never NaN (padding is never read, masks are validated), so
+    `nnan` is true here, and it is what lets LLVM vectorise a max reduction. -inf stays exact."""
+    mx = -np.inf
+    for c in range(n):
+        mx = max(mx, s[r, c])
+    return mx
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
     qt, kt, vt, s, p, bits, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
@@ -134,24 +155,19 @@ def _attend_tile(
         s, b, hk, group, i0, npos, j0, n, q_offset, causal,
         has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
     )  # fmt: skip
-    alpha, shift = work[0], work[1]
+    alpha, shift, totals = work[0], work[1], work[2]
     for r in range(m):
-        mx = row_max[r]
-        for c in range(n):
-            mx = max(mx, s[r, c])
+        mx = max(row_max[r], _row_max(s, r, n))
         # a row that has seen only -inf keeps max -inf; shift by 0 so exp2 gives zeros
-        alpha[r] = 1.0 if mx == -np.inf else 2.0 ** (row_max[r] - mx)
+        alpha[r] = 1.0 if mx == -np.inf else math.exp((row_max[r] - mx) * LN2)
         shift[r] = 0.0 if mx == -np.inf else mx
         row_max[r] = mx
     if is_f32:
-        _exp2_shifted(s, shift, p, bits, m, n)
+        _exp2_shifted(s, shift, p, bits, m, n, totals)
     else:
-        _exp2_shifted_f64(s, shift, p, m, n)
+        _exp2_shifted_f64(s, shift, p, m, n, totals)
     for r in range(m):
-        total = 0.0
-        for c in range(n):
-            total += p[r, c]
-        row_sum[r] = row_sum[r] * alpha[r] + total
+        row_sum[r] = row_sum[r] * alpha[r] + totals[r]
     np.dot(p, vt, pv)
     for r in range(m):
         a = alpha[r]
@@ -166,7 +182,7 @@ def _attention_numba(
     block_m, block_n, n_splits, is_f32,
 ):  # fmt: skip
     batch, hq, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    hkv, dv = k.shape[1], v.shape[3]
     group = hq // hkv
     n_mblocks = (sq + block_m - 1) // block_m
     for item in prange(batch * hkv * n_mblocks * n_splits):
@@ -198,7 +214,7 @@ def _attention_numba(
         acc = np.zeros((m, dv), dtype=q.dtype)
         row_max = np.full(m, -np.inf, dtype=q.dtype)
         row_sum = np.zeros(m, dtype=q.dtype)
-        work = np.empty((2, m), dtype=q.dtype)  # per-row alpha and shift of the current tile
+        work = np.empty((3, m), dtype=q.dtype)  # per-row alpha, shift and sum of the current tile
         pv = np.empty((m, dv), dtype=q.dtype)
         # full-width tile buffers, and separate ones for the last partial tile (Numba's parallel
         # array analysis forbids re-binding a name to a differently shaped array)
@@ -266,15 +282,31 @@ def _merge_splits_numba(part_out, part_lse, out, lse):
                     out[b, h, i, c] += w * part_out[sp, b, h, i, c]
 
 
-def _block_sizes(sq: int, sk: int, group: int, d: int) -> tuple[int, int]:
+def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
     """Query positions per tile (times `group` heads -> rows) and keys per tile.
 
-    About 64-128 rows keeps the Q tile, an S/P tile of 128-256 keys and the accumulator inside
-    L2 while each BLAS call still does enough work to run near peak.
+    128 rows x 256 keys (measured best on AVX-512 with OpenBLAS among 32-128 rows x 128-512
+    keys, D 64 and 128) keeps the Q, S/P and accumulator tiles in L2 while each BLAS call does
+    enough work to run near peak.
     """
-    block_m = max(1, min(sq, max(64 // group, 16)))
-    block_n = 256 if d <= 64 else 128
+    block_m = max(1, min(sq, max(128 // group, 16)))
+    block_n = 256
     return block_m, min(block_n, max(sk, 1))
+
+
+@functools.cache
+def _blas_controller() -> ThreadpoolController:
+    # Numba's np.dot calls scipy's BLAS: load it first so the controller can see it
+    import scipy.linalg.cython_blas  # noqa: F401
+
+    return ThreadpoolController()
+
+
+def _single_threaded_blas():
+    """BLAS limited to one thread while the kernel runs: Numba's threads already fill the cores,
+    and a threaded BLAS inside them oversubscribes (OpenBLAS warns of an OpenMP loop and may hang).
+    """
+    return _blas_controller().limit(limits=1, user_api="blas")
 
 
 def _dummy(dtype, ndim):
@@ -332,7 +364,7 @@ def attention_numba(
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
-    block_m, block_n = _block_sizes(sq, sk, group, d)
+    block_m, block_n = _block_sizes(sq, sk, group)
     n_mblocks = -(-sq // block_m)
     # split keys when (batch, kv head, query block) items cannot keep every thread busy
     threads = numba.get_num_threads()
@@ -370,7 +402,8 @@ def attention_numba(
         bias_offset = -first
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
-    _attention_numba(
+    with _single_threaded_blas():
+        _attention_numba(
         q, k, v, out, lse, dtype.type(scale * LOG2E), causal, q_offset, key_len,
         mask is not None, mask_bool, mask_add, mask_is_bool, alibi_slopes is not None, alibi,
         t5_table is not None, bias, bias_offset, block_m, block_n, n_splits, dtype == np.float32,
