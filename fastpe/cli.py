@@ -93,17 +93,194 @@ def demo() -> str:
     return "\n".join(rows)
 
 
+def _environment(device: str, peaks: dict) -> dict:
+    import numba
+
+    env = {
+        "machine": f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)",
+        "python": platform.python_version(),
+        "versions": {
+            d: _version(d) for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
+        },
+        "numba_threads": numba.get_num_threads(),
+        "device": device,
+        "peaks": peaks,
+    }
+    try:
+        import torch
+
+        env["torch_threads"] = torch.get_num_threads()
+        if device.startswith("cuda"):
+            env["gpu"] = torch.cuda.get_device_name(device)
+    except ImportError:
+        pass
+    return env
+
+
+def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=print) -> dict:
+    """Time every implementation of every case; returns the JSON-able results document."""
+    from fastpe import benchmarking as bm
+
+    peaks = bm.measure_peaks()
+    rows = []
+    for n, case in enumerate(grid, 1):
+        inputs = bm.make_inputs(case, device, dtype)
+        expected = bm.reference(case, inputs)
+        amount, unit = bm.work(
+            case, itemsize=np.dtype("float32" if dtype != "float64" else "float64").itemsize
+        )
+        impls = bm.implementations(case, inputs, device)
+        for name, fn in impls.items():
+            progress(f"[{n}/{len(grid)}] {case.name}: {name} ...")
+            seconds = bm.time_callable(fn, device)
+            rate = amount / seconds / 1e9
+            peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["sgemm_gflops"]
+            rows.append({
+                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series, "impl": name,
+                "median_s": seconds, "throughput": rate, "unit": unit,
+                "fraction_of_peak": rate / peak if device == "cpu" else None,
+                "max_abs_error": bm.max_error(case, fn(), expected),
+            })  # fmt: skip
+        baselines = [
+            r
+            for r in rows
+            if r["case"] == case.label and r["op"] == case.op and not r["impl"].startswith("fastpe")
+        ]
+        best = min((r["median_s"] for r in baselines), default=None)
+        for r in rows:
+            if r["case"] == case.label and r["op"] == case.op:
+                r["speedup_vs_best_baseline"] = None if best is None else best / r["median_s"]
+    return {"environment": _environment(device, peaks), "dtype": dtype, "results": rows}
+
+
+def format_table(doc: dict, markdown: bool = False) -> str:
+    head = [
+        "op",
+        "case",
+        "implementation",
+        "median",
+        "throughput",
+        "% peak",
+        "vs best baseline",
+        "max |err|",
+    ]
+    lines = []
+    for r in doc["results"]:
+        frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
+        speed = (
+            "" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
+        )
+        lines.append([r["op"], r["case"], r["impl"], f"{r['median_s'] * 1e3:.2f} ms",
+                      f"{r['throughput']:.1f} {r['unit']}", frac, speed, f"{r['max_abs_error']:.1e}"])  # fmt: skip
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(out + ["| " + " | ".join(row) + " |" for row in lines])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
+    fmt = "  ".join(f"{{:{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*row) for row in lines])
+
+
+def plot(doc: dict, path: str) -> None:
+    """Throughput against sequence length, one panel per op, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in doc["results"]})
+    cols = min(3, len(ops))
+    nrows = -(-len(ops) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(ops) :]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops, strict=False):
+        rows = [r for r in doc["results"] if r["op"] == op]
+        for impl, series in sorted({(r["impl"], r.get("series", "")) for r in rows}):
+            pts = sorted(
+                (r["seq"], r["throughput"])
+                for r in rows
+                if (r["impl"], r.get("series", "")) == (impl, series)
+            )
+            style = "-" if impl.startswith("fastpe") else "--"
+            label = f"{impl} {series}".strip()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(rows[0]["unit"])
+        ax.legend(fontsize=7)
+    env = doc["environment"]
+    fig.suptitle(f"fastpe on {env.get('gpu', env['machine'])}, {doc['dtype']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def bench(args) -> int:
+    import json
+
+    from fastpe import benchmarking as bm
+
+    grid = bm.QUICK_GRID if args.quick else bm.FULL_GRID
+    if args.ops:
+        grid = [c for c in grid if c.op in args.ops]
+    device = args.device
+    if device is None:
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            device = "cpu"
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    print(info(), end="\n\n")
+    doc = run_benchmarks(
+        grid, device, dtype, progress=lambda m: print(m, file=sys.stderr, flush=True)
+    )
+    print(format_table(doc))
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"\nresults: {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"plot:    {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastpe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, backends and why each is or isn't available")
     sub.add_parser("demo", help="run every op once and print its error against the float64 oracle")
+    b = sub.add_parser("bench", help="time fastpe against the baselines on this machine")
+    b.add_argument("--quick", action="store_true", help="small grid, about a minute")
+    b.add_argument(
+        "--ops",
+        nargs="+",
+        choices=["sinusoidal_table", "rope_table", "apply_rope", "embed", "attention"],
+    )
+    b.add_argument("--json", default="fastpe-bench.json", help="where to write the results")
+    b.add_argument(
+        "--plot",
+        default="fastpe-bench.png",
+        help="PNG of throughput vs sequence length ('' for none)",
+    )
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    r = sub.add_parser("report", help="print a results JSON as a markdown table (the README's)")
+    r.add_argument("json")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
-    else:
+    elif args.command == "demo":
         print(info(), end="\n\n")
         print(demo())
+    elif args.command == "bench":
+        return bench(args)
+    else:
+        import json
+
+        with open(args.json) as f:
+            print(format_table(json.load(f), markdown=True))
     return 0
 
 

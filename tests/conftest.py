@@ -1,69 +1,16 @@
-"""Shared test helpers: frameworks to run on, conversions, backend parametrisation."""
+"""Fixtures shared by the tests (helpers to import live in _testkit.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import fastpe
-from fastpe import dispatch
-
-try:
-    import torch
-except ImportError:  # torch is optional; torch cases skip without it
-    torch = None
-
-FRAMEWORKS = [
-    "numpy",
-    pytest.param("torch", marks=pytest.mark.skipif(torch is None, reason="torch not installed")),
-]
+from _testkit import FRAMEWORKS
 
 
 @pytest.fixture(params=FRAMEWORKS)
 def fw(request):
     """Framework of the arrays handed to fastpe: 'numpy' or 'torch' (CPU)."""
     return request.param
-
-
-def to_fw(x, fw, dtype=None):
-    """NumPy array -> the framework's array (keeps dtype unless given)."""
-    if x is None:
-        return None
-    x = np.asarray(x)
-    if dtype is not None:
-        x = x.astype(dtype)
-    if fw == "numpy":
-        return x
-    return torch.from_numpy(np.ascontiguousarray(x))
-
-
-def to_np(x):
-    if torch is not None and isinstance(x, torch.Tensor):
-        return (
-            x.detach().cpu().to(torch.float64).numpy() if x.is_floating_point() else x.cpu().numpy()
-        )
-    return np.asarray(x)
-
-
-def kernel_backends(op):
-    """Non-oracle backends, each skipped with the registry's reasons when it cannot run at all."""
-    params = []
-    for name in dispatch.BACKEND_NAMES:
-        if name == "numpy":
-            continue  # the oracle is never tested against itself
-        why = dispatch.REGISTRY[(name, op)].missing or dispatch.backend_unavailable_reason(name)
-        params.append(
-            pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"{name}: {why}"))
-        )
-    return params
-
-
-def run_or_skip(fn, backend, *args, **kwargs):
-    """Call a fastpe op on ``backend``; skip (with the reasons) if that backend cannot run it."""
-    report = fastpe.explain(fn.__name__, *args, backend=backend, **kwargs)
-    if report.chosen is None:
-        pytest.skip(str(report).splitlines()[1])
-    return fn(*args, backend=backend, **kwargs)
 
 
 @pytest.fixture

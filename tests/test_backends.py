@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import kernel_backends, run_or_skip, to_fw, to_np, torch
+from _testkit import kernel_backends, run_or_skip, to_fw, to_np, torch
 
 import fastpe
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import to_fw, to_np, torch
+from _testkit import to_fw, to_np, torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

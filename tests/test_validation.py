@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import to_fw, torch
+from _testkit import to_fw, torch
 
 import fastpe
 

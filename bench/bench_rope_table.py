@@ -1,0 +1,9 @@
+"""Benchmark: rope_table (see bench/conftest.py for the grid and options)."""
+
+from _benchkit import run_case
+
+OP = "rope_table"
+
+
+def test_rope_table(benchmark, case, impl, peaks):
+    run_case(benchmark, case, impl, peaks)
