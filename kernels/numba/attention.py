@@ -42,44 +42,42 @@ _FLAGS = {"contract", "reassoc", "nsz", "arcp"}
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp2_shifted(s, row_max, p, bits, m, n, totals):
-    """p[r, c] = 2 ** (s[r, c] - row_max[r]) for the (m, n) tile, exact 0 for -inf scores;
-    totals[r] = Σ_c p[r, c] (fused here: one less pass over the tile).
+def _exp2_shifted(s, row_max, p, r0, r1, n, totals):
+    """p[r, c] = 2 ** (s[r, c] - row_max[r]) for rows r0 … r1-1, exact 0 for -inf scores and
+    clamped at 2**127 above; totals[r] = Σ_c p[r, c] (fused: one less pass over the tile).
 
-    Range reduction x = k + f (k = floor x, f in [0, 1)), 2**f by polynomial, 2**k built from
-    exponent bits: every loop is plain arithmetic, so LLVM vectorises it (Numba's math.exp is a
-    scalar libm call without Intel SVML, which PyPI's llvmlite does not carry).
+    Range reduction x = k + f (k = floor x via the vectorisable np.floor, f in [0, 1)), 2**f by
+    polynomial, 2**k by writing k into the exponent bits: one loop of plain arithmetic that LLVM
+    vectorises (Numba's math.exp is a scalar libm call without Intel SVML, which PyPI's llvmlite
+    lacks). Relative error <= 1e-7.
     """
-    pw = bits.view(np.float32)
-    for r in range(m):
+    for r in range(r0, r1):
         mx = row_max[r]
-        for c in range(n):
-            x = s[r, c] - mx
-            x = max(x, -127.0)
-            kf = math.floor(x)
-            f = x - kf
-            poly = _P6
-            poly = poly * f + _P5
-            poly = poly * f + _P4
-            poly = poly * f + _P3
-            poly = poly * f + _P2
-            poly = poly * f + _P1
-            poly = poly * f + _P0
-            p[r, c] = poly
-            bits[r, c] = (np.int32(kf) + 127) << 23
         total = np.float32(0.0)
         for c in range(n):
-            # x clamped at -127 (also -inf, a masked score) gets exponent field 0: exactly 0
-            value = p[r, c] * pw[r, c]
+            x = s[r, c] - mx
+            # -127 (also -inf, a masked score) gives exponent field 0, i.e. exactly 0
+            x = x if x > -127.0 else np.float32(-127.0)
+            x = x if x < 127.0 else np.float32(127.0)
+            k = np.floor(x)
+            f = x - k
+            poly = np.float32(_P6)
+            poly = poly * f + np.float32(_P5)
+            poly = poly * f + np.float32(_P4)
+            poly = poly * f + np.float32(_P3)
+            poly = poly * f + np.float32(_P2)
+            poly = poly * f + np.float32(_P1)
+            poly = poly * f + np.float32(_P0)
+            value = poly * np.int32((np.int32(k) + 127) << 23).view(np.float32)
             p[r, c] = value
             total += value
         totals[r] = total
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp2_shifted_f64(s, row_max, p, m, n, totals):
+def _exp2_shifted_f64(s, row_max, p, r0, r1, n, totals):
     """float64 inputs keep float64 throughout: libm exp (scalar, accurate)."""
-    for r in range(m):
+    for r in range(r0, r1):
         mx = row_max[r]
         total = 0.0
         for c in range(n):
@@ -133,18 +131,35 @@ def _apply_tile_masks(
 
 
 @njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
-def _row_max(s, r, n):
-    """max of s[r, :n]. Scores are never NaN (padding is never read, masks are validated), so
-    `nnan` is true here, and it is what lets LLVM vectorise a max reduction. -inf stays exact."""
-    mx = -np.inf
-    for c in range(n):
-        mx = max(mx, s[r, c])
+def _row_max(s, r, n, lanes):
+    """max of s[r, :n], -inf for an empty or fully masked row.
+
+    LLVM does not vectorise a float max *reduction* from Numba's IR (it emits a serial chain of
+    scalar maxss), but it does vectorise an elementwise max: keep 16 running maxima in ``lanes``
+    and reduce them at the end. Scores are never NaN (padding is never read, masks are
+    validated), so ``nnan`` holds; -inf compares exactly.
+    """
+    width = lanes.shape[0]
+    lanes[:] = -np.inf
+    full = n - n % width
+    for c0 in range(0, full, width):
+        for lane in range(width):
+            value = s[r, c0 + lane]
+            if value > lanes[lane]:
+                lanes[lane] = value
+    mx = lanes[0]
+    for lane in range(1, width):
+        if lanes[lane] > mx:
+            mx = lanes[lane]
+    for c in range(full, n):
+        if s[r, c] > mx:
+            mx = s[r, c]
     return mx
 
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
-    qt, kt, vt, s, p, bits, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
+    qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
     q_offset, causal, has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
     bias_offset, is_f32,
 ):  # fmt: skip
@@ -155,24 +170,45 @@ def _attend_tile(
         s, b, hk, group, i0, npos, j0, n, q_offset, causal,
         has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
     )  # fmt: skip
-    alpha, shift, totals = work[0], work[1], work[2]
+    # Online softmax with a lazy reference: each row's scores are exponentiated against its
+    # running reference row_max (not this tile's max, whose reduction is the one loop LLVM will
+    # not vectorise here). The exact max is taken only on a row's first scored tile, or when a
+    # score outruns the reference so far that the tile's sum exceeds 2**32 — read for free from
+    # the sums the exp pass computes. Values up to 2**32 leave float32 ample range, and the
+    # accumulator is rescaled only when the reference moves.
+    alpha, totals = work[0], work[1]
+    lanes = work[2, :16]
     for r in range(m):
-        mx = max(row_max[r], _row_max(s, r, n))
-        # a row that has seen only -inf keeps max -inf; shift by 0 so exp2 gives zeros
-        alpha[r] = 1.0 if mx == -np.inf else math.exp((row_max[r] - mx) * LN2)
-        shift[r] = 0.0 if mx == -np.inf else mx
-        row_max[r] = mx
+        alpha[r] = 1.0
+        if row_max[r] == -np.inf:
+            row_max[r] = _row_max(s, r, n, lanes)  # stays -inf while every key is masked
+    shift = work[3]
+    for r in range(m):
+        shift[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
     if is_f32:
-        _exp2_shifted(s, shift, p, bits, m, n, totals)
+        _exp2_shifted(s, shift, p, 0, m, n, totals)
     else:
-        _exp2_shifted_f64(s, shift, p, m, n, totals)
+        _exp2_shifted_f64(s, shift, p, 0, m, n, totals)
     for r in range(m):
+        if totals[r] > 4294967296.0:  # the reference fell behind: redo this row exactly
+            mx = max(row_max[r], _row_max(s, r, n, lanes))
+            alpha[r] = math.exp((row_max[r] - mx) * LN2)
+            row_max[r] = mx
+            shift[r] = mx
+            if is_f32:
+                _exp2_shifted(s, shift, p, r, r + 1, n, totals)
+            else:
+                _exp2_shifted_f64(s, shift, p, r, r + 1, n, totals)
         row_sum[r] = row_sum[r] * alpha[r] + totals[r]
     np.dot(p, vt, pv)
     for r in range(m):
         a = alpha[r]
-        for c in range(acc.shape[1]):
-            acc[r, c] = acc[r, c] * a + pv[r, c]
+        if a == 1.0:
+            for c in range(acc.shape[1]):
+                acc[r, c] += pv[r, c]
+        else:
+            for c in range(acc.shape[1]):
+                acc[r, c] = acc[r, c] * a + pv[r, c]
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
@@ -214,24 +250,23 @@ def _attention_numba(
         acc = np.zeros((m, dv), dtype=q.dtype)
         row_max = np.full(m, -np.inf, dtype=q.dtype)
         row_sum = np.zeros(m, dtype=q.dtype)
-        work = np.empty((3, m), dtype=q.dtype)  # per-row alpha, shift and sum of the current tile
+        # per-row alpha, sum and shift of the current tile, and 16 lanes of row-max scratch
+        work = np.empty((4, max(m, 16)), dtype=q.dtype)
         pv = np.empty((m, dv), dtype=q.dtype)
         # full-width tile buffers, and separate ones for the last partial tile (Numba's parallel
         # array analysis forbids re-binding a name to a differently shaped array)
         s_full = np.empty((m, block_n), dtype=q.dtype)
         p_full = np.empty((m, block_n), dtype=q.dtype)
-        bits_full = np.empty((m, block_n), dtype=np.int32)
         tail = (j_stop - j_begin) % block_n
         s_tail = np.empty((m, tail), dtype=q.dtype)
         p_tail = np.empty((m, tail), dtype=q.dtype)
-        bits_tail = np.empty((m, tail), dtype=np.int32)
         for j0 in range(j_begin, j_stop, block_n):
             full_tile = j_stop - j0 >= block_n
             _attend_tile(
                 qt, k[b, hk, j0 : j0 + (block_n if full_tile else tail)],
                 v[b, hk, j0 : j0 + (block_n if full_tile else tail)],
                 s_full if full_tile else s_tail, p_full if full_tile else p_tail,
-                bits_full if full_tile else bits_tail, pv, acc, row_max, row_sum, work,
+                pv, acc, row_max, row_sum, work,
                 b, hk, group, i0, npos, j0, q_offset, causal,
                 has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
                 bias_offset, is_f32,
