@@ -259,3 +259,23 @@ def test_merge_attention(backend, fw, rng):
     want_out, want_lse = fastpe.merge_attention(*args, **O)
     _close(got_out, want_out, 1e-6, "merged out")
     _close(got_lse, want_lse, 1e-6, "merged lse")
+
+
+@pytest.mark.parametrize("backend", kernel_backends("attention"))
+def test_attention_sharp_scores_and_masked_row_starts(backend, rng):
+    """Scores far above a row's early ones (in a later key tile) and rows whose first keys are
+    all masked: the online softmax must rescale exactly, not overflow or drop the row."""
+    q, k, v = rng.standard_normal((1, 2, 40, 16)), rng.standard_normal((1, 2, 600, 16)), rng.standard_normal((1, 2, 600, 16))
+    q, k, v = (a.astype(np.float32) for a in (q, k, v))
+    k[:, :, 300] = 30 * q[:, :, :1].mean(axis=2)  # one key scores ~100x higher, in the second tile
+    k[:, :, 550] = -k[:, :, 300]  # and one ~100x lower
+    mask = np.ones((40, 600), bool)
+    mask[5:15, :40] = False  # these rows start with masked keys
+    mask[20, :] = False  # and this one sees nothing
+    for kw in ({}, {"mask": mask}, {"mask": mask, "causal": True, "causal_alignment": "top_left"}):
+        got, lse = run_or_skip(fastpe.attention, backend, q, k, v, return_lse=True, **kw)
+        want, want_lse = fastpe.attention(q, k, v, return_lse=True, **kw, **O)
+        _close(got, want, 2e-5, f"sharp attention {list(kw)}")
+        finite = np.isfinite(want_lse)
+        np.testing.assert_array_equal(np.isfinite(lse), finite)
+        np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=2e-6, atol=2e-5)

@@ -171,17 +171,23 @@ def _attend_tile(
         has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
     )  # fmt: skip
     # Online softmax with a lazy reference: each row's scores are exponentiated against its
-    # running reference row_max (not this tile's max, whose reduction is the one loop LLVM will
-    # not vectorise here). The exact max is taken only on a row's first scored tile, or when a
-    # score outruns the reference so far that the tile's sum exceeds 2**32 — read for free from
-    # the sums the exp pass computes. Values up to 2**32 leave float32 ample range, and the
-    # accumulator is rescaled only when the reference moves.
+    # running reference row_max, which need not be the exact max (whose reduction is the one
+    # loop LLVM will not vectorise here) — only never far below it. A row's first reference is
+    # the max of its first 16 scores (the exact max if those are all masked); whenever a score
+    # outruns the reference so far that the tile's sum exceeds 2**32 — read for free from the
+    # sums the exp pass computes — the row is redone against its exact max. Values up to 2**32
+    # leave float32 ample range, and the accumulator is rescaled only when the reference moves.
     alpha, totals = work[0], work[1]
     lanes = work[2, :16]
     for r in range(m):
         alpha[r] = 1.0
         if row_max[r] == -np.inf:
-            row_max[r] = _row_max(s, r, n, lanes)  # stays -inf while every key is masked
+            first = s[r, 0]
+            for c in range(1, min(n, 16)):
+                if s[r, c] > first:
+                    first = s[r, c]
+            # stays -inf while every key of the row is masked
+            row_max[r] = first if first > -np.inf else _row_max(s, r, n, lanes)
     shift = work[3]
     for r in range(m):
         shift[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
