@@ -96,8 +96,14 @@ def demo() -> str:
 def _environment(device: str, peaks: dict) -> dict:
     import numba
 
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
     env = {
-        "machine": f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)",
+        "machine": f"{cpu} ({os.cpu_count()} CPUs)",
         "python": platform.python_version(),
         "versions": {
             d: _version(d) for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
@@ -178,6 +184,31 @@ def format_table(doc: dict, markdown: bool = False) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths)
     return "\n".join([fmt.format(*head)] + [fmt.format(*row) for row in lines])
+
+
+# The baseline each op's speed target is stated against (what users run today).
+TARGET_BASELINE = {
+    "sinusoidal_table": "torch eager",
+    "rope_table": "torch eager",
+    "apply_rope": "transformers",
+    "embed": "torch eager",
+    "attention": "torch SDPA",
+}
+
+
+def format_summary(doc: dict) -> str:
+    """Markdown: per case, fastpe's throughput and its speedup over the target baseline."""
+    out = ["| op | case | fastpe | throughput | % of peak | baseline | speedup |", "|---|---|---|---|---|---|---|"]
+    rows = doc["results"]
+    for r in rows:
+        if not r["impl"].startswith("fastpe"):
+            continue
+        name = TARGET_BASELINE.get(r["op"])
+        base = next((b for b in rows if (b["op"], b["case"], b["impl"]) == (r["op"], r["case"], name)), None)
+        speed = "" if base is None else f"{base['median_s'] / r['median_s']:.2f}x"
+        frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
+        out.append(f"| {r['op']} | {r['case']} | {r['impl']} | {r['throughput']:.1f} {r['unit']} | {frac} | {name} | {speed} |")
+    return "\n".join(out)
 
 
 def plot(doc: dict, path: str) -> None:
@@ -268,6 +299,7 @@ def main(argv=None) -> int:
     b.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     r = sub.add_parser("report", help="print a results JSON as a markdown table (the README's)")
     r.add_argument("json")
+    r.add_argument("--summary", action="store_true", help="fastpe vs each op's target baseline only")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())
@@ -280,7 +312,8 @@ def main(argv=None) -> int:
         import json
 
         with open(args.json) as f:
-            print(format_table(json.load(f), markdown=True))
+            doc = json.load(f)
+        print(format_summary(doc) if args.summary else format_table(doc, markdown=True))
     return 0
 
 
