@@ -99,7 +99,9 @@ def _environment(device: str, peaks: dict) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
     env = {
@@ -198,16 +200,23 @@ TARGET_BASELINE = {
 
 def format_summary(doc: dict) -> str:
     """Markdown: per case, fastpe's throughput and its speedup over the target baseline."""
-    out = ["| op | case | fastpe | throughput | % of peak | baseline | speedup |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| op | case | fastpe | throughput | % of peak | baseline | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
     rows = doc["results"]
     for r in rows:
         if not r["impl"].startswith("fastpe"):
             continue
         name = TARGET_BASELINE.get(r["op"])
-        base = next((b for b in rows if (b["op"], b["case"], b["impl"]) == (r["op"], r["case"], name)), None)
+        base = next(
+            (b for b in rows if (b["op"], b["case"], b["impl"]) == (r["op"], r["case"], name)), None
+        )
         speed = "" if base is None else f"{base['median_s'] / r['median_s']:.2f}x"
         frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
-        out.append(f"| {r['op']} | {r['case']} | {r['impl']} | {r['throughput']:.1f} {r['unit']} | {frac} | {name} | {speed} |")
+        out.append(
+            f"| {r['op']} | {r['case']} | {r['impl']} | {r['throughput']:.1f} {r['unit']} | {frac} | {name} | {speed} |"
+        )
     return "\n".join(out)
 
 
@@ -299,7 +308,9 @@ def main(argv=None) -> int:
     b.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     r = sub.add_parser("report", help="print a results JSON as a markdown table (the README's)")
     r.add_argument("json")
-    r.add_argument("--summary", action="store_true", help="fastpe vs each op's target baseline only")
+    r.add_argument(
+        "--summary", action="store_true", help="fastpe vs each op's target baseline only"
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         print(info())

@@ -328,26 +328,143 @@ class NumbaMergeAttention(_Numba):
 
 
 # ---------------------------------------------------------------------------------------------
-# triton (CUDA; CPU torch tensors under TRITON_INTERPRET=1): registered, kernels pending
+# triton: CUDA tensors; CPU torch tensors too under TRITON_INTERPRET=1 (how CI runs these kernels)
 
-_TRITON_PENDING = "the Triton kernels have not landed yet (issue #5)"
-
-
-def _pending(backend_name: str, op_name: str, why: str, devices: frozenset[str]):
-    cls = type(
-        f"{backend_name.title()}{op_name.title().replace('_', '')}",
-        (Implementation,),
-        {"backend": backend_name, "op": op_name, "missing": why, "device_types": devices},
-    )
-    return register(cls)
+LOW_AND_SINGLE = frozenset({"float16", "bfloat16", "float32"})
 
 
-for _op in (
-    "sinusoidal_table",
-    "rope_table",
-    "apply_rope",
-    "embed",
-    "attention",
-    "merge_attention",
-):
-    _pending("triton", _op, _TRITON_PENDING, frozenset({"cuda"}))
+def _torch_positions(positions, device):
+    """Positions record -> (int64 tensor [S] or [B, S] on device, or None, and the offset)."""
+    if positions.array is None:
+        return None, positions.offset
+    import torch
+
+    return positions.array.to(device=device, dtype=torch.int64), 0
+
+
+class _Triton(Implementation):
+    backend = "triton"
+    frameworks = frozenset({"torch"})
+    dtypes = LOW_AND_SINGLE  # the kernels compute in fp32; float64 goes to numba or numpy
+
+    @property
+    def device_types(self):
+        from fastpe.dispatch import _triton_interpreted
+
+        return frozenset({"cuda", "cpu"}) if _triton_interpreted() else frozenset({"cuda"})
+
+
+@register
+class TritonSinusoidalTable(_Triton):
+    op = "sinusoidal_table"
+    dtypes = ALL_FLOAT  # computed from an fp64 product; fp64 output is exact to ~1e-10
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.kernels.triton.sinusoidal_table import sinusoidal_table_triton
+
+        omega = reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
+        return sinusoidal_table_triton(
+            omega, inp.num_positions, inp.offset, inp.layout == "interleaved",
+            getattr(torch, inp.dtype), inp.placement.device,
+        )  # fmt: skip
+
+
+@register
+class TritonRopeTable(_Triton):
+    op = "rope_table"
+    dtypes = ALL_FLOAT
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.kernels.triton.rope_table import rope_table_triton
+
+        return rope_table_triton(
+            inp.inv_freq, inp.attention_factor, inp.num_positions, inp.offset,
+            getattr(torch, inp.dtype), inp.placement.device,
+        )  # fmt: skip
+
+
+@register
+class TritonApplyRope(_Triton):
+    op = "apply_rope"
+
+    def run(self, inp):
+        from fastpe.kernels.triton.apply_rope import apply_rope_triton
+
+        positions, offset = _torch_positions(inp.positions, inp.x.device)
+        return apply_rope_triton(
+            inp.x, inp.cos.contiguous(), inp.sin.contiguous(), positions, offset,
+            interleaved=inp.interleaved, layout=inp.layout, inplace=inp.inplace,
+        )  # fmt: skip
+
+
+@register
+class TritonEmbed(_Triton):
+    op = "embed"
+
+    def run(self, inp):
+        from fastpe.kernels.triton.embed import embed_triton
+
+        positions, offset = _torch_positions(inp.positions, inp.weight.device)
+        types = inp.token_type_ids is not None
+        return embed_triton(
+            inp.ids, inp.weight.contiguous(), positions, offset, scale=inp.scale, pe=inp.pe,
+            pe_table=None if inp.pe_table is None else inp.pe_table.contiguous(),
+            omega=reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq) if inp.pe == "sinusoidal" else None,
+            interleaved=inp.layout == "interleaved",
+            token_type_ids=inp.token_type_ids if types else None,
+            token_type_weight=inp.token_type_weight.contiguous() if types else None,
+        )  # fmt: skip
+
+
+@register
+class TritonAttention(_Triton):
+    op = "attention"
+    max_head_dim = 256  # a 128 x 256 q tile and 64 x 256 k/v tiles still fit in shared memory
+
+    def extra_reasons(self, inp):
+        b, hq, hkv, sq, sk, d, dv = inp.shape
+        if max(d, dv) > self.max_head_dim:
+            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
+        return []
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.kernels.triton.attention import attention_triton
+
+        b, hq, hkv, sq, sk, d, dv = inp.shape
+        device = inp.q.device
+        mask = None if inp.mask is None else inp.mask.expand(b, hq, sq, sk)
+        rope = inp.rope_cos is not None
+        qpos, qoff = _torch_positions(inp.q_positions, device) if rope else (None, 0)
+        kpos, koff = _torch_positions(inp.k_positions, device) if rope else (None, 0)
+        sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else None
+        )
+        out, lse = attention_triton(
+            inp.q, inp.k, inp.v, scale=inp.scale, causal=inp.causal, q_offset=inp.q_offset, mask=mask,
+            key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
+            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float().expand(b, hq),
+            t5_table=inp.t5_table, t5_num_buckets=inp.t5_num_buckets, t5_max_distance=inp.t5_max_distance,
+            t5_bidirectional=inp.t5_bidirectional,
+            rope_cos=inp.rope_cos.contiguous() if rope else None, rope_sin=inp.rope_sin.contiguous() if rope else None,
+            rope_interleaved=inp.rope_interleaved, q_positions=qpos, q_pos_offset=qoff,
+            k_positions=kpos, k_pos_offset=koff, num_sms=sms,
+        )  # fmt: skip
+        return (out, lse) if inp.return_lse else out
+
+
+@register
+class TritonMergeAttention(_Triton):
+    op = "merge_attention"
+
+    def run(self, inp):
+        from fastpe.kernels.triton.attention import merge_attention_triton
+
+        return merge_attention_triton(inp.out_a, inp.lse_a.float(), inp.out_b, inp.lse_b.float())

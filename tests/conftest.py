@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+# Without a GPU, the Triton kernels run through Triton's interpreter on CPU torch tensors. It must
+# be switched on before any kernel module is imported (fastpe imports them lazily).
+if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import numpy as np
 import pytest
 from _testkit import FRAMEWORKS

@@ -1,0 +1,355 @@
+"""Flash-style scaled dot-product attention forward on CUDA (Triton).
+
+Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides)
+             -> out [B, Hq, Sq, Dv], lse [B, Hq, Sq] (natural log, fp32).
+
+One program = one block of queries of one (batch, query head), optionally one slice of the keys
+(split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32 with
+exp2 (log2(e) folded into the scale and every bias); tiles above the causal diagonal are never
+visited and only tiles crossing it are masked. GQA reads kv head h // (Hq / Hkv) in place.
+RoPE rotates q and k tiles as they are loaded; ALiBi and T5 buckets are computed per tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fastpe.kernels.triton._common import LN2, LOG2E, interpreted, low_precision_via_fp32, next_pow2
+
+
+@triton.jit
+def _rotated(ptr, rows, cols, stride_row, stride_col, row_ok, col_ok, pos, cos_ptr, sin_ptr,
+             stride_cos, half, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Load a [rows, cols] tile and apply RoPE at positions ``pos`` [rows] (columns >= 2·half
+    pass through). The partner of column d is d ± half (NeoX) or d ^ 1 (GPT-J)."""
+    keep = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(
+        ptr + rows[:, None] * stride_row + cols[None, :] * stride_col, mask=keep, other=0.0
+    ).to(tl.float32)
+    rotary = cols < 2 * half
+    if INTERLEAVED:
+        freq = cols // 2
+        partner = cols ^ 1
+        sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+    else:
+        freq = tl.where(cols < half, cols, cols - half)
+        partner = tl.where(cols < half, cols + half, cols - half)
+        sign = tl.where(cols < half, -1.0, 1.0)
+    rot_keep = keep & rotary[None, :]
+    xp = tl.load(
+        ptr + rows[:, None] * stride_row + partner[None, :] * stride_col, mask=rot_keep, other=0.0
+    ).to(tl.float32)
+    c = tl.load(cos_ptr + pos[:, None] * stride_cos + freq[None, :], mask=rot_keep, other=1.0).to(
+        tl.float32
+    )
+    s = tl.load(sin_ptr + pos[:, None] * stride_cos + freq[None, :], mask=rot_keep, other=0.0).to(
+        tl.float32
+    )
+    return tl.where(rotary[None, :], x * c + sign[None, :] * xp * s, x)
+
+
+@triton.jit
+def _t5_bucket(rel, NUM_BUCKETS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, max_exact, log_span):
+    """T5's bucket of key-minus-query distance ``rel`` (the log in fp32, as T5 evaluates it)."""
+    if BIDIRECTIONAL:
+        bucket = tl.where(rel > 0, NUM_BUCKETS // 2, 0)
+        dist = tl.abs(rel)
+        buckets = NUM_BUCKETS // 2
+    else:
+        bucket = tl.zeros_like(rel)
+        dist = -tl.minimum(rel, 0)
+        buckets = NUM_BUCKETS
+    ratio = tl.maximum(dist, max_exact).to(tl.float32) / max_exact
+    large = max_exact + (tl.log(ratio) / log_span * (buckets - max_exact)).to(tl.int32)
+    large = tl.minimum(large, buckets - 1)
+    return bucket + tl.where(dist < max_exact, dist, large)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    mask_ptr, key_len_ptr, alibi_ptr, t5_ptr, cos_ptr, sin_ptr, qpos_ptr, kpos_ptr,
+    Hq, group, Sq, Sk, D, Dv, q_offset, half, keys_per_split, q_pos_offset, k_pos_offset,
+    t5_max_exact, t5_log_span,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_osplit, stride_ob, stride_oh, stride_os, stride_od,
+    stride_lsplit, stride_lb, stride_lh, stride_ls,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_ab, stride_ah, stride_t5b, stride_t5h, stride_cos,
+    stride_qpb, stride_qps, stride_kpb, stride_kps,
+    scale_log2,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_T5: tl.constexpr,
+    T5_BUCKETS: tl.constexpr, T5_BIDIRECTIONAL: tl.constexpr,
+    HAS_ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // group
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Sq
+    dcols = tl.arange(0, BLOCK_D)
+    vcols = tl.arange(0, BLOCK_DV)
+    q_base = q_ptr + b * stride_qb + h * stride_qh
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    if HAS_ROPE:
+        if HAS_QPOS:
+            qpos = tl.load(qpos_ptr + b * stride_qpb + rows * stride_qps, mask=row_ok, other=0)
+        else:
+            qpos = q_pos_offset + rows
+        q = _rotated(q_base, rows, dcols, stride_qs, stride_qd, row_ok, dcols < D, qpos, cos_ptr, sin_ptr,
+                     stride_cos, half, ROPE_INTERLEAVED)  # fmt: skip
+    else:
+        q = tl.load(q_base + rows[:, None] * stride_qs + dcols[None, :] * stride_qd,
+                    mask=row_ok[:, None] & (dcols[None, :] < D), other=0.0).to(tl.float32)  # fmt: skip
+    q = q * scale_log2  # scores in log2 units
+    if not DOT_FP32:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    # the keys this block may see, then this program's slice of them
+    end = Sk
+    if HAS_KEY_LEN:
+        end = tl.minimum(end, tl.load(key_len_ptr + b))
+    if CAUSAL:
+        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + q_offset)
+    end = tl.maximum(end, 0)
+    lo = split * keys_per_split
+    hi = tl.minimum(end, lo + keys_per_split)
+    qpos_keys = rows + q_offset  # each query's position on the key axis
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah).to(tl.float32) * LOG2E
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        if HAS_ROPE:
+            if HAS_KPOS:
+                kpos = tl.load(kpos_ptr + b * stride_kpb + cols * stride_kps, mask=col_ok, other=0)
+            else:
+                kpos = k_pos_offset + cols
+            k = _rotated(k_base, cols, dcols, stride_ks, stride_kd, col_ok, dcols < D, kpos, cos_ptr, sin_ptr,
+                         stride_cos, half, ROPE_INTERLEAVED)  # fmt: skip
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_ks + dcols[None, :] * stride_kd,
+                        mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(k_ptr.dtype.element_ty)))
+        valid = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            if start + BLOCK_N - 1 > pid_m * BLOCK_M + q_offset:  # only tiles crossing the diagonal
+                valid = valid & (cols[None, :] <= qpos_keys[:, None])
+        if HAS_ALIBI:
+            s -= slope * tl.abs(qpos_keys[:, None] - cols[None, :]).to(tl.float32)
+        if HAS_T5:
+            bucket = _t5_bucket((cols[None, :] - qpos_keys[:, None]).to(tl.int32), T5_BUCKETS, T5_BIDIRECTIONAL,
+                                t5_max_exact, t5_log_span)  # fmt: skip
+            s += (
+                tl.load(t5_ptr + bucket * stride_t5b + h * stride_t5h, mask=valid, other=0.0).to(
+                    tl.float32
+                )
+                * LOG2E
+            )
+        if HAS_MASK:
+            m_ptrs = (
+                mask_ptr
+                + b * stride_mb
+                + h * stride_mh
+                + rows[:, None] * stride_mq
+                + cols[None, :] * stride_mk
+            )
+            if MASK_IS_BOOL:
+                valid = valid & (tl.load(m_ptrs, mask=valid, other=0) != 0)
+            else:
+                s += tl.load(m_ptrs, mask=valid, other=0.0).to(tl.float32) * LOG2E
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * stride_vs + vcols[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    seen = l_i > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    o_ptrs = (
+        out_ptr
+        + split * stride_osplit
+        + b * stride_ob
+        + h * stride_oh
+        + rows[:, None] * stride_os
+        + vcols[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (vcols[None, :] < Dv))
+    tl.store(
+        lse_ptr + split * stride_lsplit + b * stride_lb + h * stride_lh + rows * stride_ls,
+        lse,
+        mask=row_ok,
+    )
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    n_parts, rows, Dv,
+    stride_po_part, stride_po_row, stride_pl_part, stride_o_row,
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """out = Σ_s part_out[s]·exp(lse_s - lse), lse = log Σ_s exp(lse_s); empty rows stay 0/-inf.
+    Parts and rows are flattened: part_out [n_parts, rows, Dv], part_lse [n_parts, rows]."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_DV)
+    r_ok = r < rows
+    top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for part in range(n_parts):
+        top = tl.maximum(
+            top, tl.load(part_lse_ptr + part * stride_pl_part + r, mask=r_ok, other=float("-inf"))
+        )
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
+    for part in range(n_parts):
+        w = tl.exp(
+            tl.load(part_lse_ptr + part * stride_pl_part + r, mask=r_ok, other=float("-inf"))
+            - top_safe
+        )
+        total += w
+        x = tl.load(part_out_ptr + part * stride_po_part + r[:, None] * stride_po_row + c[None, :],
+                    mask=r_ok[:, None] & (c[None, :] < Dv), other=0.0).to(tl.float32)  # fmt: skip
+        acc += w[:, None] * x
+    seen = total > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(out_ptr + r[:, None] * stride_o_row + c[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (c[None, :] < Dv))  # fmt: skip
+    tl.store(lse_ptr + r, lse, mask=r_ok)
+
+
+def _merge(part_out, part_lse, out_dtype):
+    """part_out [n, B, H, S, Dv], part_lse [n, B, H, S] -> (out, lse)."""
+    n, b, h, s, dv = part_out.shape
+    rows = b * h * s
+    po = part_out.reshape(n, rows, dv).contiguous()
+    pl = part_lse.reshape(n, rows).contiguous().float()
+    out = torch.empty((rows, dv), dtype=out_dtype, device=part_out.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=part_out.device)
+    block_r = 16
+    if rows:
+        _merge_kernel[(triton.cdiv(rows, block_r),)](
+            po, pl, out, lse, n, rows, dv, po.stride(0), po.stride(1), pl.stride(0), out.stride(0),
+            BLOCK_R=block_r, BLOCK_DV=next_pow2(dv),
+        )  # fmt: skip
+    return out.reshape(b, h, s, dv), lse.reshape(b, h, s)
+
+
+def merge_attention_triton(out_a, lse_a, out_b, lse_b):
+    via_fp32 = low_precision_via_fp32(out_a.dtype)
+    out, lse = _merge(
+        torch.stack([out_a, out_b]),
+        torch.stack([lse_a, lse_b]),
+        torch.float32 if via_fp32 else out_a.dtype,
+    )
+    return out.to(out_a.dtype), lse
+
+
+def _block_sizes(sq: int, d: int) -> tuple[int, int]:
+    """A single config under the interpreter (it costs ~1 ms a program: keep grids tiny);
+    on a GPU, 128 x 64 tiles (64 x 64 for head dims above 128) — H100's sweet spot for the
+    forward pass at these head dims."""
+    if interpreted():
+        return 16, 16
+    block_m = 64 if d > 128 or sq <= 64 else 128
+    return block_m, 64
+
+
+def attention_triton(
+    q, k, v, *, scale, causal, q_offset, mask=None, key_lengths=None, alibi_slopes=None,
+    t5_table=None, t5_num_buckets=32, t5_max_distance=128, t5_bidirectional=True,
+    rope_cos=None, rope_sin=None, rope_interleaved=False, q_positions=None, q_pos_offset=0,
+    k_positions=None, k_pos_offset=0, num_sms=None,
+):  # fmt: skip
+    """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). ``mask`` is already
+    broadcast to [B, Hq, Sq, Sk] as a stride-0 view; positions are int64 [Sq]/[B, Sq] tensors
+    or None (offset + index). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
+    import math
+
+    batch, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    device = q.device
+    block_m, block_n = _block_sizes(sq, d)
+    # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
+    dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
+    m_blocks = triton.cdiv(sq, block_m)
+    # split the keys when (query blocks x heads x batch) cannot fill the GPU: decoding
+    programs = m_blocks * batch * hq
+    n_splits = 1
+    if not interpreted() and num_sms and programs < num_sms and sk > 4 * block_n:
+        n_splits = min(triton.cdiv(sk, block_n), triton.cdiv(2 * num_sms, programs))
+    elif interpreted() and sq == 1 and sk > 2 * block_n:
+        n_splits = 2  # keep the split-KV path covered by the interpreter tests
+    keys_per_split = triton.cdiv(triton.cdiv(sk, n_splits), block_n) * block_n
+    out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
+    part_out = torch.empty((n_splits, batch, hq, sq, dv), dtype=out_dtype, device=device)
+    part_lse = torch.empty((n_splits, batch, hq, sq), dtype=torch.float32, device=device)
+    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
+    mask_t = mask if mask is not None else dummy
+    pos_dummy = torch.zeros((1, 1), dtype=torch.int64, device=device)
+
+    def pos_strides(p):
+        return (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
+
+    qpos = q_positions if q_positions is not None else pos_dummy
+    kpos = k_positions if k_positions is not None else pos_dummy
+    alibi = alibi_slopes if alibi_slopes is not None else dummy[0, 0]
+    t5 = t5_table if t5_table is not None else dummy[0, 0]
+    buckets = t5_num_buckets // 2 if t5_bidirectional else t5_num_buckets
+    max_exact = max(buckets // 2, 1)
+    cos = rope_cos if rope_cos is not None else dummy[0, 0]
+    sin = rope_sin if rope_sin is not None else dummy[0, 0]
+    key_len = (
+        key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
+    )
+    grid = (m_blocks, batch * hq, n_splits)
+    if batch * hq * sq:
+        _attention_kernel[grid](
+            q, k, v, part_out, part_lse, mask_t, key_len, alibi, t5, cos, sin, qpos, kpos,
+            hq, hq // hkv, sq, sk, d, dv, q_offset, 0 if rope_cos is None else rope_cos.shape[1],
+            keys_per_split, q_pos_offset, k_pos_offset,
+            max_exact, math.log(t5_max_distance / max_exact) if t5_table is not None else 1.0,
+            *q.stride(), *k.stride(), *v.stride(), *part_out.stride(), *part_lse.stride(), *mask_t.stride(),
+            alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), t5.stride(0), t5.stride(1),
+            cos.stride(0), *pos_strides(qpos), *pos_strides(kpos),
+            scale * LOG2E.value,
+            CAUSAL=causal, HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+            HAS_KEY_LEN=key_lengths is not None, HAS_ALIBI=alibi_slopes is not None,
+            HAS_T5=t5_table is not None, T5_BUCKETS=t5_num_buckets, T5_BIDIRECTIONAL=t5_bidirectional,
+            HAS_ROPE=rope_cos is not None, ROPE_INTERLEAVED=rope_interleaved,
+            HAS_QPOS=q_positions is not None, HAS_KPOS=k_positions is not None,
+            DOT_FP32=dot_fp32,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
+        )  # fmt: skip
+    if n_splits == 1:
+        out, lse = part_out[0], part_lse[0]
+    else:
+        out, lse = _merge(part_out, part_lse, torch.float32)
+    return out.to(q.dtype), lse

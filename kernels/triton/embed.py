@@ -1,0 +1,104 @@
+"""Fused token embedding + positional encoding (+ token type) on CUDA (Triton), one pass.
+
+Logical shapes: ids, token types [B·S]; positions [B, S] or offset + s; weight [V, D];
+pe_table [P, D]; token_type_weight [T, D] -> out [B·S, D].
+out[t] = scale · weight[ids[t]] + PE(pos[t]) [+ token_type_weight[tt[t]]], summed in fp32. The
+sinusoidal PE is computed on the fly with the fp64 product (no table read).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2, sincos_of_product
+
+PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
+
+
+@triton.jit
+def _embed_kernel(
+    ids_ptr, weight_ptr, out_ptr, pos_ptr, omega_ptr, pe_ptr, type_ids_ptr, type_weight_ptr,
+    tokens, seq, dim, half, pos_offset, scale,
+    stride_w, stride_out, stride_pe, stride_tw, stride_pos_b, stride_pos_s,
+    PE_KIND: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_TYPES: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    token_ok = t < tokens
+    keep = token_ok[:, None] & (cols[None, :] < dim)
+    ids = tl.load(ids_ptr + t, mask=token_ok, other=0)
+    value = scale * tl.load(
+        weight_ptr + ids[:, None] * stride_w + cols[None, :], mask=keep, other=0.0
+    ).to(tl.float32)
+    if HAS_TYPES:
+        types = tl.load(type_ids_ptr + t, mask=token_ok, other=0)
+        value += tl.load(
+            type_weight_ptr + types[:, None] * stride_tw + cols[None, :], mask=keep, other=0.0
+        ).to(tl.float32)
+    if PE_KIND != 0:
+        if HAS_POSITIONS:
+            pos = tl.load(
+                pos_ptr + (t // seq) * stride_pos_b + (t % seq) * stride_pos_s,
+                mask=token_ok,
+                other=0,
+            )
+        else:
+            pos = pos_offset + t % seq
+        if PE_KIND == 1:
+            if INTERLEAVED:
+                freq, is_cos = cols // 2, (cols % 2) == 1
+            else:
+                freq, is_cos = tl.where(cols < half, cols, cols - half), cols >= half
+            omega = tl.load(omega_ptr + freq, mask=cols < dim, other=0.0)
+            sin, cos = sincos_of_product(pos[:, None], omega[None, :])
+            value += tl.where(is_cos[None, :], cos, sin)
+        else:
+            value += tl.load(
+                pe_ptr + pos[:, None] * stride_pe + cols[None, :], mask=keep, other=0.0
+            ).to(tl.float32)
+    tl.store(
+        out_ptr + t[:, None] * stride_out + cols[None, :],
+        value.to(out_ptr.dtype.element_ty),
+        mask=keep,
+    )
+
+
+def embed_triton(
+    ids, weight, positions, pos_offset, *, scale, pe, pe_table=None, omega=None, interleaved=True,
+    token_type_ids=None, token_type_weight=None,
+):  # fmt: skip
+    """ids int [B, S]; positions int64 tensor [S] or [B, S] or None (pos_offset + s)."""
+    batch, seq = ids.shape
+    dim = weight.shape[1]
+    device = weight.device
+    store = torch.float32 if low_precision_via_fp32(weight.dtype) else weight.dtype
+    out = torch.empty((batch * seq, dim), dtype=store, device=device)
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    kind = {"sinusoidal": PE_SINUSOIDAL, "table": PE_TABLE}.get(pe, PE_NONE)
+    omega_t = (
+        torch.as_tensor(omega, dtype=torch.float64, device=device)
+        if kind == PE_SINUSOIDAL
+        else dummy.double()
+    )
+    pos = (
+        positions
+        if positions is not None
+        else torch.zeros((1, 1), dtype=torch.int64, device=device)
+    )
+    pos_strides = (0, pos.stride(0)) if pos.dim() == 1 else (pos.stride(0), pos.stride(1))
+    has_types = token_type_ids is not None
+    types = token_type_ids.reshape(-1).to(torch.int64) if has_types else dummy.long()
+    type_weight = token_type_weight if has_types else dummy[None]
+    table = pe_table if kind == PE_TABLE else dummy[None]
+    block_t, block_d = 16, min(256, next_pow2(dim))
+    if batch * seq:
+        _embed_kernel[(triton.cdiv(batch * seq, block_t), triton.cdiv(dim, block_d))](
+            ids.reshape(-1).to(torch.int64), weight, out, pos, omega_t, table, types, type_weight,
+            batch * seq, seq, dim, dim // 2, pos_offset, float(scale),
+            weight.stride(0), out.stride(0), table.stride(0), type_weight.stride(0), *pos_strides,
+            PE_KIND=kind, HAS_POSITIONS=positions is not None, HAS_TYPES=has_types,
+            INTERLEAVED=interleaved, BLOCK_T=block_t, BLOCK_D=block_d,
+        )  # fmt: skip
+    return out.reshape(batch, seq, dim).to(weight.dtype)
