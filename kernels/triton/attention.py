@@ -66,6 +66,40 @@ def _t5_bucket(rel, NUM_BUCKETS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, max_
     return bucket + tl.where(dist < max_exact, dist, large)
 
 
+def _configs():
+    """A single config under the interpreter (multi-config autotuning needs a GPU, and each
+    interpreted program costs ~1 ms); on a GPU a short list, pruned by head dim below."""
+    if interpreted():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bm, bn, w, st in [
+            (128, 64, 8, 3),
+            (128, 32, 4, 3),
+            (64, 64, 4, 3),
+            (128, 128, 8, 2),
+            (64, 32, 4, 2),
+        ]
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Large head dims cannot hold 128 x 128 tiles in shared memory; tiny query counts
+    (decoding) waste most of a 128-row block."""
+    d = max(named_args["D"], named_args["Dv"])
+    kept = [
+        c for c in configs if not (d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)
+    ]
+    if named_args["Sq"] <= 64:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] == 64] or kept
+    return kept or configs[:1]
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["Sq", "Sk", "D", "Dv", "group"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
@@ -272,14 +306,8 @@ def merge_attention_triton(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
-def _block_sizes(sq: int, d: int) -> tuple[int, int]:
-    """A single config under the interpreter (it costs ~1 ms a program: keep grids tiny);
-    on a GPU, 128 x 64 tiles (64 x 64 for head dims above 128) — H100's sweet spot for the
-    forward pass at these head dims."""
-    if interpreted():
-        return 16, 16
-    block_m = 64 if d > 128 or sq <= 64 else 128
-    return block_m, 64
+# Split-KV slices are whole multiples of this, so they suit every autotuned BLOCK_N.
+SPLIT_GRANULE = 128
 
 
 def attention_triton(
@@ -296,18 +324,16 @@ def attention_triton(
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
-    block_m, block_n = _block_sizes(sq, d)
     # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
-    m_blocks = triton.cdiv(sq, block_m)
     # split the keys when (query blocks x heads x batch) cannot fill the GPU: decoding
-    programs = m_blocks * batch * hq
+    programs = triton.cdiv(sq, 64) * batch * hq
     n_splits = 1
-    if not interpreted() and num_sms and programs < num_sms and sk > 4 * block_n:
-        n_splits = min(triton.cdiv(sk, block_n), triton.cdiv(2 * num_sms, programs))
-    elif interpreted() and sq == 1 and sk > 2 * block_n:
+    if not interpreted() and num_sms and programs < num_sms and sk > 4 * SPLIT_GRANULE:
+        n_splits = min(triton.cdiv(sk, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
+    elif interpreted() and sq == 1 and sk > SPLIT_GRANULE:
         n_splits = 2  # keep the split-KV path covered by the interpreter tests
-    keys_per_split = triton.cdiv(triton.cdiv(sk, n_splits), block_n) * block_n
+    keys_per_split = triton.cdiv(triton.cdiv(sk, n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
     out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
     part_out = torch.empty((n_splits, batch, hq, sq, dv), dtype=out_dtype, device=device)
     part_lse = torch.empty((n_splits, batch, hq, sq), dtype=torch.float32, device=device)
@@ -329,7 +355,10 @@ def attention_triton(
     key_len = (
         key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
     )
-    grid = (m_blocks, batch * hq, n_splits)
+
+    def grid(meta):
+        return (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq, n_splits)
+
     if batch * hq * sq:
         _attention_kernel[grid](
             q, k, v, part_out, part_lse, mask_t, key_len, alibi, t5, cos, sin, qpos, kpos,
@@ -345,8 +374,7 @@ def attention_triton(
             HAS_T5=t5_table is not None, T5_BUCKETS=t5_num_buckets, T5_BIDIRECTIONAL=t5_bidirectional,
             HAS_ROPE=rope_cos is not None, ROPE_INTERLEAVED=rope_interleaved,
             HAS_QPOS=q_positions is not None, HAS_KPOS=k_positions is not None,
-            DOT_FP32=dot_fp32,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
+            DOT_FP32=dot_fp32, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
         )  # fmt: skip
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]
