@@ -7,6 +7,8 @@ tensor on the same device. ``backend=`` picks "numpy" (float64 oracle), "numba" 
 
 from __future__ import annotations
 
+import sys
+
 from fastpe import dispatch, reference
 from fastpe._inputs import (
     FREQS,
@@ -20,6 +22,20 @@ from fastpe._inputs import (
     _check_sinusoidal_dim,
 )
 from fastpe._validate import check_choice, check_float, check_int
+
+
+def _torch_graph(*arrays, device=None) -> bool:
+    """True when a call must go through ``torch.ops.fastpe``: under torch.compile (so the trace
+    sees one opaque op, not our NumPy-level validation), or when autograd would record an input.
+    Never imports torch: a caller without torch has no tensors."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if torch.compiler.is_compiling():
+        return any(isinstance(a, torch.Tensor) for a in arrays) or device is not None
+    return torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in arrays
+    )
 
 
 def sinusoidal_table(
@@ -39,6 +55,11 @@ def sinusoidal_table(
     NumPy, otherwise a torch tensor on that device. Matches transformers' XLM / Marian / M2M100
     tables.
     """
+    if _torch_graph(device=device):
+        from fastpe import torch_ops
+
+        return torch_ops.call_sinusoidal_table(num_positions, dim, base=base, layout=layout, freq=freq,
+                                               offset=offset, dtype=dtype, device=device, backend=backend)  # fmt: skip
     inputs = SinusoidalTableInputs.build(
         num_positions, dim, base=base, layout=layout, freq=freq, offset=offset, dtype=dtype,
         device=device,
@@ -75,6 +96,11 @@ def rope_table(
     longrope, llama3) gives the same frequencies as transformers; dynamic NTK and longrope choose
     their parameters from the table's length, as transformers does for that sequence length.
     """
+    if _torch_graph(device=device):
+        from fastpe import torch_ops
+
+        return torch_ops.call_rope_table(num_positions, rotary_dim, base=base, scaling=scaling,
+                                         offset=offset, dtype=dtype, device=device, backend=backend)  # fmt: skip
     inputs = RopeTableInputs.build(
         num_positions, rotary_dim, base=base, scaling=scaling, offset=offset, dtype=dtype,
         device=device,
@@ -97,6 +123,11 @@ def apply_rope(
     ``interleaved=True`` (GPT-J / RoFormer). Elements R … D-1 pass through (partial rotary).
     Returns a new array in x's dtype, or x itself, rotated, when ``inplace=True``.
     """
+    if _torch_graph(x, cos, sin, positions):
+        from fastpe import torch_ops
+
+        return torch_ops.call_apply_rope(x, cos, sin, positions=positions, interleaved=interleaved,
+                                         layout=layout, inplace=inplace, backend=backend)  # fmt: skip
     inputs = ApplyRopeInputs.build(
         x, cos, sin, positions=positions, interleaved=interleaved, layout=layout, inplace=inplace
     )
@@ -118,6 +149,12 @@ def embed(
     [B, S]. ``scale`` is sqrt(D) for the paper / Marian / fairseq, 1 for BERT. An id, token type
     or (table) position outside its table raises IndexError naming the value.
     """
+    if _torch_graph(ids, weight, pe_table, positions, token_type_ids, token_type_weight):
+        from fastpe import torch_ops
+
+        return torch_ops.call_embed(ids, weight, positions=positions, pe=pe, pe_table=pe_table, scale=scale,
+                                    base=base, layout=layout, freq=freq, token_type_ids=token_type_ids,
+                                    token_type_weight=token_type_weight, backend=backend)  # fmt: skip
     inputs = EmbedInputs.build(
         ids, weight, positions=positions, pe=pe, pe_table=pe_table, scale=scale, base=base,
         layout=layout, freq=freq, token_type_ids=token_type_ids,
@@ -154,6 +191,13 @@ def attention(
     ``return_lse=True`` returns ``(out, lse)``, lse [B, Hq, Sq] float32 natural-log
     log-sum-exp of the scores, for ``merge_attention``.
     """
+    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes):
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
+                                        key_lengths=key_lengths, scale=scale, rope=rope,
+                                        alibi_slopes=alibi_slopes, relative_bias=relative_bias,
+                                        return_lse=return_lse, backend=backend)  # fmt: skip
     inputs = AttentionInputs.build(
         q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
         key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
@@ -170,4 +214,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     returns ``(out, lse)`` with lse float32. The primitive for split-KV decoding and for
     sharding a context over devices. Rows empty on both sides stay 0 with lse = -inf.
     """
+    if _torch_graph(out_a, lse_a, out_b, lse_b):
+        from fastpe import torch_ops
+
+        return torch_ops.call_merge_attention(out_a, lse_a, out_b, lse_b, backend=backend)
     return dispatch.run(MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), backend)

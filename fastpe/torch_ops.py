@@ -1,0 +1,274 @@
+"""fastpe's ops as torch custom ops (``torch.ops.fastpe.*``), so torch.compile traces through them.
+
+Imported only when a torch tensor meets a fastpe op under ``torch.compile`` or with autograd
+recording (never by ``import fastpe``). Each op's real implementation is the ordinary validated,
+dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution time; its fake
+implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
+API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
+
+No op has a backward yet: a graph that records them still runs forward, and ``backward()``
+through one raises a clear error instead of returning wrong or missing gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastpe import dispatch
+from fastpe._inputs import (
+    ApplyRopeInputs,
+    AttentionInputs,
+    EmbedInputs,
+    MergeAttentionInputs,
+    RopeTableInputs,
+    SinusoidalTableInputs,
+)
+
+
+def _no_backward(op_name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"fastpe.{op_name} has no backward: fastpe's kernels are inference kernels. Run the "
+            "model under torch.no_grad() / torch.inference_mode(), or use an attention "
+            "implementation with a backward (e.g. 'sdpa') for training."
+        )
+
+    return backward
+
+
+def _positions(tensor: Tensor | None, offset: int):
+    return offset if tensor is None else tensor
+
+
+def _backend(name: str):
+    return name or None
+
+
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("fastpe::sinusoidal_table", mutates_args=())
+def sinusoidal_table_op(
+    num_positions: int, dim: int, base: float, layout: str, freq: str, offset: int,
+    dtype: torch.dtype, device: torch.device, backend: str,
+) -> Tensor:  # fmt: skip
+    inputs = SinusoidalTableInputs.build(
+        num_positions,
+        dim,
+        base=base,
+        layout=layout,
+        freq=freq,
+        offset=offset,
+        dtype=dtype,
+        device=device,
+    )
+    return dispatch.run(inputs, _backend(backend))
+
+
+@sinusoidal_table_op.register_fake
+def _(num_positions, dim, base, layout, freq, offset, dtype, device, backend):
+    return torch.empty((num_positions, dim), dtype=dtype, device=device)
+
+
+@torch.library.custom_op("fastpe::rope_table", mutates_args=())
+def rope_table_op(
+    num_positions: int, rotary_dim: int, base: float, scaling_repr: str, offset: int,
+    dtype: torch.dtype, device: torch.device, backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    import ast
+
+    scaling = dict(ast.literal_eval(scaling_repr)) if scaling_repr else None
+    inputs = RopeTableInputs.build(
+        num_positions,
+        rotary_dim,
+        base=base,
+        scaling=scaling,
+        offset=offset,
+        dtype=dtype,
+        device=device,
+    )
+    cos, sin = dispatch.run(inputs, _backend(backend))
+    return cos, sin
+
+
+@rope_table_op.register_fake
+def _(num_positions, rotary_dim, base, scaling_repr, offset, dtype, device, backend):
+    shape = (num_positions, rotary_dim // 2)
+    return torch.empty(shape, dtype=dtype, device=device), torch.empty(
+        shape, dtype=dtype, device=device
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("fastpe::apply_rope", mutates_args=())
+def apply_rope_op(
+    x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, offset: int, interleaved: bool,
+    layout: str, backend: str,
+) -> Tensor:  # fmt: skip
+    inputs = ApplyRopeInputs.build(
+        x, cos, sin, positions=_positions(positions, offset), interleaved=interleaved, layout=layout,
+        inplace=False,
+    )  # fmt: skip
+    return dispatch.run(inputs, _backend(backend))
+
+
+@apply_rope_op.register_fake
+def _(x, cos, sin, positions, offset, interleaved, layout, backend):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+torch.library.register_autograd("fastpe::apply_rope", _no_backward("apply_rope"))
+
+
+@torch.library.custom_op("fastpe::embed", mutates_args=())
+def embed_op(
+    ids: Tensor, weight: Tensor, positions: Tensor | None, offset: int, pe: str,
+    pe_table: Tensor | None, scale: float, base: float, layout: str, freq: str,
+    token_type_ids: Tensor | None, token_type_weight: Tensor | None, backend: str,
+) -> Tensor:  # fmt: skip
+    inputs = EmbedInputs.build(
+        ids, weight, positions=_positions(positions, offset), pe=pe or None, pe_table=pe_table,
+        scale=scale, base=base, layout=layout, freq=freq, token_type_ids=token_type_ids,
+        token_type_weight=token_type_weight,
+    )  # fmt: skip
+    return dispatch.run(inputs, _backend(backend))
+
+
+@embed_op.register_fake
+def _(
+    ids,
+    weight,
+    positions,
+    offset,
+    pe,
+    pe_table,
+    scale,
+    base,
+    layout,
+    freq,
+    token_type_ids,
+    token_type_weight,
+    backend,
+):
+    return weight.new_empty((ids.shape[0], ids.shape[1], weight.shape[1]))
+
+
+torch.library.register_autograd("fastpe::embed", _no_backward("embed"))
+
+
+@torch.library.custom_op("fastpe::attention", mutates_args=())
+def attention_op(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
+    key_lengths: Tensor | None, scale: float | None, rope_cos: Tensor | None,
+    rope_sin: Tensor | None, rope_interleaved: bool, q_positions: Tensor | None,
+    q_offset: int | None, k_positions: Tensor | None, k_offset: int,
+    alibi_slopes: Tensor | None, t5_table: Tensor | None, t5_num_buckets: int,
+    t5_max_distance: int, t5_bidirectional: bool, backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    rope = None
+    if rope_cos is not None:
+        rope = {"cos": rope_cos, "sin": rope_sin, "interleaved": rope_interleaved,
+                "k_positions": _positions(k_positions, k_offset)}  # fmt: skip
+        if q_positions is not None or q_offset is not None:
+            rope["q_positions"] = _positions(q_positions, q_offset)
+    relative_bias = None
+    if t5_table is not None:
+        relative_bias = {"table": t5_table, "num_buckets": t5_num_buckets,
+                         "max_distance": t5_max_distance, "bidirectional": t5_bidirectional}  # fmt: skip
+    inputs = AttentionInputs.build(
+        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
+        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias, return_lse=True,
+    )  # fmt: skip
+    out, lse = dispatch.run(inputs, _backend(backend))
+    return out, lse
+
+
+@attention_op.register_fake
+def _(q, k, v, *args):
+    b, hq, sq, _ = q.shape
+    return q.new_empty((b, hq, sq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+torch.library.register_autograd("fastpe::attention", _no_backward("attention"))
+
+
+@torch.library.custom_op("fastpe::merge_attention", mutates_args=())
+def merge_attention_op(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    out, lse = dispatch.run(
+        MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), _backend(backend)
+    )
+    return out, lse
+
+
+@merge_attention_op.register_fake
+def _(out_a, lse_a, out_b, lse_b, backend):
+    return torch.empty_like(out_a), torch.empty_like(lse_a, dtype=torch.float32)
+
+
+torch.library.register_autograd("fastpe::merge_attention", _no_backward("merge_attention"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The public API's flattened calls (fastpe.api routes here under compile or autograd recording)
+
+
+def _split_positions(positions):
+    """Public ``positions`` (None | int | tensor) -> (tensor or None, int offset or None)."""
+    if positions is None or isinstance(positions, int):
+        return None, positions
+    return positions, None
+
+
+def call_apply_rope(x, cos, sin, *, positions, interleaved, layout, inplace, backend):
+    tensor, offset = _split_positions(positions)
+    out = apply_rope_op(x, cos, sin, tensor, offset or 0, interleaved, layout, backend or "")
+    return x.copy_(out) if inplace else out
+
+
+def call_embed(ids, weight, *, positions, pe, pe_table, scale, base, layout, freq,
+               token_type_ids, token_type_weight, backend):  # fmt: skip
+    tensor, offset = _split_positions(positions)
+    return embed_op(ids, weight, tensor, offset or 0, pe or "", pe_table, float(scale), float(base), layout,
+                    freq, token_type_ids, token_type_weight, backend or "")  # fmt: skip
+
+
+def call_attention(q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope,
+                   alibi_slopes, relative_bias, return_lse, backend):  # fmt: skip
+    rope = rope or {}
+    q_pos, q_off = _split_positions(rope.get("q_positions"))
+    k_pos, k_off = _split_positions(rope.get("k_positions"))
+    bias = relative_bias or {}
+    out, lse = attention_op(
+        q, k, v, causal, causal_alignment, mask, key_lengths, None if scale is None else float(scale),
+        rope.get("cos"), rope.get("sin"), bool(rope.get("interleaved", False)), q_pos, q_off, k_pos,
+        k_off or 0, alibi_slopes, bias.get("table"), int(bias.get("num_buckets", 32)),
+        int(bias.get("max_distance", 128)), bool(bias.get("bidirectional", True)), backend or "",
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def call_merge_attention(out_a, lse_a, out_b, lse_b, *, backend):
+    return merge_attention_op(out_a, lse_a, out_b, lse_b, backend or "")
+
+
+def call_sinusoidal_table(
+    num_positions, dim, *, base, layout, freq, offset, dtype, device, backend
+):
+    return sinusoidal_table_op(num_positions, dim, float(base), layout, freq, offset,
+                               _torch_dtype(dtype), torch.device(device), backend or "")  # fmt: skip
+
+
+def call_rope_table(num_positions, rotary_dim, *, base, scaling, offset, dtype, device, backend):
+    # the dict travels as the repr of its sorted items: Dynamo folds repr() of a constant (not
+    # json.dumps), and ast.literal_eval reads it back
+    scaling_repr = repr(sorted(scaling.items())) if scaling else ""
+    return rope_table_op(num_positions, rotary_dim, float(base), scaling_repr,
+                         offset, _torch_dtype(dtype), torch.device(device), backend or "")  # fmt: skip
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, str(dtype).removeprefix("torch."))
