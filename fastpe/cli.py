@@ -32,6 +32,21 @@ def info() -> str:
     lines.append("backends:")
     for name, status in fastpe.backends().items():
         lines.append(f"  {name:7s} {status}")
+    lines.append("threads and devices:")
+    try:
+        import numba
+
+        lines.append(f"  numba threads {numba.get_num_threads()} (numba.set_num_threads / NUMBA_NUM_THREADS)")
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        lines.append(f"  torch threads {torch.get_num_threads()}")
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"  CUDA devices  {', '.join(gpus) if gpus else 'none'}")
+    except ImportError:
+        lines.append("  torch         not installed (no tensor support, no CUDA)")
     return "\n".join(lines)
 
 

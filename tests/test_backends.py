@@ -291,3 +291,20 @@ def test_attention_sharp_scores_and_masked_row_starts(backend, rng):
         finite = np.isfinite(want_lse)
         np.testing.assert_array_equal(np.isfinite(lse), finite)
         np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=2e-6, atol=2e-5)
+
+
+def test_numba_follows_set_num_threads(rng):
+    """The kernels use numba's thread count (one thread: no split-KV, same answer)."""
+    numba = pytest.importorskip("numba")
+    if fastpe.backends()["numba"] != "available":
+        pytest.skip(fastpe.backends()["numba"])
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 4, 1, 16), (1, 2, 900, 16), (1, 2, 900, 16)))
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = fastpe.attention(q, k, v, backend="numba")
+    finally:
+        numba.set_num_threads(before)
+    many = fastpe.attention(q, k, v, backend="numba")
+    _close(one, fastpe.attention(q, k, v, **O), 2e-6, "one thread")
+    _close(many, one, 2e-6, "all threads vs one")
