@@ -84,9 +84,20 @@ def _features(**flags: bool) -> frozenset[str]:
     return frozenset(name for name, on in flags.items() if on)
 
 
+class _Inputs:
+    """What the dispatcher reads from every record: ``op``, ``placement``, ``dtype``, and the
+    optional features a capability table may lack (none, unless an op says otherwise)."""
+
+    op: ClassVar[str]
+
+    @property
+    def features(self) -> frozenset[str]:
+        return frozenset()
+
+
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
-class SinusoidalTableInputs:
+class SinusoidalTableInputs(_Inputs):
     op: ClassVar[str] = "sinusoidal_table"
     num_positions: int
     dim: int
@@ -96,10 +107,6 @@ class SinusoidalTableInputs:
     offset: int
     dtype: str
     placement: Placement
-
-    @property
-    def features(self) -> frozenset[str]:
-        return frozenset()
 
     @classmethod
     def build(cls, num_positions, dim, *, base, layout, freq, offset, dtype, device):
@@ -122,7 +129,7 @@ class SinusoidalTableInputs:
 
 
 @dataclass(frozen=True, eq=False)
-class RopeTableInputs:
+class RopeTableInputs(_Inputs):
     op: ClassVar[str] = "rope_table"
     num_positions: int
     inv_freq: np.ndarray  # float64 [R/2]
@@ -130,10 +137,6 @@ class RopeTableInputs:
     offset: int
     dtype: str
     placement: Placement
-
-    @property
-    def features(self) -> frozenset[str]:
-        return frozenset()
 
     @classmethod
     def build(cls, num_positions, rotary_dim, *, base, scaling, offset, dtype, device):
@@ -175,7 +178,7 @@ def _check_rope_tables(prefix: str, cos, sin, head_dim: int):
 
 
 @dataclass(frozen=True, eq=False)
-class ApplyRopeInputs:
+class ApplyRopeInputs(_Inputs):
     op: ClassVar[str] = "apply_rope"
     x: Any
     cos: Any
@@ -237,7 +240,7 @@ class ApplyRopeInputs:
 
 
 @dataclass(frozen=True, eq=False)
-class EmbedInputs:
+class EmbedInputs(_Inputs):
     op: ClassVar[str] = "embed"
     ids: Any  # int [B, S]
     weight: Any  # [V, D]
@@ -351,7 +354,7 @@ RELATIVE_BIAS_KEYS = frozenset({"table", "num_buckets", "max_distance", "bidirec
 
 
 @dataclass(frozen=True, eq=False)
-class AttentionInputs:
+class AttentionInputs(_Inputs):
     op: ClassVar[str] = "attention"
     q: Any  # [B, Hq, Sq, D]
     k: Any  # [B, Hkv, Sk, D]
@@ -580,7 +583,7 @@ class AttentionInputs:
 
 
 @dataclass(frozen=True, eq=False)
-class MergeAttentionInputs:
+class MergeAttentionInputs(_Inputs):
     op: ClassVar[str] = "merge_attention"
     out_a: Any  # [B, H, S, D]
     lse_a: Any  # [B, H, S] float
@@ -588,10 +591,6 @@ class MergeAttentionInputs:
     lse_b: Any
     dtype: str
     placement: Placement
-
-    @property
-    def features(self) -> frozenset[str]:
-        return frozenset()
 
     @classmethod
     def build(cls, out_a, lse_a, out_b, lse_b):
