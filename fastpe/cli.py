@@ -36,7 +36,9 @@ def info() -> str:
     try:
         import numba
 
-        lines.append(f"  numba threads {numba.get_num_threads()} (numba.set_num_threads / NUMBA_NUM_THREADS)")
+        lines.append(
+            f"  numba threads {numba.get_num_threads()} (numba.set_num_threads / NUMBA_NUM_THREADS)"
+        )
     except ImportError:
         pass
     try:

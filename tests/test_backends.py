@@ -298,7 +298,10 @@ def test_numba_follows_set_num_threads(rng):
     numba = pytest.importorskip("numba")
     if fastpe.backends()["numba"] != "available":
         pytest.skip(fastpe.backends()["numba"])
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 4, 1, 16), (1, 2, 900, 16), (1, 2, 900, 16)))
+    q, k, v = (
+        rng.standard_normal(s).astype(np.float32)
+        for s in ((1, 4, 1, 16), (1, 2, 900, 16), (1, 2, 900, 16))
+    )
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
