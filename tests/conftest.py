@@ -24,3 +24,17 @@ def fw(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test parametrised over backends skips (with the reasons) where its backend refuses the
+    call — the registry's capability tables decide, as in the dispatcher. Other errors fail."""
+    import fastpe
+
+    try:
+        return (yield)
+    except fastpe.BackendNotSupportedError as exc:
+        if "backend" not in pyfuncitem.fixturenames:
+            raise
+        pytest.skip(str(exc))
