@@ -175,6 +175,25 @@ def _host(x, compute_dtype):
     return np.asarray(x, dtype=compute_dtype)
 
 
+def _host_bits(x, compute_dtype):
+    """Like ``_host``, but a bfloat16 tensor comes as a uint16 view of its bits (no copy), for
+    kernels that widen and round bfloat16 themselves (SPEC §5)."""
+    if _arrays.is_tensor(x) and _arrays.dtype_name(x) == "bfloat16":
+        import torch
+
+        return x.detach().view(torch.int16).numpy().view(np.uint16)
+    return _host(x, compute_dtype)
+
+
+def _back_bits(result, placement, dtype):
+    """uint16 bfloat16 bits from a kernel -> a bfloat16 tensor (no copy); else ``_back``."""
+    if result.dtype == np.uint16:
+        import torch
+
+        return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+    return _back(result, placement, dtype)
+
+
 def _compute_dtype(dtype: str):
     return np.float64 if dtype == "float64" else np.float32
 
@@ -236,17 +255,17 @@ class NumbaApplyRope(_Numba):
         from fastpe.kernels.numba.apply_rope import apply_rope_numba
 
         dtype = _compute_dtype(inp.dtype)
-        x = _host(inp.x, dtype)
-        # float32/64 arrays and CPU tensors come back from _host as views of the caller's memory:
-        # rotate that buffer directly; half types go through a float32 copy and are written back
-        direct = inp.inplace and inp.dtype in ("float32", "float64")
+        x = _host_bits(inp.x, dtype)
+        # float32/64 and bfloat16 arrays or CPU tensors come back from _host_bits as views of the
+        # caller's memory: rotate that buffer directly; float16 goes through a float32 copy
+        direct = inp.inplace and inp.dtype != "float16"
         out = apply_rope_numba(
             x, _host(inp.cos, dtype), _host(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
             interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
         )  # fmt: skip
         if direct:
             return inp.x
-        result = _back(out, inp.placement, inp.dtype)
+        result = _back_bits(out, inp.placement, inp.dtype)
         return _write_inplace(inp.x, result) if inp.inplace else result
 
 
@@ -261,19 +280,19 @@ class NumbaEmbed(_Numba):
         has_types = inp.token_type_ids is not None
         out = embed_numba(
             _arrays.to_int64(inp.ids),
-            _host(inp.weight, dtype),
+            _host_bits(inp.weight, dtype),  # bf16 rows are widened as they are gathered
             inp.positions.as_int64(inp.batch, inp.seq),
             scale=inp.scale,
             pe=inp.pe,
-            pe_table=None if inp.pe_table is None else _host(inp.pe_table, dtype),
+            pe_table=None if inp.pe_table is None else _host_bits(inp.pe_table, dtype),
             omega=reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
             if inp.pe == "sinusoidal"
             else None,
             interleaved=inp.layout == "interleaved",
             token_type_ids=_arrays.to_int64(inp.token_type_ids) if has_types else None,
-            token_type_weight=_host(inp.token_type_weight, dtype) if has_types else None,
+            token_type_weight=_host_bits(inp.token_type_weight, dtype) if has_types else None,
         )
-        return _back(out, inp.placement, inp.dtype)
+        return _back_bits(out, inp.placement, inp.dtype)
 
 
 @register

@@ -311,3 +311,69 @@ def test_numba_follows_set_num_threads(rng):
     many = fastpe.attention(q, k, v, backend="numba")
     _close(one, fastpe.attention(q, k, v, **O), 2e-6, "one thread")
     _close(many, one, 2e-6, "all threads vs one")
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_apply_rope_low_precision(backend, dtype, inplace, rng):
+    """Half types: within 2x the error of the plain same-dtype formula, and in place too."""
+    tdtype = getattr(torch, dtype)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 20, 24))).to(tdtype)
+    cos, sin = fastpe.rope_table(40, 16, device="cpu")
+    positions = torch.from_numpy(rng.integers(0, 40, size=(2, 20)))
+    want = fastpe.apply_rope(x.double(), cos.double(), sin.double(), positions=positions, **O)
+    c, s = cos.to(tdtype)[positions][:, None], sin.to(tdtype)[positions][:, None]
+    a, b = x[..., :8], x[..., 8:16]
+    plain = torch.cat([a * c - b * s, b * c + a * s, x[..., 16:]], -1)  # HF-style, all in `dtype`
+    arg = x.clone() if inplace else x
+    got = run_or_skip(
+        fastpe.apply_rope, backend, arg, cos, sin, positions=positions, inplace=inplace
+    )
+    assert got.dtype == tdtype and (got is arg) == inplace
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2 * (plain.double() - want).abs().max().item() + 1e-6, err
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("backend", kernel_backends("embed"))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("pe", ["sinusoidal", "table"])
+def test_embed_low_precision(backend, dtype, pe, rng):
+    tdtype = getattr(torch, dtype)
+    weight = torch.from_numpy(rng.standard_normal((30, 16))).to(tdtype)
+    table = torch.from_numpy(rng.standard_normal((40, 16))).to(tdtype) if pe == "table" else None
+    ids = torch.from_numpy(rng.integers(0, 30, size=(3, 9)))
+    kw = {"pe": pe, "pe_table": table, "scale": 4.0, "positions": 7}
+    want = fastpe.embed(
+        ids, weight.double(), **{**kw, "pe_table": None if table is None else table.double()}, **O
+    )
+    pe_rows = (
+        table[7:16]
+        if pe == "table"
+        else fastpe.sinusoidal_table(9, 16, offset=7, device="cpu").to(tdtype)
+    )
+    plain = weight[ids] * 4.0 + pe_rows  # the eager recipe, in `dtype`
+    got = run_or_skip(fastpe.embed, backend, ids, weight, **kw)
+    assert got.dtype == tdtype
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2 * (plain.double() - want).abs().max().item() + 1e-6, err
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+def test_bfloat16_rounds_to_nearest_even(backend, rng):
+    """bf16 in, bf16 out: exactly the float32 result rounded by torch (round-to-nearest-even),
+    including ties — the widening and rounding done on uint16 bits must not drift from it."""
+    x = torch.from_numpy(rng.standard_normal((1, 4, 64, 32)).astype(np.float32)).to(torch.bfloat16)
+    cos, sin = fastpe.rope_table(64, 32, device="cpu")
+    got = run_or_skip(fastpe.apply_rope, backend, x, cos, sin)
+    via_float32 = run_or_skip(fastpe.apply_rope, backend, x.float(), cos, sin).to(torch.bfloat16)
+    assert torch.equal(got, via_float32)
+    weight = torch.from_numpy(rng.standard_normal((50, 32)).astype(np.float32)).to(torch.bfloat16)
+    ids = torch.from_numpy(rng.integers(0, 50, size=(2, 40)))
+    got = run_or_skip(fastpe.embed, backend, ids, weight, scale=3.0)
+    assert torch.equal(
+        got, run_or_skip(fastpe.embed, backend, ids, weight.float(), scale=3.0).to(torch.bfloat16)
+    )

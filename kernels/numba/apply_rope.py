@@ -8,7 +8,41 @@ cos, sin [P, R/2]; positions [B, S] rows of cos/sin.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
+
+
+# bfloat16 travels as its uint16 bit pattern (Numba has no bfloat16): widened exactly with << 16
+# and rounded to nearest-even on the way back. Kept in this file on purpose: Numba's disk cache
+# only notices changes to the file that holds the kernel.
+def _widen(value):
+    """An element as a number to compute with: bf16 bits -> float32, floats unchanged."""
+
+
+def _narrow(array, value):
+    """``value`` as an element of ``array``: float -> bf16 bits for uint16 arrays."""
+
+
+@overload(_widen, inline="always")
+def _widen_impl(value):
+    if value == types.uint16:
+        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    return lambda value: value
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(array, value):
+    if array.dtype == types.uint16:
+
+        def to_bf16(array, value):
+            bits = np.float32(value).view(np.uint32)
+            if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN stays a quiet NaN
+                return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+            keep = (bits >> np.uint32(16)) & np.uint32(1)  # ties go to the even bf16
+            return np.uint16((bits + np.uint32(0x7FFF) + keep) >> np.uint32(16))
+
+        return to_bf16
+    return lambda array, value: value
 
 
 @njit(parallel=True, cache=True)
@@ -22,28 +56,30 @@ def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
             if interleaved:
                 for i in range(half):
                     c, sn = cos[p, i], sin[p, i]
-                    a, o = x[b, h, s, 2 * i], x[b, h, s, 2 * i + 1]
-                    out[b, h, s, 2 * i] = a * c - o * sn
-                    out[b, h, s, 2 * i + 1] = o * c + a * sn
+                    a, o = _widen(x[b, h, s, 2 * i]), _widen(x[b, h, s, 2 * i + 1])
+                    out[b, h, s, 2 * i] = _narrow(out, a * c - o * sn)
+                    out[b, h, s, 2 * i + 1] = _narrow(out, o * c + a * sn)
             else:
                 for i in range(half):
                     c, sn = cos[p, i], sin[p, i]
-                    a, o = x[b, h, s, i], x[b, h, s, half + i]
-                    out[b, h, s, i] = a * c - o * sn
-                    out[b, h, s, half + i] = o * c + a * sn
+                    a, o = _widen(x[b, h, s, i]), _widen(x[b, h, s, half + i])
+                    out[b, h, s, i] = _narrow(out, a * c - o * sn)
+                    out[b, h, s, half + i] = _narrow(out, o * c + a * sn)
             if copy_tail:
                 for i in range(2 * half, dim):
                     out[b, h, s, i] = x[b, h, s, i]
 
 
 def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None):
-    """Rotate x ("bhsd" [B,H,S,D] or "bshd" [B,S,H,D], float32/float64, any strides).
+    """Rotate x ("bhsd" [B,H,S,D] or "bshd" [B,S,H,D], any strides): float32, float64, or uint16
+    holding bfloat16 bits (computed in float32).
 
-    ``positions`` int64 [B, S]; cos/sin are read in x's dtype. ``out=x`` rotates in place.
-    Returns the output in x's layout.
+    ``positions`` int64 [B, S]; cos/sin are read in the compute dtype. ``out=x`` rotates in
+    place. Returns the output in x's layout.
     """
-    cos = np.ascontiguousarray(cos, dtype=x.dtype)
-    sin = np.ascontiguousarray(sin, dtype=x.dtype)
+    compute = np.float32 if x.dtype == np.uint16 else x.dtype
+    cos = np.ascontiguousarray(cos, dtype=compute)
+    sin = np.ascontiguousarray(sin, dtype=compute)
     inplace = out is x
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)  # C order in the caller's layout

@@ -12,7 +12,42 @@ from __future__ import annotations
 
 import numpy as np
 from fastpe.kernels.numba._angles import column_basis
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
+
+
+# bfloat16 travels as its uint16 bit pattern (Numba has no bfloat16): widened exactly with << 16
+# and rounded to nearest-even on the way back. Kept in this file on purpose: Numba's disk cache
+# only notices changes to the file that holds the kernel.
+def _widen(value):
+    """An element as a number to compute with: bf16 bits -> float32, floats unchanged."""
+
+
+def _narrow(array, value):
+    """``value`` as an element of ``array``: float -> bf16 bits for uint16 arrays."""
+
+
+@overload(_widen, inline="always")
+def _widen_impl(value):
+    if value == types.uint16:
+        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    return lambda value: value
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(array, value):
+    if array.dtype == types.uint16:
+
+        def to_bf16(array, value):
+            bits = np.float32(value).view(np.uint32)
+            if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN stays a quiet NaN
+                return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+            keep = (bits >> np.uint32(16)) & np.uint32(1)  # ties go to the even bf16
+            return np.uint16((bits + np.uint32(0x7FFF) + keep) >> np.uint32(16))
+
+        return to_bf16
+    return lambda array, value: value
+
 
 PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
 
@@ -29,34 +64,37 @@ def _embed_numba(
         p = positions[t]
         hi, lo = (p - p0) // block, (p - p0) % block
         for c in range(dim):
-            value = scale * weight[row, c]
+            value = scale * _widen(weight[row, c])
             if has_types:
-                value += type_weight[tt, c]
+                value += _widen(type_weight[tt, c])
             if pe_kind == PE_SINUSOIDAL:
                 value += hi_a[hi, c] * lo_x[lo, c] + hi_b[hi, c] * lo_y[lo, c]
             elif pe_kind == PE_TABLE:
-                value += pe_table[p, c]
-            out[t, c] = value
+                value += _widen(pe_table[p, c])
+            out[t, c] = _narrow(out, value)
 
 
 def embed_numba(
     ids, weight, positions, *, scale, pe, pe_table=None, omega=None, interleaved=True,
     token_type_ids=None, token_type_weight=None,
 ):  # fmt: skip
-    """ids, positions int64 [B, S]; weight [V, D] float32/float64. Returns [B, S, D] in weight's dtype."""
+    """ids, positions int64 [B, S]; weight [V, D] float32, float64 or uint16 holding bfloat16
+    bits (then pe_table / token_type_weight alike; computed in float32). Returns [B, S, D] in
+    weight's dtype."""
     batch, seq = ids.shape
     dim = weight.shape[1]
+    compute = np.float32 if weight.dtype == np.uint16 else weight.dtype
     flat_ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     flat_pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
     out = np.empty((batch * seq, dim), dtype=weight.dtype)
-    unused = np.zeros((1, 1), dtype=weight.dtype)
+    unused = np.zeros((1, 1), dtype=compute)
     basis, p0 = (1, unused, unused, unused, unused), 0
     kind = PE_NONE
     if pe == "sinusoidal":
         kind = PE_SINUSOIDAL
         if flat_pos.size:
             p0 = int(flat_pos.min())
-            basis = column_basis(p0, int(flat_pos.max()) - p0 + 1, omega, interleaved, weight.dtype)
+            basis = column_basis(p0, int(flat_pos.max()) - p0 + 1, omega, interleaved, compute)
     table = np.zeros((1, 1), dtype=weight.dtype)
     if pe == "table":
         kind, table = PE_TABLE, np.ascontiguousarray(pe_table)
@@ -70,7 +108,7 @@ def embed_numba(
         np.ascontiguousarray(token_type_weight) if has_types else np.zeros((1, 1), weight.dtype)
     )
     _embed_numba(
-        flat_ids, np.ascontiguousarray(weight), weight.dtype.type(scale), flat_pos, kind, table, basis[0], p0,
+        flat_ids, np.ascontiguousarray(weight), np.dtype(compute).type(scale), flat_pos, kind, table, basis[0], p0,
         basis[1], basis[2], basis[3], basis[4], has_types, type_ids, type_weight, out,
     )  # fmt: skip
     return out.reshape(batch, seq, dim)
