@@ -50,6 +50,25 @@ def _rotated(ptr, rows, cols, stride_row, stride_col, row_ok, col_ok, pos, cos_p
 
 
 @triton.jit
+def _load_tile(base, rows, cols, stride_row, stride_col, row_ok, col_ok,
+               HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr, pos_ptr, stride_pos, pos_offset,
+               cos_ptr, sin_ptr, stride_cos, half, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """A [rows, cols] tile of q or k in fp32, rotated by RoPE at its positions when HAS_ROPE
+    (positions from ``pos_ptr`` when HAS_POS, else ``pos_offset + row``)."""
+    if HAS_ROPE:
+        if HAS_POS:
+            pos = tl.load(pos_ptr + rows * stride_pos, mask=row_ok, other=0)
+        else:
+            pos = pos_offset + rows
+        tile = _rotated(base, rows, cols, stride_row, stride_col, row_ok, col_ok, pos, cos_ptr, sin_ptr,
+                        stride_cos, half, INTERLEAVED)  # fmt: skip
+    else:
+        tile = tl.load(base + rows[:, None] * stride_row + cols[None, :] * stride_col,
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    return tile
+
+
+@triton.jit
 def _t5_bucket(rel, NUM_BUCKETS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, max_exact, log_span):
     """T5's bucket of key-minus-query distance ``rel`` (the log in fp32, as T5 evaluates it)."""
     if BIDIRECTIONAL:
@@ -135,16 +154,9 @@ def _attention_kernel(
     q_base = q_ptr + b * stride_qb + h * stride_qh
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
-    if HAS_ROPE:
-        if HAS_QPOS:
-            qpos = tl.load(qpos_ptr + b * stride_qpb + rows * stride_qps, mask=row_ok, other=0)
-        else:
-            qpos = q_pos_offset + rows
-        q = _rotated(q_base, rows, dcols, stride_qs, stride_qd, row_ok, dcols < D, qpos, cos_ptr, sin_ptr,
-                     stride_cos, half, ROPE_INTERLEAVED)  # fmt: skip
-    else:
-        q = tl.load(q_base + rows[:, None] * stride_qs + dcols[None, :] * stride_qd,
-                    mask=row_ok[:, None] & (dcols[None, :] < D), other=0.0).to(tl.float32)  # fmt: skip
+    q = _load_tile(q_base, rows, dcols, stride_qs, stride_qd, row_ok, dcols < D, HAS_ROPE, HAS_QPOS,
+                   qpos_ptr + b * stride_qpb, stride_qps, q_pos_offset, cos_ptr, sin_ptr, stride_cos, half,
+                   ROPE_INTERLEAVED)  # fmt: skip
     q = q * scale_log2  # scores in log2 units
     if not DOT_FP32:
         q = q.to(k_ptr.dtype.element_ty)
@@ -168,16 +180,9 @@ def _attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        if HAS_ROPE:
-            if HAS_KPOS:
-                kpos = tl.load(kpos_ptr + b * stride_kpb + cols * stride_kps, mask=col_ok, other=0)
-            else:
-                kpos = k_pos_offset + cols
-            k = _rotated(k_base, cols, dcols, stride_ks, stride_kd, col_ok, dcols < D, kpos, cos_ptr, sin_ptr,
-                         stride_cos, half, ROPE_INTERLEAVED)  # fmt: skip
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_ks + dcols[None, :] * stride_kd,
-                        mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
+        k = _load_tile(k_base, cols, dcols, stride_ks, stride_kd, col_ok, dcols < D, HAS_ROPE, HAS_KPOS,
+                       kpos_ptr + b * stride_kpb, stride_kps, k_pos_offset, cos_ptr, sin_ptr, stride_cos, half,
+                       ROPE_INTERLEAVED)  # fmt: skip
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
