@@ -122,7 +122,15 @@ def apply_rope(
     ``interleaved=False`` (GPT-NeoX / Llama / HF ``rotate_half``) or (2i, 2i + 1) for
     ``interleaved=True`` (GPT-J / RoFormer). Elements R … D-1 pass through (partial rotary).
     Returns a new array in x's dtype, or x itself, rotated, when ``inplace=True``.
+
+    ``x`` may also be a tuple such as ``(q, k)`` — arrays with the same batch and sequence
+    (head counts may differ, as with GQA) — rotated by one call and returned as a tuple, like
+    transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``; the Triton backend rotates them in
+    one launch.
     """
+    if isinstance(x, (tuple, list)):
+        return _apply_rope_group(tuple(x), cos, sin, positions=positions, interleaved=interleaved,
+                                 layout=layout, inplace=inplace, backend=backend)  # fmt: skip
     if _torch_graph(x, cos, sin, positions):
         from fastpe import torch_ops
 
@@ -132,6 +140,24 @@ def apply_rope(
         x, cos, sin, positions=positions, interleaved=interleaved, layout=layout, inplace=inplace
     )
     return dispatch.run(inputs, backend)
+
+
+def _apply_rope_group(xs, cos, sin, **options):
+    """``apply_rope`` on a tuple such as (q, k): each tensor validated as in a single call, one
+    backend chosen for all, and the group handed to it at once (one launch on Triton)."""
+    if not xs:
+        raise ValueError("x must be an array or a non-empty tuple of arrays (such as (q, k))")
+    backend = options.pop("backend")
+    if _torch_graph(*xs, cos, sin, options["positions"]):
+        return tuple(apply_rope(x, cos, sin, backend=backend, **options) for x in xs)
+    group = [ApplyRopeInputs.build(x, cos, sin, **options) for x in xs]
+    for name, inputs in zip(("x[0]", *(f"x[{i}]" for i in range(1, len(xs)))), group, strict=True):
+        if (inputs.batch, inputs.seq) != (group[0].batch, group[0].seq):
+            raise ValueError(
+                f"{name} has batch and sequence {(inputs.batch, inputs.seq)}; every tensor of x must "
+                f"share x[0]'s {(group[0].batch, group[0].seq)}"
+            )
+    return dispatch.run_group(group, backend)
 
 
 def embed(

@@ -190,10 +190,7 @@ def _fastpe(backend: str) -> Callable:
             return lambda: fastpe.rope_table(p["positions"], p["rotary_dim"], device=device, **b)
         if case.op == "apply_rope":
             cos, sin = x["cos"].float(), x["sin"].float()
-            return lambda: (
-                fastpe.apply_rope(x["q"], cos, sin, **b),
-                fastpe.apply_rope(x["k"], cos, sin, **b),
-            )
+            return lambda: fastpe.apply_rope((x["q"], x["k"]), cos, sin, **b)  # one call, as HF's
         if case.op == "embed":
             return lambda: fastpe.embed(x["ids"], x["weight"], scale=math.sqrt(p["dim"]), **b)
         return lambda: fastpe.attention(x["q"], x["k"], x["v"], causal=p["causal"], **b)

@@ -109,6 +109,10 @@ class Implementation:
     def run(self, inputs):
         raise NotImplementedError
 
+    def run_group(self, group) -> tuple:
+        """Several records of this op; kernels that can take them in one launch override this."""
+        return tuple(self.run(inputs) for inputs in group)
+
 
 REGISTRY: dict[tuple[str, str], Implementation] = {}
 
@@ -172,6 +176,21 @@ def select(inputs, backend: str | None = None) -> Implementation:
     raise BackendNotSupportedError(
         f"no backend can run {op} on these inputs — " + " | ".join(tried)
     )
+
+
+def run_group(group, backend: str | None = None):
+    """Run one op on several inputs records with one backend, chosen from the first and checked
+    against every record; the implementation may process the group at once (``run_group``)."""
+    if _explaining.get():
+        return Explanation(group[0], backend)
+    impl = select(group[0], backend)
+    for inputs in group[1:]:
+        reasons = impl.not_supported_reasons(inputs)
+        if reasons:
+            raise BackendNotSupportedError(
+                f"backend {impl.backend!r} cannot run {inputs.op} on every array of the group: {'; '.join(reasons)}"
+            )
+    return impl.run_group(group)
 
 
 def run(inputs, backend: str | None = None):

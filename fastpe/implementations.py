@@ -411,12 +411,18 @@ class TritonApplyRope(_Triton):
     op = "apply_rope"
 
     def run(self, inp):
+        return self.run_group([inp])[0]
+
+    def run_group(self, group):
+        """q and k (any number of tensors sharing batch, sequence, tables and positions) in one
+        launch."""
         from fastpe.kernels.triton.apply_rope import apply_rope_triton
 
-        positions, offset = _torch_positions(inp.positions, inp.x.device)
+        first = group[0]
+        positions, offset = _torch_positions(first.positions, first.x.device)
         return apply_rope_triton(
-            inp.x, inp.cos.contiguous(), inp.sin.contiguous(), positions, offset,
-            interleaved=inp.interleaved, layout=inp.layout, inplace=inp.inplace,
+            tuple(inp.x for inp in group), first.cos.contiguous(), first.sin.contiguous(), positions, offset,
+            interleaved=first.interleaved, layout=first.layout, inplace=first.inplace,
         )  # fmt: skip
 
 

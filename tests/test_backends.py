@@ -377,3 +377,23 @@ def test_bfloat16_rounds_to_nearest_even(backend, rng):
     assert torch.equal(
         got, run_or_skip(fastpe.embed, backend, ids, weight.float(), scale=3.0).to(torch.bfloat16)
     )
+
+
+@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_apply_rope_q_and_k_together(backend, fw, layout, inplace, rng):
+    """A (q, k) tuple — different head counts (GQA) — is rotated like two single calls."""
+    shape = (lambda h: (2, h, 7, 24)) if layout == "bhsd" else (lambda h: (2, 7, h, 24))
+    q = to_fw(rng.standard_normal(shape(6)).astype(np.float32), fw)
+    k = to_fw(rng.standard_normal(shape(2)).astype(np.float32), fw)
+    cos, sin = (to_fw(t, fw) for t in fastpe.rope_table(16, 16, **O))
+    positions = to_fw(rng.integers(0, 16, size=(2, 7)), fw)
+    kw = {"positions": positions, "layout": layout}
+    want = [fastpe.apply_rope(t, cos, sin, **kw, **O) for t in (q, k)]
+    args = ((q, k) if not inplace else (to_fw(to_np(q), fw), to_fw(to_np(k), fw)), cos, sin)
+    got = run_or_skip(fastpe.apply_rope, backend, *args, inplace=inplace, **kw)
+    assert isinstance(got, tuple) and len(got) == 2
+    for g, w, given in zip(got, want, args[0], strict=True):
+        _close(g, w, TOL["float32"], "grouped apply_rope")
+        assert (g is given) == inplace

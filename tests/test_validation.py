@@ -151,6 +151,15 @@ def test_apply_rope_errors(fw):
     raises(TypeError, "inplace must be True or False", ap, x, cos, sin, inplace="yes", **O)
 
 
+def test_apply_rope_group_errors(fw):
+    cos, sin = (to_fw(t, fw) for t in fastpe.rope_table(8, 4, **O))
+    q = to_fw(np.zeros((1, 2, 3, 4), f32), fw)
+    raises(ValueError, "non-empty tuple", fastpe.apply_rope, (), cos, sin, **O)
+    raises(ValueError, "x\\[1\\] has batch and sequence \\(1, 5\\)", fastpe.apply_rope,
+           (q, to_fw(np.zeros((1, 2, 5, 4), f32), fw)), cos, sin, **O)  # fmt: skip
+    raises(ValueError, "x must have 4 dimensions", fastpe.apply_rope, (q, q[0]), cos, sin, **O)
+
+
 def test_apply_rope_read_only_inplace():
     x = np.zeros((1, 1, 2, 4), f32)
     x.setflags(write=False)

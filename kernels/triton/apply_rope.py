@@ -14,23 +14,12 @@ from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2
 
 
 @triton.jit
-def _apply_rope_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
-    heads, seq, half, dim, pos_offset,
-    stride_xb, stride_xh, stride_xs, stride_xd,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_cos_p, stride_pos_b, stride_pos_s,
-    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+def _rotate_heads(
+    x_ptr, out_ptr, cos_ptr, sin_ptr, b, s, p, h, heads, half, dim,
+    stride_xb, stride_xh, stride_xs, stride_xd, stride_ob, stride_oh, stride_os, stride_od, stride_cos_p,
+    INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)  # one (batch, position) per program along axis 0
-    b = row // seq
-    s = row % seq
-    if HAS_POSITIONS:
-        p = tl.load(pos_ptr + b * stride_pos_b + s * stride_pos_s)
-    else:
-        p = pos_offset + s
-    h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """Rotate heads ``h`` [BLOCK_H] of one (batch b, position s) row of one tensor at row p."""
     f = tl.arange(0, BLOCK_F)
     c = tl.load(cos_ptr + p * stride_cos_p + f, mask=f < half, other=1.0).to(tl.float32)
     sn = tl.load(sin_ptr + p * stride_cos_p + f, mask=f < half, other=0.0).to(tl.float32)
@@ -58,39 +47,94 @@ def _apply_rope_kernel(
             tl.store(o_row + t[None, :] * stride_od, tail.to(kind), mask=tail_keep)
 
 
+@triton.jit
+def _apply_rope_kernel(
+    x1_ptr, out1_ptr, x2_ptr, out2_ptr, cos_ptr, sin_ptr, pos_ptr,
+    heads1, heads2, seq, half, dim, pos_offset,
+    stride_x1b, stride_x1h, stride_x1s, stride_x1d, stride_o1b, stride_o1h, stride_o1s, stride_o1d,
+    stride_x2b, stride_x2h, stride_x2s, stride_x2d, stride_o2b, stride_o2h, stride_o2s, stride_o2d,
+    stride_cos_p, stride_pos_b, stride_pos_s,
+    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+):  # fmt: skip
+    """Axis 0: one (batch, position) row; axis 1: head blocks of tensor 1, then of tensor 2 (q
+    and k in one launch; tensor 2 has zero heads when only one tensor is rotated)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // seq
+    s = row % seq
+    if HAS_POSITIONS:
+        p = tl.load(pos_ptr + b * stride_pos_b + s * stride_pos_s)
+    else:
+        p = pos_offset + s
+    block = tl.program_id(1).to(tl.int64)
+    blocks1 = tl.cdiv(heads1, BLOCK_H)
+    if block < blocks1:
+        h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_heads(x1_ptr, out1_ptr, cos_ptr, sin_ptr, b, s, p, h, heads1, half, dim,
+                      stride_x1b, stride_x1h, stride_x1s, stride_x1d, stride_o1b, stride_o1h, stride_o1s, stride_o1d,
+                      stride_cos_p, INTERLEAVED, COPY_TAIL, BLOCK_F, BLOCK_TAIL)  # fmt: skip
+    else:
+        h = (block - blocks1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_heads(x2_ptr, out2_ptr, cos_ptr, sin_ptr, b, s, p, h, heads2, half, dim,
+                      stride_x2b, stride_x2h, stride_x2s, stride_x2d, stride_o2b, stride_o2h, stride_o2s, stride_o2d,
+                      stride_cos_p, INTERLEAVED, COPY_TAIL, BLOCK_F, BLOCK_TAIL)  # fmt: skip
+
+
 def _bhsd_strides(t, layout):
     s = t.stride()
     return s if layout == "bhsd" else (s[0], s[2], s[1], s[3])
 
 
-def apply_rope_triton(x, cos, sin, positions, pos_offset, *, interleaved, layout, inplace):
-    """x: torch tensor ("bhsd" or "bshd"); positions: int64 tensor [S] or [B, S], or None for
-    ``pos_offset + s``. Returns the rotated tensor (x itself when ``inplace``)."""
-    batch = x.shape[0]
-    heads, seq = (x.shape[1], x.shape[2]) if layout == "bhsd" else (x.shape[2], x.shape[1])
-    dim, half = x.shape[3], cos.shape[1]
-    via_fp32 = low_precision_via_fp32(x.dtype)
-    if inplace and not via_fp32:
-        out = x
-    else:
-        out = torch.empty(x.shape, dtype=torch.float32 if via_fp32 else x.dtype, device=x.device)
+def _heads_seq(x, layout):
+    return (x.shape[1], x.shape[2]) if layout == "bhsd" else (x.shape[2], x.shape[1])
+
+
+def apply_rope_triton(xs, cos, sin, positions, pos_offset, *, interleaved, layout, inplace):
+    """Rotate one or two tensors ("bhsd" or "bshd", same batch and sequence) in one launch.
+
+    ``positions``: int64 tensor [S] or [B, S], or None for ``pos_offset + s``. Returns a tuple
+    of rotated tensors (the inputs themselves when ``inplace``)."""
+    if len(xs) > 2:  # the kernel has two slots: rotate larger groups two at a time
+        return apply_rope_triton(xs[:2], cos, sin, positions, pos_offset, interleaved=interleaved, layout=layout,
+                                 inplace=inplace) + apply_rope_triton(xs[2:], cos, sin, positions, pos_offset,
+                                 interleaved=interleaved, layout=layout, inplace=inplace)  # fmt: skip
+    x1 = xs[0]
+    x2 = xs[1] if len(xs) == 2 else x1
+    batch, dim, half = x1.shape[0], x1.shape[3], cos.shape[1]
+    heads1, seq = _heads_seq(x1, layout)
+    heads2 = _heads_seq(x2, layout)[0] if len(xs) == 2 else 0
+    via_fp32 = low_precision_via_fp32(x1.dtype)
+    outs = []
+    for x in (x1, x2):
+        if inplace and not via_fp32:
+            outs.append(x)
+        else:
+            outs.append(
+                torch.empty(x.shape, dtype=torch.float32 if via_fp32 else x.dtype, device=x.device)
+            )
     pos = (
         positions
         if positions is not None
-        else torch.zeros((1, 1), dtype=torch.int64, device=x.device)
+        else torch.zeros((1, 1), dtype=torch.int64, device=x1.device)
     )
     pos_strides = (0, pos.stride(0)) if pos.dim() == 1 else (pos.stride(0), pos.stride(1))
-    block_h = min(16, next_pow2(heads, 1))
-    grid = (batch * seq, triton.cdiv(heads, block_h))
-    if batch * seq and heads:
+    block_h = min(16, next_pow2(max(heads1, heads2), 1))
+    grid = (batch * seq, triton.cdiv(heads1, block_h) + triton.cdiv(heads2, block_h))
+    if batch * seq and heads1 + heads2:
         _apply_rope_kernel[grid](
-            x, out, cos, sin, pos, heads, seq, half, dim, pos_offset,
-            *_bhsd_strides(x, layout), *_bhsd_strides(out, layout), cos.stride(0), *pos_strides,
+            x1, outs[0], x2, outs[1], cos, sin, pos, heads1, heads2, seq, half, dim, pos_offset,
+            *_bhsd_strides(x1, layout), *_bhsd_strides(outs[0], layout),
+            *_bhsd_strides(x2, layout), *_bhsd_strides(outs[1], layout),
+            cos.stride(0), *pos_strides,
             HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved,
-            COPY_TAIL=out is not x and 2 * half < dim,
+            COPY_TAIL=outs[0] is not x1 and 2 * half < dim,
             BLOCK_H=block_h, BLOCK_F=next_pow2(half, 1), BLOCK_TAIL=next_pow2(min(dim - 2 * half, 64), 1),
         )  # fmt: skip
-    if via_fp32:
-        result = out.to(x.dtype)
-        return x.copy_(result) if inplace else result
-    return out
+    results = []
+    for x, out in list(zip(xs, outs, strict=False)):
+        if via_fp32:
+            rounded = out.to(x.dtype)
+            results.append(x.copy_(rounded) if inplace else rounded)
+        else:
+            results.append(out)
+    return tuple(results)
