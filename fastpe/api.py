@@ -151,11 +151,12 @@ def _apply_rope_group(xs, cos, sin, **options):
     if _torch_graph(*xs, cos, sin, options["positions"]):
         return tuple(apply_rope(x, cos, sin, backend=backend, **options) for x in xs)
     group = [ApplyRopeInputs.build(x, cos, sin, **options) for x in xs]
-    for name, inputs in zip(("x[0]", *(f"x[{i}]" for i in range(1, len(xs)))), group, strict=True):
-        if (inputs.batch, inputs.seq) != (group[0].batch, group[0].seq):
+    first = group[0]
+    for index, inputs in enumerate(group[1:], start=1):
+        if (inputs.batch, inputs.seq) != (first.batch, first.seq):
             raise ValueError(
-                f"{name} has batch and sequence {(inputs.batch, inputs.seq)}; every tensor of x must "
-                f"share x[0]'s {(group[0].batch, group[0].seq)}"
+                f"x[{index}] has batch and sequence {(inputs.batch, inputs.seq)}; every tensor of x "
+                f"must share x[0]'s {(first.batch, first.seq)}"
             )
     return dispatch.run_group(group, backend)
 

@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import importlib.util
 import os
+import sys
 from typing import ClassVar
 
 BACKEND_NAMES = ("numpy", "numba", "triton")
@@ -46,8 +47,6 @@ def _triton_interpreted() -> bool:
 
 def _cuda_present() -> bool:
     """A GPU driver is on this machine. Asks torch only if the caller already imported it."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None:
         return bool(torch.cuda.is_available())
@@ -81,11 +80,9 @@ class Implementation:
     device_types: ClassVar[frozenset[str]] = frozenset({"cpu"})
     dtypes: ClassVar[frozenset[str]] = frozenset({"float32", "float64"})
     unsupported_features: ClassVar[frozenset[str]] = frozenset()
-    # None when the kernel exists; otherwise why it cannot run yet
-    missing: ClassVar[str | None] = None
 
     def not_supported_reasons(self, inputs) -> list[str]:
-        unavailable = self.missing or backend_unavailable_reason(self.backend)
+        unavailable = backend_unavailable_reason(self.backend)
         if unavailable:
             return [unavailable]
         reasons = []
@@ -254,9 +251,6 @@ def backends() -> dict[str, str]:
     """{name: "available" | "unavailable: <reason>"} for every backend, without importing any."""
     status = {}
     for name in BACKEND_NAMES:
-        impls = [impl for (b, _), impl in REGISTRY.items() if b == name]
         reason = backend_unavailable_reason(name)
-        if reason is None and all(impl.missing for impl in impls):
-            reason = impls[0].missing
         status[name] = "available" if reason is None else f"unavailable: {reason}"
     return status

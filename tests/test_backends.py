@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from _testkit import kernel_backends, run_or_skip, to_fw, to_np, torch
+from _testkit import KERNEL_BACKENDS, run_or_skip, to_fw, to_np, torch
 
 import fastpe
 
@@ -31,7 +31,7 @@ def _close(got, want, tol, what=""):
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", kernel_backends("sinusoidal_table"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("layout", ["interleaved", "concat"])
 @pytest.mark.parametrize("freq", ["paper", "tensor2tensor"])
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_sinusoidal_table(backend, fw, layout, freq, n, dim, offset):
            1e-14 + 4 * (offset + n) * 2.0**-53, "float64 table")  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", kernel_backends("rope_table"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize(
     "scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}]
 )
@@ -70,7 +70,7 @@ def test_rope_table(backend, fw, scaling, n, rdim, offset):
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
-@pytest.mark.parametrize("backend", kernel_backends("sinusoidal_table"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tables_low_precision_round_once(backend, dtype):
     truth = fastpe.sinusoidal_table(50, 24, offset=1000, dtype="float64", **O)
@@ -84,7 +84,7 @@ def test_tables_low_precision_round_once(backend, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -108,7 +108,7 @@ def test_apply_rope(backend, fw, shape, interleaved, layout, pos_kind, rng):
     _close(args[0], to_np(got), 0, "in-place result")
 
 
-@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_apply_rope_non_contiguous(backend, fw, dtype, rng):
     x = to_fw(rng.standard_normal((2, 6, 10, 16)).astype(dtype), fw)[:, ::2, 1:9]  # strided view
@@ -118,7 +118,7 @@ def test_apply_rope_non_contiguous(backend, fw, dtype, rng):
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", kernel_backends("embed"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("pe", ["sinusoidal", "table", None])
 @pytest.mark.parametrize("layout,freq", [("interleaved", "paper"), ("concat", "tensor2tensor")])
 @pytest.mark.parametrize("types", [False, True])
@@ -138,7 +138,7 @@ def test_embed(backend, fw, pe, layout, freq, types, pos_kind, rng):
     _close(got, fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), **kw, **O), TOL["float32"], "embed")
 
 
-@pytest.mark.parametrize("backend", kernel_backends("embed"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_embed_far_positions_and_errors(backend, fw, dtype, rng):
     weight = to_fw(rng.standard_normal((10, 8)).astype(dtype), fw)
@@ -201,7 +201,7 @@ def _attention_args(rng, fw, b, hq, hkv, sq, sk, d, options, dtype=np.float32):
     return (to_fw(q, fw), to_fw(k, fw), to_fw(v, fw)), kw
 
 
-@pytest.mark.parametrize("backend", kernel_backends("attention"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("case", list(ATTN_CASES))
 @pytest.mark.parametrize(
     "dims",
@@ -226,7 +226,7 @@ def test_attention(backend, fw, case, dims, rng):
         np.testing.assert_array_equal(to_np(a), b)
 
 
-@pytest.mark.parametrize("backend", kernel_backends("attention"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_attention_non_contiguous(backend, fw, dtype, rng):
     base = to_fw(rng.standard_normal((2, 4, 20, 24)).astype(dtype), fw)
@@ -237,7 +237,7 @@ def test_attention_non_contiguous(backend, fw, dtype, rng):
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
-@pytest.mark.parametrize("backend", kernel_backends("attention"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_attention_low_precision_flash_rule(backend, dtype, rng):
     tdtype = getattr(torch, dtype)
@@ -253,7 +253,7 @@ def test_attention_low_precision_flash_rule(backend, dtype, rng):
     assert err <= 2 * plain_err + 1e-6, (err, plain_err)
 
 
-@pytest.mark.parametrize("backend", kernel_backends("merge_attention"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_merge_attention(backend, fw, dtype, rng):
     shapes = ((2, 3, 9, 8), (2, 3, 40, 8), (2, 3, 40, 8))
@@ -269,7 +269,7 @@ def test_merge_attention(backend, fw, dtype, rng):
     _close(got_lse, want_lse, 1e-6, "merged lse")
 
 
-@pytest.mark.parametrize("backend", kernel_backends("attention"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_attention_sharp_scores_and_masked_row_starts(backend, rng):
     """Scores far above a row's early ones (in a later key tile) and rows whose first keys are
     all masked: the online softmax must rescale exactly, not overflow or drop the row."""
@@ -314,7 +314,7 @@ def test_numba_follows_set_num_threads(rng):
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
-@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_apply_rope_low_precision(backend, dtype, inplace, rng):
@@ -337,7 +337,7 @@ def test_apply_rope_low_precision(backend, dtype, inplace, rng):
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
-@pytest.mark.parametrize("backend", kernel_backends("embed"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("pe", ["sinusoidal", "table"])
 def test_embed_low_precision(backend, dtype, pe, rng):
@@ -362,7 +362,7 @@ def test_embed_low_precision(backend, dtype, pe, rng):
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
-@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_bfloat16_rounds_to_nearest_even(backend, rng):
     """bf16 in, bf16 out: exactly the float32 result rounded by torch (round-to-nearest-even),
     including ties — the widening and rounding done on uint16 bits must not drift from it."""
@@ -379,7 +379,7 @@ def test_bfloat16_rounds_to_nearest_even(backend, rng):
     )
 
 
-@pytest.mark.parametrize("backend", kernel_backends("apply_rope"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_apply_rope_q_and_k_together(backend, fw, layout, inplace, rng):

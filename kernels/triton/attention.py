@@ -12,6 +12,8 @@ RoPE rotates q and k tiles as they are loaded; ALiBi and T5 buckets are computed
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -324,8 +326,6 @@ def attention_triton(
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). ``mask`` is already
     broadcast to [B, Hq, Sq, Sk] as a stride-0 view; positions are int64 [Sq]/[B, Sq] tensors
     or None (offset + index). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
-    import math
-
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
