@@ -4,17 +4,18 @@
 first use, and no device is queried until a call needs one.
 """
 
-from fastpe import implementations as _implementations  # registers every (backend, op)
+from fastpe import backends  # the registry; calling it, fastpe.backends(), reports status
 from fastpe.api import (
     apply_rope,
     attention,
     embed,
+    explain,
     merge_attention,
     relative_transform,
     rope_table,
     sinusoidal_table,
 )
-from fastpe.dispatch import BackendNotSupportedError, backends, explain, use_backend
+from fastpe.dispatch import BackendNotSupportedError, use_backend
 from fastpe.rope_scaling import rope_inv_freq
 
 __version__ = "0.1.0"
@@ -33,5 +34,3 @@ __all__ = [
     "sinusoidal_table",
     "use_backend",
 ]
-
-del _implementations

@@ -79,8 +79,9 @@ def to_int64(x) -> np.ndarray:
 
 
 def to_bool(x) -> np.ndarray:
+    """Host bool array; a bool input (a broadcast view included) is never copied."""
     if is_tensor(x):
-        return x.detach().cpu().numpy().astype(bool)
+        x = x.detach().cpu().numpy()
     return np.asarray(x, dtype=bool)
 
 
@@ -131,3 +132,51 @@ def normalize_dtype(dtype, placement: Placement) -> str:
         hint = "" if placement.framework == "torch" else " (float16/bfloat16 need a torch device=)"
         raise TypeError(f"dtype must be one of {', '.join(allowed)}{hint}; got {dtype!r}")
     return name
+
+
+def broadcast_to(x, shape):
+    """A read-only stride-0 view of ``x`` with ``shape`` (NumPy or torch); never a copy."""
+    if is_tensor(x):
+        return x.expand(shape)
+    return np.broadcast_to(x, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host <-> kernel conversions for the CPU kernels (NumPy in, NumPy out). Half types: NumPy has no
+# bfloat16 and Numba neither half type, so they arrive as torch tensors.
+
+
+def compute_dtype(dtype: str):
+    """The NumPy dtype a CPU kernel computes in for an op of ``dtype``."""
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def to_host(x, dtype) -> np.ndarray:
+    """A NumPy view (or, for half types and dtype changes, a copy) of an array or CPU tensor."""
+    if is_tensor(x):
+        x = x.detach()
+        if dtype_name(x) in ("float16", "bfloat16"):
+            x = x.float()
+        x = x.numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def to_host_bits(x, dtype) -> np.ndarray:
+    """Like ``to_host``, but a bfloat16 tensor comes as a uint16 view of its bits (no copy), for
+    kernels that widen and round bfloat16 themselves (docs/dtypes-and-errors.md)."""
+    if is_tensor(x) and dtype_name(x) == "bfloat16":
+        torch = sys.modules["torch"]
+        return x.detach().view(torch.int16).numpy().view(np.uint16)
+    return to_host(x, dtype)
+
+
+def from_host(result: np.ndarray, placement: Placement, dtype: str):
+    """A CPU kernel's NumPy result -> the caller's framework and dtype (no copy when already
+    right); uint16 results are bfloat16 bits and become a bfloat16 tensor without a copy."""
+    if result.dtype == np.uint16:
+        torch = sys.modules["torch"]
+        return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+    if placement.framework == "numpy":
+        return result if result.dtype == dtype else result.astype(dtype)
+    torch = sys.modules["torch"]
+    return torch.from_numpy(result).to(dtype=getattr(torch, dtype))

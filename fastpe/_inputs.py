@@ -8,7 +8,6 @@ their framework, device and dtype; scalars are normalised to plain Python values
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from fastpe import _arrays
 from fastpe._arrays import Placement
+from fastpe._options import Positions, RelativeBias, Rope, check_rope_tables
 from fastpe._validate import (
     check_bool,
     check_choice,
@@ -42,42 +42,6 @@ def _check_sinusoidal_dim(name: str, dim: int, freq: str) -> None:
         )
     if freq == "tensor2tensor" and dim < 4:
         raise ValueError(f"{name} must be >= 4 with freq='tensor2tensor' (ω divides by dim/2 - 1)")
-
-
-@dataclass(frozen=True)
-class Positions:
-    """Row indices into a table for every (batch, seq) slot: ``offset + s`` or an int array."""
-
-    offset: int = 0
-    array: Any = None  # None, or integer array [S] or [B, S] in the caller's framework
-
-    def as_int64(self, batch: int, seq: int) -> np.ndarray:
-        """[B, S] int64 NumPy array of the positions (for the oracle)."""
-        if self.array is None:
-            return np.broadcast_to(np.arange(self.offset, self.offset + seq), (batch, seq))
-        return np.broadcast_to(_arrays.to_int64(self.array), (batch, seq))
-
-
-def _positions(name: str, value, batch: int, seq: int, limit: int | None, what: str) -> Positions:
-    """None -> 0 + s; int -> offset + s; int array [S] or [B, S]. Every position in [0, limit)."""
-    bound = "" if limit is None else f" (the table has {limit} rows)"
-    if value is None or isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        offset = 0 if value is None else check_int(name, value, minimum=0)
-        if limit is not None and offset + seq > limit:
-            raise IndexError(
-                f"{name}: positions {offset} … {offset + seq - 1} are needed but {what} has only "
-                f"{limit} rows; pass a longer table or smaller {name}"
-            )
-        return Positions(offset=offset)
-    array = check_int_array(name, value, ndim=(1, 2))
-    expected = [(seq,), (batch, seq)]
-    if tuple(array.shape) not in expected:
-        raise ValueError(
-            f"{name} must be an int offset or an int array of shape [S]={expected[0]} or "
-            f"[B, S]={expected[1]}; got shape {tuple(array.shape)}"
-        )
-    check_range(name, array, 0, limit if limit is not None else 2**62, what=bound)
-    return Positions(array=array)
 
 
 def _features(**flags: bool) -> frozenset[str]:
@@ -159,24 +123,6 @@ class RopeTableInputs(_Inputs):
         )
 
 
-def _check_rope_tables(prefix: str, cos, sin, head_dim: int):
-    cos = check_float_array(f"{prefix}cos", cos, ndim=2)
-    sin = check_float_array(f"{prefix}sin", sin, ndim=2)
-    if tuple(cos.shape) != tuple(sin.shape):
-        raise ValueError(
-            f"{prefix}cos and {prefix}sin must have the same shape [P, R/2]; "
-            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
-    rotary_dim = 2 * cos.shape[1]
-    if rotary_dim == 0 or rotary_dim > head_dim:
-        raise ValueError(
-            f"{prefix}cos/sin have R/2 = {cos.shape[1]} columns, so rotary dim R = {rotary_dim}; "
-            f"it must be in [2, head_dim = {head_dim}] (tables hold half the rotary dim, not "
-            "duplicated halves)"
-        )
-    return cos, sin
-
-
 @dataclass(frozen=True, eq=False)
 class ApplyRopeInputs(_Inputs):
     op: ClassVar[str] = "apply_rope"
@@ -218,13 +164,13 @@ class ApplyRopeInputs(_Inputs):
     def build(cls, x, cos, sin, *, positions, interleaved, layout, inplace):
         x = check_float_array("x", x, ndim=4)
         layout = check_choice("layout", layout, ROPE_LAYOUTS)
-        cos, sin = _check_rope_tables("", cos, sin, x.shape[3])
+        cos, sin = check_rope_tables("", cos, sin, x.shape[3])
         inplace = check_bool("inplace", inplace)
         if inplace and not _arrays.is_tensor(x) and not x.flags.writeable:
             raise ValueError("inplace=True needs a writeable x; got a read-only NumPy array")
         batch = x.shape[0]
         seq = x.shape[2 if layout == "bhsd" else 1]
-        pos = _positions("positions", positions, batch, seq, cos.shape[0], "cos/sin")
+        pos = Positions.build("positions", positions, batch, seq, cos.shape[0], "cos/sin")
         placement = check_same_placement({"x": x, "cos": cos, "sin": sin, "positions": pos.array})
         return cls(
             x=x,
@@ -321,7 +267,7 @@ class EmbedInputs(_Inputs):
                 )
             check_range("token_type_ids", token_type_ids, 0, token_type_weight.shape[0])
         check_range("ids", ids, 0, vocab, what=f"(weight has {vocab} rows)")
-        pos = _positions("positions", positions, batch, seq, limit, "pe_table")
+        pos = Positions.build("positions", positions, batch, seq, limit, "pe_table")
         placement = check_same_placement(
             {
                 "ids": ids,
@@ -349,10 +295,6 @@ class EmbedInputs(_Inputs):
         )
 
 
-ROPE_KEYS = frozenset({"cos", "sin", "interleaved", "q_positions", "k_positions"})
-RELATIVE_BIAS_KEYS = frozenset({"table", "num_buckets", "max_distance", "bidirectional"})
-
-
 @dataclass(frozen=True, eq=False)
 class AttentionInputs(_Inputs):
     op: ClassVar[str] = "attention"
@@ -361,19 +303,12 @@ class AttentionInputs(_Inputs):
     v: Any  # [B, Hkv, Sk, Dv]
     scale: float
     causal: bool
-    q_offset: int  # query i sits at key position i + q_offset
-    mask: Any  # bool (True = attend) or float (added), broadcastable to [B, Hq, Sq, Sk]
+    bottom_right: bool  # query i sits at key position i + Sk - Sq (else at i): docs/math.md
+    mask: Any  # None, or bool (True = attend) / float (added) broadcast to [B, Hq, Sq, Sk]
     key_lengths: Any  # int [B] or None
-    rope_cos: Any  # [P, R/2] or None
-    rope_sin: Any
-    rope_interleaved: bool
-    q_positions: Positions | None
-    k_positions: Positions | None
-    alibi_slopes: Any  # [Hq] or [B, Hq] or None
-    t5_table: Any  # [num_buckets, Hq] or None
-    t5_num_buckets: int
-    t5_max_distance: int
-    t5_bidirectional: bool
+    rope: Rope | None
+    alibi_slopes: Any  # float broadcast to [B, Hq], or None
+    relative_bias: RelativeBias | None
     return_lse: bool
     dtype: str
     placement: Placement
@@ -385,17 +320,21 @@ class AttentionInputs(_Inputs):
         return b, hq, self.k.shape[1], sq, self.k.shape[2], d, self.v.shape[3]
 
     @property
+    def mask_is_bool(self) -> bool:
+        return self.mask is not None and _arrays.dtype_name(self.mask) == "bool"
+
+    @property
     def features(self) -> frozenset[str]:
         b, hq, hkv, sq, sk, d, dv = self.shape
         return _features(
             causal=self.causal,
-            bool_mask=self.mask is not None and _arrays.dtype_name(self.mask) == "bool",
-            additive_mask=self.mask is not None and _arrays.dtype_name(self.mask) != "bool",
+            bool_mask=self.mask_is_bool,
+            additive_mask=self.mask is not None and not self.mask_is_bool,
             key_lengths=self.key_lengths is not None,
             gqa=hq != hkv,
-            rope=self.rope_cos is not None,
+            rope=self.rope is not None,
             alibi=self.alibi_slopes is not None,
-            relative_bias=self.t5_table is not None,
+            relative_bias=self.relative_bias is not None,
             lse=self.return_lse,
             value_dim_differs=d != dv,
         )
@@ -405,143 +344,25 @@ class AttentionInputs(_Inputs):
         cls, q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope, alibi_slopes,
         relative_bias, return_lse,
     ):  # fmt: skip
-        q = check_float_array("q", q, ndim=4)
-        k = check_float_array("k", k, ndim=4)
-        v = check_float_array("v", v, ndim=4)
-        dtypes = {_arrays.dtype_name(t) for t in (q, k, v)}
-        if len(dtypes) > 1:
-            raise TypeError(f"q, k and v must share one dtype; got {sorted(dtypes)}")
+        q, k, v = _check_qkv(q, k, v)
         b, hq, sq, d = q.shape
-        if k.shape[0] != b or v.shape[0] != b:
-            raise ValueError(
-                f"q, k, v must share batch size B; got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
-            )
-        hkv, sk = k.shape[1], k.shape[2]
-        if k.shape[3] != d:
-            raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {d}")
-        if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-            raise ValueError(
-                f"v must be [B, Hkv, Sk, Dv] matching k's {tuple(k.shape[:3])}; "
-                f"got {tuple(v.shape)}"
-            )
-        if hkv == 0 or hq % hkv:
-            raise ValueError(
-                f"q heads ({hq}) must be a multiple of k/v heads ({hkv}) for grouped-query attention"
-            )
-        if d == 0:
-            raise ValueError("head_dim must be >= 1; got q of shape " + str(tuple(q.shape)))
-        causal = check_bool("causal", causal)
-        alignment = check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
-        q_offset = sk - sq if alignment == "bottom_right" else 0
-        scale = 1.0 / math.sqrt(d) if scale is None else check_float("scale", scale)
-
-        if mask is not None:
-            mask = _arrays.as_array(mask)
-            mask_dtype = _arrays.dtype_name(mask)
-            if mask_dtype != "bool" and not _arrays.is_float_dtype(mask_dtype):
-                raise TypeError(
-                    f"mask must be bool (True = may attend) or float (added to scores); "
-                    f"got {mask_dtype}"
-                )
-            full = (b, hq, sq, sk)
-            try:
-                ok = mask.ndim <= 4 and np.broadcast_shapes(tuple(mask.shape), full) == full
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(
-                    f"mask of shape {tuple(mask.shape)} does not broadcast to "
-                    f"[B, Hq, Sq, Sk] = {list(full)}"
-                )
-            if mask_dtype != "bool":
-                values = _arrays.to_float64(mask)
-                if np.isnan(values).any() or np.isposinf(values).any():
-                    raise ValueError(
-                        "mask (additive) must not contain NaN or +inf; use -inf to block"
-                    )
-
-        if key_lengths is not None:
-            key_lengths = check_int_array("key_lengths", key_lengths, ndim=1)
-            if tuple(key_lengths.shape) != (b,):
-                raise ValueError(
-                    f"key_lengths must have shape [B] = [{b}]; got {tuple(key_lengths.shape)}"
-                )
-            check_range("key_lengths", key_lengths, 0, sk + 1, what=f"(Sk = {sk})")
-
-        rope_cos = rope_sin = q_pos = k_pos = None
-        rope_interleaved = False
-        if rope is not None:
-            if not isinstance(rope, Mapping):
-                raise TypeError(f"rope must be None or a dict(cos=, sin=, ...); got {type(rope)}")
-            unknown = set(rope) - ROPE_KEYS
-            if unknown or "cos" not in rope or "sin" not in rope:
-                raise ValueError(
-                    f"rope must be a dict with keys cos, sin and optionally interleaved, "
-                    f"q_positions, k_positions; got keys {sorted(rope)}"
-                )
-            rope_cos, rope_sin = _check_rope_tables("rope['", rope["cos"], rope["sin"], d)
-            rope_interleaved = check_bool("rope['interleaved']", rope.get("interleaved", False))
-            p = rope_cos.shape[0]
-            # default positions follow the alignment: with bottom_right, queries are the last Sq
-            # of the Sk keys (a KV cache), so query i is at position Sk - Sq + i
-            q_pos = _positions(
-                "rope['q_positions']",
-                rope.get("q_positions", max(q_offset, 0)),
-                b,
-                sq,
-                p,
-                "rope cos/sin",
-            )
-            k_pos = _positions(
-                "rope['k_positions']", rope.get("k_positions"), b, sk, p, "rope cos/sin"
-            )
-
-        if alibi_slopes is not None:
-            alibi_slopes = check_float_array("alibi_slopes", alibi_slopes)
-            if tuple(alibi_slopes.shape) not in [(hq,), (b, hq)]:
-                raise ValueError(
-                    f"alibi_slopes must have shape [Hq] = [{hq}] or [B, Hq] = [{b}, {hq}]; "
-                    f"got {tuple(alibi_slopes.shape)}"
-                )
-            check_finite("alibi_slopes", alibi_slopes)
-
-        t5_table, t5_buckets, t5_distance, t5_bidirectional = None, 32, 128, True
-        if relative_bias is not None:
-            if not isinstance(relative_bias, Mapping):
-                raise TypeError(
-                    f"relative_bias must be None or a dict(table=, ...); got {type(relative_bias)}"
-                )
-            unknown = set(relative_bias) - RELATIVE_BIAS_KEYS
-            if unknown or "table" not in relative_bias:
-                raise ValueError(
-                    "relative_bias must be a dict with key table and optionally num_buckets, "
-                    f"max_distance, bidirectional; got keys {sorted(relative_bias)}"
-                )
-            t5_buckets = check_int(
-                "relative_bias['num_buckets']", relative_bias.get("num_buckets", 32), minimum=2
-            )
-            t5_bidirectional = check_bool(
-                "relative_bias['bidirectional']", relative_bias.get("bidirectional", True)
-            )
-            max_exact = t5_buckets // (4 if t5_bidirectional else 2)
-            if max_exact < 1:
-                raise ValueError(
-                    f"relative_bias['num_buckets'] = {t5_buckets} is too small: needs >= 4 when "
-                    "bidirectional, >= 2 otherwise"
-                )
-            t5_distance = check_int(
-                "relative_bias['max_distance']",
-                relative_bias.get("max_distance", 128),
-                minimum=max_exact + 1,
-            )
-            t5_table = check_float_array("relative_bias['table']", relative_bias["table"], ndim=2)
-            if tuple(t5_table.shape) != (t5_buckets, hq):
-                raise ValueError(
-                    f"relative_bias['table'] must have shape [num_buckets, Hq] = "
-                    f"[{t5_buckets}, {hq}]; got {tuple(t5_table.shape)}"
-                )
-            check_finite("relative_bias['table']", t5_table)
-
+        sk = k.shape[2]
+        bottom_right = (
+            check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS) == "bottom_right"
+        )
+        # with bottom_right, queries are the last Sq of the Sk keys (a KV cache)
+        query_start = max(sk - sq, 0) if bottom_right else 0
+        rope = (
+            None
+            if rope is None
+            else Rope.build(rope, head_dim=d, batch=b, sq=sq, sk=sk, query_start=query_start)
+        )
+        relative_bias = (
+            None if relative_bias is None else RelativeBias.build(relative_bias, heads=hq)
+        )
+        mask = None if mask is None else _check_mask(mask, (b, hq, sq, sk))
+        key_lengths = None if key_lengths is None else _check_key_lengths(key_lengths, b, sk)
+        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, b, hq)
         placement = check_same_placement(
             {
                 "q": q,
@@ -549,37 +370,101 @@ class AttentionInputs(_Inputs):
                 "v": v,
                 "mask": mask,
                 "key_lengths": key_lengths,
-                "rope['cos']": rope_cos,
-                "rope['sin']": rope_sin,
-                "rope['q_positions']": q_pos.array if q_pos else None,
-                "rope['k_positions']": k_pos.array if k_pos else None,
+                **(rope.arrays() if rope else {}),
                 "alibi_slopes": alibi_slopes,
-                "relative_bias['table']": t5_table,
+                "relative_bias['table']": None if relative_bias is None else relative_bias.table,
             }
         )
         return cls(
             q=q,
             k=k,
             v=v,
-            scale=scale,
-            causal=causal,
-            q_offset=q_offset,
+            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
+            causal=check_bool("causal", causal),
+            bottom_right=bottom_right,
             mask=mask,
             key_lengths=key_lengths,
-            rope_cos=rope_cos,
-            rope_sin=rope_sin,
-            rope_interleaved=rope_interleaved,
-            q_positions=q_pos,
-            k_positions=k_pos,
+            rope=rope,
             alibi_slopes=alibi_slopes,
-            t5_table=t5_table,
-            t5_num_buckets=t5_buckets,
-            t5_max_distance=t5_distance,
-            t5_bidirectional=t5_bidirectional,
+            relative_bias=relative_bias,
             return_lse=check_bool("return_lse", return_lse),
             dtype=_arrays.dtype_name(q),
             placement=placement,
         )
+
+
+def _check_qkv(q, k, v):
+    """q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] of one float dtype, Hkv | Hq."""
+    q = check_float_array("q", q, ndim=4)
+    k = check_float_array("k", k, ndim=4)
+    v = check_float_array("v", v, ndim=4)
+    dtypes = {_arrays.dtype_name(t) for t in (q, k, v)}
+    if len(dtypes) > 1:
+        raise TypeError(f"q, k and v must share one dtype; got {sorted(dtypes)}")
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(
+            f"q, k, v must share batch size B; got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        )
+    hkv = k.shape[1]
+    if k.shape[3] != d:
+        raise ValueError(f"k's head dim {k.shape[3]} must equal q's head dim {d}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(
+            f"v must be [B, Hkv, Sk, Dv] matching k's {tuple(k.shape[:3])}; got {tuple(v.shape)}"
+        )
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"q heads ({hq}) must be a multiple of k/v heads ({hkv}) for grouped-query attention"
+        )
+    if d == 0:
+        raise ValueError("head_dim must be >= 1; got q of shape " + str(tuple(q.shape)))
+    return q, k, v
+
+
+def _check_mask(mask, full: tuple[int, int, int, int]):
+    """bool or float, broadcastable to [B, Hq, Sq, Sk]; returned broadcast to it (a view)."""
+    mask = _arrays.as_array(mask)
+    mask_dtype = _arrays.dtype_name(mask)
+    if mask_dtype != "bool" and not _arrays.is_float_dtype(mask_dtype):
+        raise TypeError(
+            f"mask must be bool (True = may attend) or float (added to scores); got {mask_dtype}"
+        )
+    try:
+        ok = mask.ndim <= 4 and np.broadcast_shapes(tuple(mask.shape), full) == full
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}"
+        )
+    if mask_dtype != "bool":
+        values = _arrays.to_float64(mask)
+        if np.isnan(values).any() or np.isposinf(values).any():
+            raise ValueError("mask (additive) must not contain NaN or +inf; use -inf to block")
+    return _arrays.broadcast_to(mask, full)
+
+
+def _check_key_lengths(key_lengths, batch: int, sk: int):
+    key_lengths = check_int_array("key_lengths", key_lengths, ndim=1)
+    if tuple(key_lengths.shape) != (batch,):
+        raise ValueError(
+            f"key_lengths must have shape [B] = [{batch}]; got {tuple(key_lengths.shape)}"
+        )
+    check_range("key_lengths", key_lengths, 0, sk + 1, what=f"(Sk = {sk})")
+    return key_lengths
+
+
+def _check_alibi(alibi_slopes, batch: int, heads: int):
+    """[Hq] or [B, Hq], finite; returned broadcast to [B, Hq] (a view)."""
+    alibi_slopes = check_float_array("alibi_slopes", alibi_slopes)
+    if tuple(alibi_slopes.shape) not in [(heads,), (batch, heads)]:
+        raise ValueError(
+            f"alibi_slopes must have shape [Hq] = [{heads}] or [B, Hq] = [{batch}, {heads}]; "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+    check_finite("alibi_slopes", alibi_slopes)
+    return _arrays.broadcast_to(alibi_slopes, (batch, heads))
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,4 +1,7 @@
-"""The public ops (SPEC §5): validate once into an inputs record, then dispatch.
+"""The public ops: validate once into an inputs record, then dispatch (and ``explain``).
+
+The mathematics of every op is in docs/math.md, the dtype and error policy in
+docs/dtypes-and-errors.md.
 
 Arrays in, arrays out: a NumPy array in gives a NumPy array out; a torch tensor in gives a torch
 tensor on the same device. ``backend=`` picks "numpy" (float64 oracle), "numba" (CPU) or
@@ -246,3 +249,19 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
 
         return torch_ops.call_merge_attention(out_a, lse_a, out_b, lse_b, backend=backend)
     return dispatch.run(MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), backend)
+
+
+OPS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge_attention")
+
+
+def explain(op, *args, **kwargs) -> dispatch.Explanation:
+    """Which backend ``fastpe.<op>(*args, **kwargs)`` would run on and why the others would not.
+
+    Validates the arguments exactly as the call would (bad input raises the same error) but runs
+    no kernel. ``op`` is a name such as ``"attention"`` or the function itself.
+    """
+    name = op if isinstance(op, str) else getattr(op, "__name__", repr(op))
+    if name not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    with dispatch.explaining():
+        return globals()[name](*args, **kwargs)

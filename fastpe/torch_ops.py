@@ -12,6 +12,7 @@ through one raises a clear error instead of returning wrong or missing gradients
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +25,7 @@ from fastpe._inputs import (
     RopeTableInputs,
     SinusoidalTableInputs,
 )
+from fastpe._options import RelativeBias, Rope
 
 
 def _no_backward(op_name: str):
@@ -38,6 +40,7 @@ def _no_backward(op_name: str):
 
 
 def _positions(tensor: Tensor | None, offset: int):
+    """The schema's (tensor or None, offset) -> the public ``positions`` value."""
     return offset if tensor is None else tensor
 
 
@@ -159,21 +162,18 @@ torch.library.register_autograd("fastpe::embed", _no_backward("embed"))
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
     key_lengths: Tensor | None, scale: float | None, rope_cos: Tensor | None,
-    rope_sin: Tensor | None, rope_interleaved: bool, q_positions: Tensor | None,
-    q_offset: int | None, k_positions: Tensor | None, k_offset: int,
-    alibi_slopes: Tensor | None, t5_table: Tensor | None, t5_num_buckets: int,
-    t5_max_distance: int, t5_bidirectional: bool, backend: str,
+    rope_sin: Tensor | None, rope_interleaved: bool, rope_q_positions: Tensor | None,
+    rope_q_offset: int | None, rope_k_positions: Tensor | None, rope_k_offset: int | None,
+    alibi_slopes: Tensor | None, relative_bias_table: Tensor | None,
+    relative_bias_num_buckets: int, relative_bias_max_distance: int,
+    relative_bias_bidirectional: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    rope = None
-    if rope_cos is not None:
-        rope = {"cos": rope_cos, "sin": rope_sin, "interleaved": rope_interleaved,
-                "k_positions": _positions(k_positions, k_offset)}  # fmt: skip
-        if q_positions is not None or q_offset is not None:
-            rope["q_positions"] = _positions(q_positions, q_offset)
-    relative_bias = None
-    if t5_table is not None:
-        relative_bias = {"table": t5_table, "num_buckets": t5_num_buckets,
-                         "max_distance": t5_max_distance, "bidirectional": t5_bidirectional}  # fmt: skip
+    rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
+                             rope_q_offset, rope_k_positions, rope_k_offset)  # fmt: skip
+    relative_bias = _relative_bias_from_schema(
+        relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
+        relative_bias_bidirectional,
+    )  # fmt: skip
     inputs = AttentionInputs.build(
         q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
         key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
@@ -190,6 +190,48 @@ def _(q, k, v, *args):
 
 
 torch.library.register_autograd("fastpe::attention", _no_backward("attention"))
+
+
+# The one place where attention's structured options (``rope=`` and ``relative_bias=`` dicts,
+# whose values are validated into ``Rope`` / ``RelativeBias`` records by AttentionInputs) meet
+# the op schema, which takes only flat typed arguments.
+
+
+def _rope_to_schema(rope, device) -> tuple:
+    if rope is None:
+        return None, None, False, None, None, None, None
+    Rope.check_keys(rope)
+    q_positions = _split_positions(rope.get("q_positions"), device)
+    k_positions = _split_positions(rope.get("k_positions"), device)
+    return (rope.get("cos"), rope.get("sin"), rope.get("interleaved", False), *q_positions,
+            *k_positions)  # fmt: skip
+
+
+def _rope_from_schema(cos, sin, interleaved, q_positions, q_offset, k_positions, k_offset):
+    if cos is None and sin is None:
+        return None
+    rope = {"cos": cos, "sin": sin, "interleaved": interleaved}
+    for key, tensor, offset in (("q_positions", q_positions, q_offset),
+                                ("k_positions", k_positions, k_offset)):  # fmt: skip
+        if tensor is not None or offset is not None:  # absent: the record's default positions
+            rope[key] = tensor if tensor is not None else offset
+    return rope
+
+
+def _relative_bias_to_schema(relative_bias) -> tuple:
+    defaults = RelativeBias._field_defaults
+    if relative_bias is not None:
+        RelativeBias.check_keys(relative_bias)
+    bias = relative_bias or {}
+    return (bias.get("table"),
+            *(_plain(bias.get(key, defaults[key])) for key in RelativeBias._fields[1:]))  # fmt: skip
+
+
+def _relative_bias_from_schema(table, num_buckets, max_distance, bidirectional):
+    if table is None:
+        return None
+    return {"table": table, "num_buckets": num_buckets, "max_distance": max_distance,
+            "bidirectional": bidirectional}  # fmt: skip
 
 
 @torch.library.custom_op("fastpe::merge_attention", mutates_args=())
@@ -214,37 +256,41 @@ torch.library.register_autograd("fastpe::merge_attention", _no_backward("merge_a
 # The public API's flattened calls (fastpe.api routes here under compile or autograd recording)
 
 
-def _split_positions(positions):
-    """Public ``positions`` (None | int | tensor) -> (tensor or None, int offset or None)."""
+def _plain(value):
+    """NumPy scalars -> Python scalars (the schema takes int/float/bool, not np.int64)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _split_positions(positions, device) -> tuple[Tensor | None, int | None]:
+    """Public ``positions`` (None | int | int array or list) -> (tensor or None, offset or None),
+    the same values the eager path accepts."""
+    positions = _plain(positions)
     if positions is None or isinstance(positions, int):
         return None, positions
+    if not isinstance(positions, Tensor):
+        positions = torch.as_tensor(np.asarray(positions), device=device)
     return positions, None
 
 
 def call_apply_rope(x, cos, sin, *, positions, interleaved, layout, inplace, backend):
-    tensor, offset = _split_positions(positions)
+    tensor, offset = _split_positions(positions, x.device)
     out = apply_rope_op(x, cos, sin, tensor, offset or 0, interleaved, layout, backend or "")
     return x.copy_(out) if inplace else out
 
 
 def call_embed(ids, weight, *, positions, pe, pe_table, scale, base, layout, freq,
                token_type_ids, token_type_weight, backend):  # fmt: skip
-    tensor, offset = _split_positions(positions)
+    tensor, offset = _split_positions(positions, weight.device)
     return embed_op(ids, weight, tensor, offset or 0, pe or "", pe_table, float(scale), float(base), layout,
                     freq, token_type_ids, token_type_weight, backend or "")  # fmt: skip
 
 
 def call_attention(q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope,
                    alibi_slopes, relative_bias, return_lse, backend):  # fmt: skip
-    rope = rope or {}
-    q_pos, q_off = _split_positions(rope.get("q_positions"))
-    k_pos, k_off = _split_positions(rope.get("k_positions"))
-    bias = relative_bias or {}
     out, lse = attention_op(
         q, k, v, causal, causal_alignment, mask, key_lengths, None if scale is None else float(scale),
-        rope.get("cos"), rope.get("sin"), bool(rope.get("interleaved", False)), q_pos, q_off, k_pos,
-        k_off or 0, alibi_slopes, bias.get("table"), int(bias.get("num_buckets", 32)),
-        int(bias.get("max_distance", 128)), bool(bias.get("bidirectional", True)), backend or "",
+        *_rope_to_schema(rope, q.device), alibi_slopes, *_relative_bias_to_schema(relative_bias),
+        backend or "",
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

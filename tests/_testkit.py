@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fastpe
-from fastpe import dispatch
+from fastpe.backends import kernel_backends, unavailable_reason
 
 try:
     import torch
@@ -41,12 +41,10 @@ def to_np(x):
 
 def _kernel_backends():
     """Non-oracle backends, each skipped with its reason when it cannot run here at all; what
-    a backend cannot run for a particular call is skipped later, by ``run_or_skip``."""
+    a backend cannot run for a particular call is skipped by the hook in conftest.py."""
     params = []
-    for name in dispatch.BACKEND_NAMES:
-        if name == "numpy":
-            continue  # the oracle is never tested against itself
-        why = dispatch.backend_unavailable_reason(name)
+    for name in kernel_backends():  # the oracle is never tested against itself
+        why = unavailable_reason(name)
         params.append(
             pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"{name}: {why}"))
         )
@@ -56,9 +54,11 @@ def _kernel_backends():
 KERNEL_BACKENDS = _kernel_backends()
 
 
-def run_or_skip(fn, backend, *args, **kwargs):
-    """Call a fastpe op on ``backend``; skip (with the reasons) if that backend cannot run it."""
-    report = fastpe.explain(fn.__name__, *args, backend=backend, **kwargs)
+def require(backend, op, *args, **kwargs):
+    """Skip now, with the reasons, if ``backend`` cannot run ``fastpe.<op>(*args, **kwargs)``.
+
+    A refused call is normally skipped by the hook in conftest.py; Hypothesis tests call this
+    first so that they skip before Hypothesis starts shrinking a refusal."""
+    report = fastpe.explain(op, *args, backend=backend, **kwargs)
     if report.chosen is None:
         pytest.skip(str(report).splitlines()[1])
-    return fn(*args, backend=backend, **kwargs)

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from _testkit import KERNEL_BACKENDS, run_or_skip, to_fw, to_np, torch
+from _testkit import KERNEL_BACKENDS, to_fw, to_np, torch
 
 import fastpe
 
@@ -45,12 +45,12 @@ def test_sinusoidal_table(backend, fw, layout, freq, n, dim, offset):
         "device": None if fw == "numpy" else "cpu",
     }
     truth = fastpe.sinusoidal_table(n, dim, dtype="float64", **{**kw, "device": None}, **O)
-    got = run_or_skip(fastpe.sinusoidal_table, backend, n, dim, **kw)
+    got = fastpe.sinusoidal_table(n, dim, **kw, backend=backend)
     assert str(got.dtype).endswith("float32")
     # the accuracy promise: within 1e-6 of the float64 truth at every position up to 2^20
     _close(got, truth, 1e-6 if offset < 2**21 else 1e-5, "float32 table")
     # in float64 the argument p·ω itself is only known to ~p·2^-53, by any method
-    _close(run_or_skip(fastpe.sinusoidal_table, backend, n, dim, dtype="float64", **kw), truth,
+    _close(fastpe.sinusoidal_table(n, dim, dtype="float64", **kw, backend=backend), truth,
            1e-14 + 4 * (offset + n) * 2.0**-53, "float64 table")  # fmt: skip
 
 
@@ -62,9 +62,7 @@ def test_sinusoidal_table(backend, fw, layout, freq, n, dim, offset):
 def test_rope_table(backend, fw, scaling, n, rdim, offset):
     truth = fastpe.rope_table(n, rdim, scaling=scaling, offset=offset, dtype="float64", **O)
     device = None if fw == "numpy" else "cpu"
-    got = run_or_skip(
-        fastpe.rope_table, backend, n, rdim, scaling=scaling, offset=offset, device=device
-    )
+    got = fastpe.rope_table(n, rdim, scaling=scaling, offset=offset, device=device, backend=backend)
     for g, t in zip(got, truth, strict=True):
         _close(g, t, 1.5e-6, "rope table")
 
@@ -74,9 +72,7 @@ def test_rope_table(backend, fw, scaling, n, rdim, offset):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tables_low_precision_round_once(backend, dtype):
     truth = fastpe.sinusoidal_table(50, 24, offset=1000, dtype="float64", **O)
-    got = run_or_skip(
-        fastpe.sinusoidal_table, backend, 50, 24, offset=1000, dtype=dtype, device="cpu"
-    )
+    got = fastpe.sinusoidal_table(50, 24, offset=1000, dtype=dtype, device="cpu", backend=backend)
     assert got.dtype == getattr(torch, dtype)
     # exactly the correctly rounded truth (torch's float64 -> half rounding is to nearest even)
     rounded = torch.from_numpy(truth).to(getattr(torch, dtype))
@@ -100,10 +96,10 @@ def test_apply_rope(backend, fw, shape, interleaved, layout, pos_kind, rng):
     kw = {"interleaved": interleaved, "layout": layout,
           "positions": positions if positions is None or isinstance(positions, int) else to_fw(positions, fw)}  # fmt: skip
     before = x.copy()
-    got = run_or_skip(fastpe.apply_rope, backend, *args, **kw)
+    got = fastpe.apply_rope(*args, **kw, backend=backend)
     np.testing.assert_array_equal(to_np(args[0]), before)  # input untouched
     _close(got, fastpe.apply_rope(*args, **kw, **O), TOL["float32"], "apply_rope")
-    same = run_or_skip(fastpe.apply_rope, backend, *args, inplace=True, **kw)
+    same = fastpe.apply_rope(*args, inplace=True, **kw, backend=backend)
     assert same is args[0]
     _close(args[0], to_np(got), 0, "in-place result")
 
@@ -113,7 +109,7 @@ def test_apply_rope(backend, fw, shape, interleaved, layout, pos_kind, rng):
 def test_apply_rope_non_contiguous(backend, fw, dtype, rng):
     x = to_fw(rng.standard_normal((2, 6, 10, 16)).astype(dtype), fw)[:, ::2, 1:9]  # strided view
     cos, sin = (to_fw(t, fw) for t in fastpe.rope_table(20, 12, dtype=dtype, **O))
-    got = run_or_skip(fastpe.apply_rope, backend, x, cos, sin, positions=3)
+    got = fastpe.apply_rope(x, cos, sin, positions=3, backend=backend)
     _close(got, fastpe.apply_rope(x, cos, sin, positions=3, **O), TOL[dtype], "strided apply_rope")
 
 
@@ -134,7 +130,7 @@ def test_embed(backend, fw, pe, layout, freq, types, pos_kind, rng):
     if types:
         kw |= {"token_type_ids": to_fw(rng.integers(0, 2, size=(b, s)), fw),
                "token_type_weight": to_fw(rng.standard_normal((2, d)).astype(np.float32), fw)}  # fmt: skip
-    got = run_or_skip(fastpe.embed, backend, to_fw(ids, fw), to_fw(weight, fw), **kw)
+    got = fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), **kw, backend=backend)
     _close(got, fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), **kw, **O), TOL["float32"], "embed")
 
 
@@ -144,7 +140,7 @@ def test_embed_far_positions_and_errors(backend, fw, dtype, rng):
     weight = to_fw(rng.standard_normal((10, 8)).astype(dtype), fw)
     ids = to_fw(rng.integers(0, 10, size=(2, 3)), fw)
     far = to_fw(np.array([[2**20, 5, 2**31 + 7], [0, 2**20 - 1, 17]]), fw)
-    got = run_or_skip(fastpe.embed, backend, ids, weight, positions=far)
+    got = fastpe.embed(ids, weight, positions=far, backend=backend)
     tol = 1e-9 if dtype == "float64" else 1e-6
     _close(got, fastpe.embed(ids, weight, positions=far, **O), tol, "far positions")
     with pytest.raises(IndexError, match="ids contains 10"):
@@ -216,7 +212,7 @@ def _attention_args(rng, fw, b, hq, hkv, sq, sk, d, options, dtype=np.float32):
 def test_attention(backend, fw, case, dims, rng):
     args, kw = _attention_args(rng, fw, *dims, ATTN_CASES[case])
     before = [to_np(a).copy() for a in args]
-    got, lse = run_or_skip(fastpe.attention, backend, *args, return_lse=True, **kw)
+    got, lse = fastpe.attention(*args, return_lse=True, **kw, backend=backend)
     want, want_lse = fastpe.attention(*args, return_lse=True, **kw, **O)
     _close(got, want, 2e-5, "attention out")
     finite = np.isfinite(to_np(want_lse))
@@ -231,7 +227,7 @@ def test_attention(backend, fw, case, dims, rng):
 def test_attention_non_contiguous(backend, fw, dtype, rng):
     base = to_fw(rng.standard_normal((2, 4, 20, 24)).astype(dtype), fw)
     q, k, v = base[:, :, ::2], base[:, ::2, 1:19], base[:, 1::2, 2:20]  # strided views, GQA 4/2
-    got = run_or_skip(fastpe.attention, backend, q, k, v, causal=True)
+    got = fastpe.attention(q, k, v, causal=True, backend=backend)
     tol = 1e-12 if dtype == "float64" else 2e-6
     _close(got, fastpe.attention(q, k, v, causal=True, **O), tol, "strided attention")
 
@@ -246,7 +242,7 @@ def test_attention_low_precision_flash_rule(backend, dtype, rng):
     plain = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True
     )  # same-dtype baseline
-    got = run_or_skip(fastpe.attention, backend, q, k, v, causal=True)
+    got = fastpe.attention(q, k, v, causal=True, backend=backend)
     assert got.dtype == tdtype
     err = (got.double() - want).abs().max().item()
     plain_err = (plain.double() - want).abs().max().item()
@@ -263,7 +259,7 @@ def test_merge_attention(backend, fw, dtype, rng):
     mask[4] = False  # a row empty on one side
     b = fastpe.attention(q, k[:, :, 15:], v[:, :, 15:], mask=mask, return_lse=True, **O)
     args = [to_fw(t, fw) for t in (*a, *b)]
-    got_out, got_lse = run_or_skip(fastpe.merge_attention, backend, *args)
+    got_out, got_lse = fastpe.merge_attention(*args, backend=backend)
     want_out, want_lse = fastpe.merge_attention(*args, **O)
     _close(got_out, want_out, 1e-6 if dtype == "float64" else 2e-6, "merged out")
     _close(got_lse, want_lse, 1e-6, "merged lse")
@@ -285,7 +281,7 @@ def test_attention_sharp_scores_and_masked_row_starts(backend, rng):
     mask[5:15, :40] = False  # these rows start with masked keys
     mask[20, :] = False  # and this one sees nothing
     for kw in ({}, {"mask": mask}, {"mask": mask, "causal": True, "causal_alignment": "top_left"}):
-        got, lse = run_or_skip(fastpe.attention, backend, q, k, v, return_lse=True, **kw)
+        got, lse = fastpe.attention(q, k, v, return_lse=True, **kw, backend=backend)
         want, want_lse = fastpe.attention(q, k, v, return_lse=True, **kw, **O)
         _close(got, want, 2e-5, f"sharp attention {list(kw)}")
         finite = np.isfinite(want_lse)
@@ -328,9 +324,7 @@ def test_apply_rope_low_precision(backend, dtype, inplace, rng):
     a, b = x[..., :8], x[..., 8:16]
     plain = torch.cat([a * c - b * s, b * c + a * s, x[..., 16:]], -1)  # HF-style, all in `dtype`
     arg = x.clone() if inplace else x
-    got = run_or_skip(
-        fastpe.apply_rope, backend, arg, cos, sin, positions=positions, inplace=inplace
-    )
+    got = fastpe.apply_rope(arg, cos, sin, positions=positions, inplace=inplace, backend=backend)
     assert got.dtype == tdtype and (got is arg) == inplace
     err = (got.double() - want).abs().max().item()
     assert err <= 2 * (plain.double() - want).abs().max().item() + 1e-6, err
@@ -355,7 +349,7 @@ def test_embed_low_precision(backend, dtype, pe, rng):
         else fastpe.sinusoidal_table(9, 16, offset=7, device="cpu").to(tdtype)
     )
     plain = weight[ids] * 4.0 + pe_rows  # the eager recipe, in `dtype`
-    got = run_or_skip(fastpe.embed, backend, ids, weight, **kw)
+    got = fastpe.embed(ids, weight, **kw, backend=backend)
     assert got.dtype == tdtype
     err = (got.double() - want).abs().max().item()
     assert err <= 2 * (plain.double() - want).abs().max().item() + 1e-6, err
@@ -368,14 +362,14 @@ def test_bfloat16_rounds_to_nearest_even(backend, rng):
     including ties — the widening and rounding done on uint16 bits must not drift from it."""
     x = torch.from_numpy(rng.standard_normal((1, 4, 64, 32)).astype(np.float32)).to(torch.bfloat16)
     cos, sin = fastpe.rope_table(64, 32, device="cpu")
-    got = run_or_skip(fastpe.apply_rope, backend, x, cos, sin)
-    via_float32 = run_or_skip(fastpe.apply_rope, backend, x.float(), cos, sin).to(torch.bfloat16)
+    got = fastpe.apply_rope(x, cos, sin, backend=backend)
+    via_float32 = fastpe.apply_rope(x.float(), cos, sin, backend=backend).to(torch.bfloat16)
     assert torch.equal(got, via_float32)
     weight = torch.from_numpy(rng.standard_normal((50, 32)).astype(np.float32)).to(torch.bfloat16)
     ids = torch.from_numpy(rng.integers(0, 50, size=(2, 40)))
-    got = run_or_skip(fastpe.embed, backend, ids, weight, scale=3.0)
+    got = fastpe.embed(ids, weight, scale=3.0, backend=backend)
     assert torch.equal(
-        got, run_or_skip(fastpe.embed, backend, ids, weight.float(), scale=3.0).to(torch.bfloat16)
+        got, fastpe.embed(ids, weight.float(), scale=3.0, backend=backend).to(torch.bfloat16)
     )
 
 
@@ -392,7 +386,7 @@ def test_apply_rope_q_and_k_together(backend, fw, layout, inplace, rng):
     kw = {"positions": positions, "layout": layout}
     want = [fastpe.apply_rope(t, cos, sin, **kw, **O) for t in (q, k)]
     args = ((q, k) if not inplace else (to_fw(to_np(q), fw), to_fw(to_np(k), fw)), cos, sin)
-    got = run_or_skip(fastpe.apply_rope, backend, *args, inplace=inplace, **kw)
+    got = fastpe.apply_rope(*args, inplace=inplace, **kw, backend=backend)
     assert isinstance(got, tuple) and len(got) == 2
     for g, w, given in zip(got, want, args[0], strict=True):
         _close(g, w, TOL["float32"], "grouped apply_rope")

@@ -9,22 +9,21 @@ import numpy as np
 import pytest
 
 import fastpe
-from fastpe import dispatch
-from fastpe.dispatch import Implementation
-
-OPS = dispatch.OPS
+from fastpe.api import OPS
+from fastpe.backends import BACKEND_NAMES, REGISTRY
+from fastpe.backends.base import Implementation
 
 
 def test_every_backend_implements_every_op():
-    for name in dispatch.BACKEND_NAMES:
+    for name in BACKEND_NAMES:
         for op in OPS:
-            impl = dispatch.REGISTRY[(name, op)]
+            impl = REGISTRY[(name, op)]
             assert impl.backend == name and impl.op == op
 
 
 def test_backends_reports_each_backend():
     status = fastpe.backends()
-    assert set(status) == set(dispatch.BACKEND_NAMES)
+    assert set(status) == set(BACKEND_NAMES)
     assert status["numpy"] == "available"
     for value in status.values():
         assert value == "available" or value.startswith("unavailable: ")
@@ -76,7 +75,7 @@ class _Refusing(_Broken):
 
 
 def test_explicit_backend_is_never_replaced(monkeypatch):
-    monkeypatch.setitem(dispatch.REGISTRY, ("numba", "sinusoidal_table"), _Refusing())
+    monkeypatch.setitem(REGISTRY, ("numba", "sinusoidal_table"), _Refusing())
     with pytest.raises(fastpe.BackendNotSupportedError, match="withholds"):
         fastpe.sinusoidal_table(2, 4, backend="numba")
     # automatic choice falls through to the oracle on reasons alone
@@ -86,14 +85,14 @@ def test_explicit_backend_is_never_replaced(monkeypatch):
 
 
 def test_auto_never_hides_a_kernel_exception(monkeypatch):
-    monkeypatch.setitem(dispatch.REGISTRY, ("numba", "sinusoidal_table"), _Broken())
+    monkeypatch.setitem(REGISTRY, ("numba", "sinusoidal_table"), _Broken())
     with pytest.raises(ZeroDivisionError, match="kernel bug"):
         fastpe.sinusoidal_table(2, 4)
 
 
 def test_no_candidate_lists_every_reason(monkeypatch):
-    monkeypatch.setitem(dispatch.REGISTRY, ("numba", "sinusoidal_table"), _Refusing())
-    monkeypatch.setitem(dispatch.REGISTRY, ("numpy", "sinusoidal_table"), _Refusing())
+    monkeypatch.setitem(REGISTRY, ("numba", "sinusoidal_table"), _Refusing())
+    monkeypatch.setitem(REGISTRY, ("numpy", "sinusoidal_table"), _Refusing())
     with pytest.raises(fastpe.BackendNotSupportedError, match="numba: needs.*\\| numpy: needs"):
         fastpe.sinusoidal_table(2, 4)
 
@@ -104,7 +103,7 @@ def test_explain_reports_choice_and_reasons():
     text = str(report)
     assert text.startswith("attention on NumPy array, dtype float32, features: causal, gqa")
     assert report.chosen in ("numba", "numpy")
-    for name in dispatch.BACKEND_NAMES:
+    for name in BACKEND_NAMES:
         assert f"   {name}" in text
     assert "triton" in text and "cannot run" in text
     # explain validates exactly like the call
@@ -116,7 +115,7 @@ def test_explain_reports_choice_and_reasons():
 
 def test_explicit_unavailable_backend_raises_with_reason():
     q = np.zeros((1, 1, 2, 4), np.float32)
-    reasons = "; ".join(dispatch.REGISTRY[("triton", "attention")].not_supported_reasons(
+    reasons = "; ".join(REGISTRY[("triton", "attention")].not_supported_reasons(
         fastpe.explain("attention", q, q, q).inputs
     ))  # fmt: skip
     assert reasons

@@ -11,22 +11,22 @@ import math
 
 import numpy as np
 import pytest
-from _testkit import to_fw, to_np, torch
+from _testkit import require, to_fw, to_np, torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastpe
-from fastpe import dispatch
+from fastpe.backends import BACKEND_NAMES, unavailable_reason
 
 ORACLE = {"backend": "numpy"}
 needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
 
 
-@pytest.fixture(scope="module", params=dispatch.BACKEND_NAMES)
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
 def backend(request):
     """Module-scoped (Hypothesis rejects function-scoped fixtures); unavailable ones skip."""
     name = request.param
-    why = dispatch.backend_unavailable_reason(name)
+    why = unavailable_reason(name)
     if why:
         pytest.skip(f"{name}: {why}")
     return name
@@ -35,13 +35,6 @@ def backend(request):
 def loose(backend, oracle_tol, kernel_tol):
     """The oracle keeps its closed-form tolerance; a float64 kernel may differ by a few ulp."""
     return oracle_tol if backend == "numpy" else kernel_tol
-
-
-def require(backend, op, *args, **kwargs):
-    """Skip now (not after Hypothesis shrinks a refusal) if ``backend`` cannot run this call."""
-    report = fastpe.explain(op, *args, backend=backend, **kwargs)
-    if report.chosen is None:
-        pytest.skip(str(report).splitlines()[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,7 +576,7 @@ def test_merge_of_disjoint_key_halves_is_the_whole(backend, split, causal, seed)
     out_b, lse_b = fastpe.attention(q, k, v, mask=~mask_a, **kw)
     out, lse = fastpe.merge_attention(out_a, lse_a, out_b, lse_b, backend=backend)
     full, full_lse = fastpe.attention(q, k, v, causal=causal, return_lse=True, **ORACLE)
-    # lse is float32 by contract (SPEC §4), so merge weights carry its ~6e-8 relative rounding
+    # lse is float32 by contract (docs/math.md), so merge weights carry its ~6e-8 relative rounding
     np.testing.assert_allclose(out, full, atol=1e-6)
     np.testing.assert_allclose(lse, full_lse, rtol=1e-6)
 

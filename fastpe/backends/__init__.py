@@ -1,0 +1,76 @@
+"""The backend registry, filled explicitly from one module per backend.
+
+Each backend module declares:
+
+- ``NAME``: what users pass as ``backend=`` / ``use_backend`` / ``$FASTPE_BACKEND``;
+- ``unavailable_reason()``: why it cannot run at all here, or None (never imports the backend's
+  packages: ``import fastpe`` stays light);
+- ``AUTO_DEVICES``: the device types for which automatic choice considers it;
+- ``IS_ORACLE``: True for the float64 reference, which runs everything and is tried last;
+- ``IMPLEMENTATIONS``: its ``Implementation`` subclass for every op (``base.py``).
+
+Adding a backend means adding its module to ``MODULES`` below (see docs/extending.md).
+
+``fastpe.backends()`` (public) calls this package: it reports every backend's status.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from fastpe.backends import numba, numpy, triton
+from fastpe.backends.base import Implementation
+
+# Listing order is the order users see (errors, explain, fastpe info).
+MODULES = (numpy, numba, triton)
+BACKEND_NAMES: tuple[str, ...] = tuple(module.NAME for module in MODULES)
+
+REGISTRY: dict[tuple[str, str], Implementation] = {
+    (module.NAME, cls.op): cls() for module in MODULES for cls in module.IMPLEMENTATIONS
+}
+
+
+def module(name: str):
+    return next(m for m in MODULES if m.NAME == name)
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run at all here, or None."""
+    return module(name).unavailable_reason()
+
+
+def auto_order(device_type: str) -> tuple[str, ...]:
+    """Automatic candidates for inputs on ``device_type``: the kernel backends that serve it,
+    then the oracle (which runs anything)."""
+    serving = [m for m in MODULES if device_type in m.AUTO_DEVICES]
+    return tuple(m.NAME for m in sorted(serving, key=lambda m: m.IS_ORACLE))
+
+
+def kernel_backends(device_type: str | None = None) -> tuple[str, ...]:
+    """The non-oracle backends (those serving ``device_type`` automatically, if given)."""
+    return tuple(
+        m.NAME
+        for m in MODULES
+        if not m.IS_ORACLE and (device_type is None or device_type in m.AUTO_DEVICES)
+    )
+
+
+def status() -> dict[str, str]:
+    """{name: "available" | "unavailable: <reason>"} for every backend, without importing any."""
+    report = {}
+    for name in BACKEND_NAMES:
+        reason = unavailable_reason(name)
+        report[name] = "available" if reason is None else f"unavailable: {reason}"
+    return report
+
+
+class _CallablePackage(types.ModuleType):
+    """``fastpe.backends()`` is public API older than this package; calling the package keeps it
+    working without a second name for the same thing."""
+
+    def __call__(self) -> dict[str, str]:
+        return status()
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -1,0 +1,169 @@
+"""The "numba" backend: CPU kernels in ``fastpe.kernels.numba``, imported on first use.
+
+Kernels compute in float32 or float64. bfloat16 tensors reach apply_rope and embed as their
+uint16 bits (the kernels widen and round them); other half-precision inputs are widened to
+float32 at the boundary and rounded back by torch (round-to-nearest-even).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from fastpe import _arrays, reference
+from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
+from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
+
+NAME = "numba"
+AUTO_DEVICES = frozenset({"cpu"})
+IS_ORACLE = False
+
+
+def unavailable_reason() -> str | None:
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed (pip install numba)"
+    return None
+
+
+class _Numba(Implementation):
+    backend = NAME
+    dtypes = ALL_FLOAT  # half types arrive only as torch tensors (validated)
+
+    def unavailable_reason(self):
+        return unavailable_reason()
+
+
+class SinusoidalTable(_Numba):
+    op = "sinusoidal_table"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.sinusoidal_table import sinusoidal_table_numba
+
+        omega = reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
+        table = sinusoidal_table_numba(
+            omega,
+            inp.num_positions,
+            inp.offset,
+            inp.layout == "interleaved",
+            compute_dtype(inp.dtype),
+        )
+        return from_host(table, inp.placement, inp.dtype)
+
+
+class RopeTable(_Numba):
+    op = "rope_table"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.rope_table import rope_table_numba
+
+        cos, sin = rope_table_numba(
+            inp.inv_freq,
+            inp.attention_factor,
+            inp.num_positions,
+            inp.offset,
+            compute_dtype(inp.dtype),
+        )
+        return from_host(cos, inp.placement, inp.dtype), from_host(sin, inp.placement, inp.dtype)
+
+
+class ApplyRope(_Numba):
+    op = "apply_rope"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+
+        dtype = compute_dtype(inp.dtype)
+        x = to_host_bits(inp.x, dtype)
+        # float32/64 and bfloat16 arrays or CPU tensors come back from to_host_bits as views of
+        # the caller's memory: rotate that buffer directly; float16 goes through a float32 copy
+        direct = inp.inplace and inp.dtype != "float16"
+        out = apply_rope_numba(
+            x, to_host(inp.cos, dtype), to_host(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
+            interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
+        )  # fmt: skip
+        if direct:
+            return inp.x
+        result = from_host(out, inp.placement, inp.dtype)
+        return write_inplace(inp.x, result) if inp.inplace else result
+
+
+class Embed(_Numba):
+    op = "embed"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.embed import embed_numba
+
+        dtype = compute_dtype(inp.dtype)
+        has_types = inp.token_type_ids is not None
+        out = embed_numba(
+            _arrays.to_int64(inp.ids),
+            to_host_bits(inp.weight, dtype),  # bf16 rows are widened as they are gathered
+            inp.positions.as_int64(inp.batch, inp.seq),
+            scale=inp.scale,
+            pe=inp.pe,
+            pe_table=None if inp.pe_table is None else to_host_bits(inp.pe_table, dtype),
+            omega=reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
+            if inp.pe == "sinusoidal"
+            else None,
+            interleaved=inp.layout == "interleaved",
+            token_type_ids=_arrays.to_int64(inp.token_type_ids) if has_types else None,
+            token_type_weight=to_host_bits(inp.token_type_weight, dtype) if has_types else None,
+        )
+        return from_host(out, inp.placement, inp.dtype)
+
+
+class Attention(_Numba):
+    op = "attention"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+        from fastpe.kernels.numba.attention import attention_numba
+
+        b, hq, hkv, sq, sk, d, dv = inp.shape
+        dtype = compute_dtype(inp.dtype)
+        q, k, v = (to_host(t, dtype) for t in (inp.q, inp.k, inp.v))
+        if inp.rope is not None:
+            # rotated once into scratch: O(S·D) next to the O(Sq·Sk·D) of the attention itself
+            rope = inp.rope
+            cos, sin = to_host(rope.cos, dtype), to_host(rope.sin, dtype)
+            q, k = (
+                apply_rope_numba(x, cos, sin, positions.as_int64(b, s),
+                                 interleaved=rope.interleaved, layout="bhsd")
+                for x, positions, s in ((q, rope.q_positions, sq), (k, rope.k_positions, sk))
+            )  # fmt: skip
+        mask = None
+        if inp.mask is not None:  # kept in its own float dtype: a cast would copy [B, Hq, Sq, Sk]
+            mask = _arrays.to_bool(inp.mask) if inp.mask_is_bool else _host_float(inp.mask)
+        bias = inp.relative_bias
+        out, lse = attention_numba(
+            q, k, v, scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right, mask=mask,
+            key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
+            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
+            relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, dtype)),
+        )  # fmt: skip
+        out = from_host(out, inp.placement, inp.dtype)
+        return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
+
+
+def _host_float(x):
+    """A float array as float32 or float64 NumPy, without a copy when it already is one."""
+    name = _arrays.dtype_name(x)
+    return to_host(x, compute_dtype(name) if name in ("float32", "float64") else "float32")
+
+
+class MergeAttention(_Numba):
+    op = "merge_attention"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.attention import merge_attention_numba
+
+        dtype = compute_dtype(inp.dtype)
+        out, lse = merge_attention_numba(
+            to_host(inp.out_a, dtype),
+            to_host(inp.lse_a, "float32"),
+            to_host(inp.out_b, dtype),
+            to_host(inp.lse_b, "float32"),
+        )
+        return from_host(out, inp.placement, inp.dtype), from_host(lse, inp.placement, "float32")
+
+
+IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)

@@ -1,0 +1,139 @@
+"""The "numpy" backend: the float64 oracle of ``fastpe.reference``.
+
+It runs every feature on any input (torch tensors are copied to the host and back), is the
+reference every other backend is tested against, and is the last automatic candidate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fastpe import _arrays, reference
+from fastpe._arrays import from_float64, to_float64
+from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
+
+NAME = "numpy"
+AUTO_DEVICES = frozenset({"cpu", "cuda"})
+IS_ORACLE = True
+
+
+def unavailable_reason() -> str | None:
+    return None  # NumPy is a dependency of fastpe itself
+
+
+class _Numpy(Implementation):
+    backend = NAME
+    device_types = frozenset({"cpu", "cuda"})  # tensors are copied to the host and back
+    dtypes = ALL_FLOAT
+
+    def unavailable_reason(self):
+        return unavailable_reason()
+
+
+class SinusoidalTable(_Numpy):
+    op = "sinusoidal_table"
+
+    def run(self, inp):
+        table = reference.sinusoidal_table(
+            inp.num_positions, inp.dim, inp.base, inp.layout, inp.freq, inp.offset
+        )
+        return from_float64(table, inp.placement, inp.dtype)
+
+
+class RopeTable(_Numpy):
+    op = "rope_table"
+
+    def run(self, inp):
+        cos, sin = reference.rope_table(
+            inp.num_positions, inp.inv_freq, inp.attention_factor, inp.offset
+        )
+        return from_float64(cos, inp.placement, inp.dtype), from_float64(
+            sin, inp.placement, inp.dtype
+        )
+
+
+def _bhsd(x, layout):
+    return x if layout == "bhsd" else np.swapaxes(x, 1, 2)
+
+
+class ApplyRope(_Numpy):
+    op = "apply_rope"
+
+    def run(self, inp):
+        x = _bhsd(to_float64(inp.x), inp.layout)
+        positions = inp.positions.as_int64(inp.batch, inp.seq)
+        out = reference.apply_rope(
+            x, to_float64(inp.cos), to_float64(inp.sin), positions, inp.interleaved
+        )
+        result = from_float64(_bhsd(out, inp.layout), inp.placement, inp.dtype)
+        return write_inplace(inp.x, result) if inp.inplace else result
+
+
+class Embed(_Numpy):
+    op = "embed"
+
+    def run(self, inp):
+        tt = inp.token_type_ids is not None
+        out = reference.embed(
+            _arrays.to_int64(inp.ids),
+            to_float64(inp.weight),
+            inp.positions.as_int64(inp.batch, inp.seq),
+            inp.pe,
+            None if inp.pe_table is None else to_float64(inp.pe_table),
+            inp.scale,
+            inp.base,
+            inp.layout,
+            inp.freq,
+            _arrays.to_int64(inp.token_type_ids) if tt else None,
+            to_float64(inp.token_type_weight) if tt else None,
+        )
+        return from_float64(out, inp.placement, inp.dtype)
+
+
+class Attention(_Numpy):
+    op = "attention"
+
+    def run(self, inp):
+        b, hq, hkv, sq, sk, d, dv = inp.shape
+        q, k, v = to_float64(inp.q), to_float64(inp.k), to_float64(inp.v)
+        if inp.rope is not None:
+            rope = inp.rope
+            cos, sin = to_float64(rope.cos), to_float64(rope.sin)
+            q = reference.apply_rope(
+                q, cos, sin, rope.q_positions.as_int64(b, sq), rope.interleaved
+            )
+            k = reference.apply_rope(
+                k, cos, sin, rope.k_positions.as_int64(b, sk), rope.interleaved
+            )
+        mask = None
+        if inp.mask is not None:
+            mask = _arrays.to_bool(inp.mask) if inp.mask_is_bool else to_float64(inp.mask)
+        bias = inp.relative_bias
+        out, lse = reference.attention(
+            q, k, v, scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right, mask=mask,
+            key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
+            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
+            relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
+        )  # fmt: skip
+        out = from_float64(out, inp.placement, inp.dtype)
+        if inp.return_lse:
+            return out, from_float64(lse, inp.placement, "float32")
+        return out
+
+
+class MergeAttention(_Numpy):
+    op = "merge_attention"
+
+    def run(self, inp):
+        out, lse = reference.merge_attention(
+            to_float64(inp.out_a),
+            to_float64(inp.lse_a),
+            to_float64(inp.out_b),
+            to_float64(inp.lse_b),
+        )
+        return from_float64(out, inp.placement, inp.dtype), from_float64(
+            lse, inp.placement, "float32"
+        )
+
+
+IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
