@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import fastpe
-from fastpe import dispatch
+from fastpe.backends import unavailable_reason
 
 
 @dataclass(frozen=True)
@@ -331,7 +331,7 @@ def implementations(case: Case, inputs: dict, device: str = "cpu") -> dict[str, 
     found: dict[str, Callable] = {}
     for backend in ("numba", "triton"):
         device_type = "cuda" if backend == "triton" else "cpu"
-        if device_type != device.split(":")[0] or dispatch.backend_unavailable_reason(backend):
+        if device_type != device.split(":")[0] or unavailable_reason(backend):
             continue
         found[f"fastpe[{backend}]"] = _fastpe(backend)(case, inputs)
     for name, (module, ops, builder) in BASELINES.items():

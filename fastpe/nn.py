@@ -1,6 +1,6 @@
 """torch.nn modules over fastpe's ops (imports torch: use ``import fastpe.nn`` explicitly).
 
-- ``SinusoidalPositionalEmbedding``: the tables of SPEC §1 (both layouts and frequency schemes),
+- ``SinusoidalPositionalEmbedding``: the tables of docs/math.md#sinusoidal-encoding (both layouts and frequency schemes),
   by length and offset (incremental decoding) or gathered at arbitrary position ids.
 - ``RotaryEmbedding``: Hugging Face compatible ``forward(x, position_ids) -> (cos, sin)`` with
   the scaling types of transformers (``rope_type`` linear, dynamic, yarn, longrope, llama3), from

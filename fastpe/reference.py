@@ -1,4 +1,4 @@
-"""The float64 NumPy oracle: the mathematics of SPEC §1-4, written to be obviously right.
+"""The float64 NumPy oracle: the mathematics of docs/math.md, written to be obviously right.
 
 Every function takes and returns float64 NumPy arrays (ints for ids and positions) whose
 arguments were already validated by ``fastpe._inputs``; nothing here is tuned for speed. Every
@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 # ---------------------------------------------------------------------------------------------
-# §1 sinusoidal positional encoding
+# docs/math.md#sinusoidal-encoding
 
 
 def sinusoidal_frequencies(dim: int, base: float, freq: str) -> np.ndarray:
@@ -66,7 +66,7 @@ def relative_transform(k: int, dim: int, base: float, freq: str, layout: str) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# §2 rotary position embedding
+# docs/math.md#rope
 
 
 def rope_table(num_positions: int, inv_freq: np.ndarray, attention_factor: float, offset: int):
@@ -97,7 +97,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.nd
 
 
 # ---------------------------------------------------------------------------------------------
-# §3 token embedding + positional encoding
+# docs/math.md#embedding
 
 
 def embed(ids, weight, positions, pe, pe_table, scale, base, layout, freq, tt_ids, tt_weight):
@@ -113,7 +113,7 @@ def embed(ids, weight, positions, pe, pe_table, scale, base, layout, freq, tt_id
 
 
 # ---------------------------------------------------------------------------------------------
-# §4 attention
+# docs/math.md#attention
 
 
 def t5_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):

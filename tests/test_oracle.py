@@ -38,7 +38,7 @@ def loose(backend, oracle_tol, kernel_tol):
 
 
 # ---------------------------------------------------------------------------------------------
-# §1 sinusoidal tables
+# sinusoidal tables (docs/math.md#sinusoidal-encoding)
 
 
 def test_spec_worked_example(backend):
@@ -135,7 +135,7 @@ def test_tables_as_torch_tensors(backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# §2 RoPE
+# RoPE (docs/math.md#rope)
 
 
 SCALINGS = [
@@ -316,7 +316,7 @@ def test_apply_rope_low_precision_torch(backend, rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# §3 embedding + PE
+# embedding + PE (docs/math.md#embedding)
 
 
 def test_embed_is_the_three_way_sum(backend, fw, rng):
@@ -368,7 +368,7 @@ def test_embed_matches_bert_embeddings(backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# §4 attention
+# attention (docs/math.md#attention)
 
 
 def test_attention_hand_computed(backend):
