@@ -60,9 +60,48 @@ def is_int_dtype(name: str) -> bool:
     return name.startswith(("int", "uint"))
 
 
+def on_gpu(x) -> bool:
+    return is_tensor(x) and x.device.type != "cpu"
+
+
+def max_value(x) -> float | None:
+    """The largest element as a Python float (NaN if any element is NaN), None if empty.
+    A reduction: no copy of ``x``."""
+    if x.numel() == 0 if is_tensor(x) else x.size == 0:
+        return None
+    return float(x.max())
+
+
+def strides(x) -> tuple[int, ...]:
+    """Strides in elements (NumPy's are in bytes)."""
+    if is_tensor(x):
+        return tuple(x.stride())
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def may_overlap(x) -> bool:
+    """True unless the elements of ``x`` provably occupy distinct memory (so writing one cannot
+    change another): with the dims of size > 1 sorted by |stride|, each stride must exceed the
+    span of the dims before it. Conservative, like torch's internal-overlap check."""
+    dims = sorted((abs(st), n) for st, n in zip(strides(x), x.shape, strict=True) if n > 1)
+    span = 0  # elements covered by the dims so far, minus one
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def as_array(x):
     """A tensor stays a tensor; anything else becomes a NumPy array (lists, scalars, ...)."""
     return x if is_tensor(x) else np.asarray(x)
+
+
+def array_like(values, like):
+    """A Python sequence as an array of the framework and device of ``like``."""
+    if is_tensor(like):
+        return sys.modules["torch"].as_tensor(values, device=like.device)
+    return np.asarray(values)
 
 
 def to_float64(x) -> np.ndarray:
@@ -111,8 +150,14 @@ def resolve_device(device) -> Placement:
         raise ValueError(
             f"device must be None (NumPy) or a torch device such as 'cpu' or 'cuda:0'; got {device!r}"
         ) from exc
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r} asks for a CUDA tensor but torch sees no CUDA GPU here; "
+                "pass device='cpu' or device=None (NumPy)"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     return Placement("torch", str(dev))
 
 

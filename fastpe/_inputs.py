@@ -168,9 +168,16 @@ class ApplyRopeInputs(_Inputs):
         inplace = check_bool("inplace", inplace)
         if inplace and not _arrays.is_tensor(x) and not x.flags.writeable:
             raise ValueError("inplace=True needs a writeable x; got a read-only NumPy array")
+        if inplace and _arrays.may_overlap(x):
+            raise ValueError(
+                f"inplace=True needs an x whose elements occupy distinct memory; got shape "
+                f"{tuple(x.shape)} with strides {_arrays.strides(x)} (an expanded or as_strided "
+                "view, whose shared rows would be rotated more than once); pass x.contiguous() "
+                "or inplace=False"
+            )
         batch = x.shape[0]
         seq = x.shape[2 if layout == "bhsd" else 1]
-        pos = Positions.build("positions", positions, batch, seq, cos.shape[0], "cos/sin")
+        pos = Positions.build("positions", positions, batch, seq, cos.shape[0], "cos/sin", x)
         placement = check_same_placement({"x": x, "cos": cos, "sin": sin, "positions": pos.array})
         return cls(
             x=x,
@@ -267,7 +274,7 @@ class EmbedInputs(_Inputs):
                 )
             check_range("token_type_ids", token_type_ids, 0, token_type_weight.shape[0])
         check_range("ids", ids, 0, vocab, what=f"(weight has {vocab} rows)")
-        pos = Positions.build("positions", positions, batch, seq, limit, "pe_table")
+        pos = Positions.build("positions", positions, batch, seq, limit, "pe_table", weight)
         placement = check_same_placement(
             {
                 "ids": ids,
@@ -438,9 +445,12 @@ def _check_mask(mask, full: tuple[int, int, int, int]):
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}"
         )
-    if mask_dtype != "bool":
-        values = _arrays.to_float64(mask)
-        if np.isnan(values).any() or np.isposinf(values).any():
+    if mask_dtype != "bool" and not _arrays.on_gpu(mask):
+        # one reduction, no copy: the max of a mask is NaN if it holds a NaN, +inf if a +inf.
+        # (On a GPU reading it back would be a host sync per call: there, as in torch SDPA, a
+        # NaN in the mask gives NaN rows — docs/dtypes-and-errors.md.)
+        top = _arrays.max_value(mask)
+        if top is not None and (math.isnan(top) or top == math.inf):
             raise ValueError("mask (additive) must not contain NaN or +inf; use -inf to block")
     return _arrays.broadcast_to(mask, full)
 

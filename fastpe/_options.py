@@ -35,8 +35,11 @@ class Positions(NamedTuple):
     offset: int = 0
 
     @classmethod
-    def build(cls, name: str, value, batch: int, seq: int, limit: int | None, what: str):
-        """None -> 0 + s; int -> offset + s; int array [S] or [B, S]; all in [0, limit)."""
+    def build(cls, name: str, value, batch: int, seq: int, limit: int | None, what: str, like):
+        """None -> 0 + s; int -> offset + s; int array [S], [B, S] or [1, S]; all in
+        [0, limit). A Python list becomes an array in the framework and device of ``like``."""
+        if isinstance(value, (list, tuple)):
+            value = _arrays.array_like(value, like)
         if value is None or isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             offset = 0 if value is None else check_int(name, value, minimum=0)
             if limit is not None and offset + seq > limit:
@@ -46,14 +49,17 @@ class Positions(NamedTuple):
                 )
             return cls(offset=offset)
         array = check_int_array(name, value, ndim=(1, 2))
-        expected = [(seq,), (batch, seq)]
+        # [1, S] is what transformers passes as position_ids for a whole batch
+        expected = [(seq,), (batch, seq), (1, seq)]
         if tuple(array.shape) not in expected:
             raise ValueError(
-                f"{name} must be an int offset or an int array of shape [S]={expected[0]} or "
-                f"[B, S]={expected[1]}; got shape {tuple(array.shape)}"
+                f"{name} must be an int offset or an int array of shape [S]={expected[0]}, "
+                f"[B, S]={expected[1]} or [1, S]={expected[2]}; got shape {tuple(array.shape)}"
             )
         bound = "" if limit is None else f" ({what} has {limit} rows)"
         check_range(name, array, 0, limit if limit is not None else 2**62, what=bound)
+        if array.ndim == 2:
+            array = _arrays.broadcast_to(array, (batch, seq))
         return cls(array=array)
 
     def as_int64(self, batch: int, seq: int) -> np.ndarray:
@@ -128,10 +134,16 @@ class Rope(NamedTuple):
             sin=sin,
             interleaved=check_bool("rope['interleaved']", value.get("interleaved", False)),
             q_positions=Positions.build(
-                "rope['q_positions']", q_positions, batch, sq, rows, "rope cos/sin"
+                "rope['q_positions']", q_positions, batch, sq, rows, "rope cos/sin", cos
             ),
             k_positions=Positions.build(
-                "rope['k_positions']", value.get("k_positions"), batch, sk, rows, "rope cos/sin"
+                "rope['k_positions']",
+                value.get("k_positions"),
+                batch,
+                sk,
+                rows,
+                "rope cos/sin",
+                cos,
             ),
         )
 

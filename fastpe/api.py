@@ -150,18 +150,24 @@ def _apply_rope_group(xs, cos, sin, **options):
     backend chosen for all, and the group handed to it at once (one launch on Triton)."""
     if not xs:
         raise ValueError("x must be an array or a non-empty tuple of arrays (such as (q, k))")
+    _check_shared_batch_and_seq(xs, options["layout"])  # shapes only: runs under compile too
     backend = options.pop("backend")
     if _torch_graph(*xs, cos, sin, options["positions"]):
         return tuple(apply_rope(x, cos, sin, backend=backend, **options) for x in xs)
     group = [ApplyRopeInputs.build(x, cos, sin, **options) for x in xs]
-    first = group[0]
-    for index, inputs in enumerate(group[1:], start=1):
-        if (inputs.batch, inputs.seq) != (first.batch, first.seq):
-            raise ValueError(
-                f"x[{index}] has batch and sequence {(inputs.batch, inputs.seq)}; every tensor of x "
-                f"must share x[0]'s {(first.batch, first.seq)}"
-            )
     return dispatch.run_group(group, backend)
+
+
+def _check_shared_batch_and_seq(xs, layout) -> None:
+    seq_axis = 1 if layout == "bshd" else 2
+    shapes = [tuple(getattr(x, "shape", ())) for x in xs]  # others fail their own validation
+    shared = [(i, (s[0], s[seq_axis])) for i, s in enumerate(shapes) if len(s) == 4]
+    for index, batch_seq in shared[1:]:
+        if batch_seq != shared[0][1]:
+            raise ValueError(
+                f"x[{index}] has batch and sequence {batch_seq}; every tensor of x must share "
+                f"x[{shared[0][0]}]'s {shared[0][1]}"
+            )
 
 
 def embed(

@@ -267,8 +267,13 @@ def _split_positions(positions, device) -> tuple[Tensor | None, int | None]:
     positions = _plain(positions)
     if positions is None or isinstance(positions, int):
         return None, positions
+    if isinstance(positions, (list, tuple)):  # as eagerly: a list takes the tensors' device
+        positions = torch.as_tensor(positions, device=device)
     if not isinstance(positions, Tensor):
-        positions = torch.as_tensor(np.asarray(positions), device=device)
+        raise TypeError(
+            "all arrays must be NumPy arrays or all torch tensors on one device; got positions: "
+            f"{type(positions).__name__} with torch tensors"
+        )
     return positions, None
 
 
