@@ -170,3 +170,24 @@ def test_positions_of_shape_1_by_s_broadcast(fw, backend, rng):
     got = fastpe.attention(arr(q), arr(q), arr(q), backend=backend,
                            rope={k: arr(v) for k, v in rope.items()})  # fmt: skip
     np.testing.assert_allclose(to_np(got), want, atol=2e-6)
+
+
+# --- 13. torch.compile with scaling dicts: new values recompile, NumPy scalars are numbers
+
+
+@needs_torch
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_rope_table_under_compile_with_changing_scaling(fullgraph):
+    def table(scaling):
+        return fastpe.rope_table(16, 8, scaling=scaling, device="cpu")[1]
+
+    compiled = torch.compile(table, fullgraph=fullgraph, backend="eager")
+    dicts = [{"rope_type": "linear", "factor": f} for f in (2.0, 4.0, np.float32(8.0))]
+    dicts.append({"rope_type": "llama3", "factor": np.float64(8.0), "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": np.int64(8)})  # fmt: skip
+    dicts.append({"rope_type": "longrope", "short_factor": [1.0, 2.0, 3.0, 4.0],
+                  "long_factor": [np.float32(1.5)] * 4, "original_max_position_embeddings": 8,
+                  "max_position_embeddings": 32})  # fmt: skip
+    for scaling in dicts:
+        eager = fastpe.rope_table(16, 8, scaling=scaling)[1]
+        np.testing.assert_allclose(compiled(scaling).numpy(), eager, rtol=1e-6, atol=1e-7)
