@@ -1,0 +1,161 @@
+"""Running the benchmark: which implementations time a case, timing, machine peaks, the results."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from importlib import metadata
+
+import numpy as np
+
+from fastpe import dispatch
+
+from .baselines import BASELINES
+from .cases import OPS, Case, make_inputs, max_error, reference, work
+
+
+def fastpe_backends(device_type: str | None = None) -> dict[str, str | None]:
+    """fastpe's kernel backends that serve ``device_type`` (all of them when None), each with the
+    reason it cannot run here, or None when it can."""
+    # registry
+    names = [n for n in dispatch.BACKEND_NAMES if n != "numpy"]  # numpy is the oracle
+    if device_type is not None:
+        names = [n for n in names if n in dispatch.AUTO_PRIORITY.get(device_type, ())]
+    return {name: dispatch.backend_unavailable_reason(name) for name in names}
+
+
+def implementation_names(op: str) -> list[str]:
+    """Every implementation that could time ``op`` (whether it runs here is decided later)."""
+    return [f"fastpe[{n}]" for n in fastpe_backends()] + [b.name for b in BASELINES[op]]
+
+
+def implementations(case: Case, inputs: dict, device: str = "cpu") -> dict[str, Callable]:
+    """Every runnable implementation of ``case``: fastpe's kernel backends and the baselines."""
+    device_type = device.split(":")[0]
+    found: dict[str, Callable] = {}
+    for backend, reason in fastpe_backends(device_type).items():
+        if reason is None:
+            found[f"fastpe[{backend}]"] = OPS[case.op].fastpe(case.params, inputs, backend, device)
+    for baseline in BASELINES[case.op]:
+        if baseline.devices is not None and device_type not in baseline.devices:
+            continue
+        if importlib.util.find_spec(baseline.module) is None:
+            continue
+        found[baseline.name] = baseline.build(case, inputs)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and machine peaks
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_callable(
+    fn: Callable, device: str = "cpu", *, min_time: float = 0.3, max_runs: int = 50
+) -> float:
+    """Median seconds per call after a warm-up call (compilation, autotuning, caches)."""
+    fn()
+    synchronize(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_runs):
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_peaks() -> dict[str, float]:
+    """This machine's float32 matmul GFLOP/s (NumPy's BLAS) and copy bandwidth GB/s, measured now."""
+    a = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+    gemm = time_callable(lambda: a @ a, min_time=0.5)
+    src = np.ones(32 * 2**20, np.float32)  # 128 MiB, well past the caches
+    dst = np.empty_like(src)
+    copy = time_callable(lambda: np.copyto(dst, src), min_time=0.5)
+    return {"sgemm_gflops": 2 * 2048**3 / gemm / 1e9, "copy_gbps": 2 * src.nbytes / copy / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------
+# The results document
+
+
+def package_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: str, peaks: dict) -> dict:
+    """The machine, versions, thread counts and peaks a results document was measured with."""
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    env = {
+        "machine": f"{cpu} ({os.cpu_count()} CPUs)",
+        "python": platform.python_version(),
+        "versions": {
+            d: package_version(d)
+            for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
+        },
+        "numba_threads": numba.get_num_threads(),
+        "device": device,
+        "peaks": peaks,
+    }
+    try:
+        import torch
+
+        env["torch_threads"] = torch.get_num_threads()
+        if device.startswith("cuda"):
+            env["gpu"] = torch.cuda.get_device_name(device)
+    except ImportError:
+        pass
+    return env
+
+
+def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=print) -> dict:
+    """Time every implementation of every case; returns the JSON-able results document."""
+    peaks = measure_peaks()
+    itemsize = np.dtype("float32" if dtype != "float64" else "float64").itemsize
+    rows = []
+    for n, case in enumerate(grid, 1):
+        inputs = make_inputs(case, device, dtype)
+        expected = reference(case, inputs)
+        amount, unit = work(case, itemsize=itemsize)
+        case_rows = []
+        for name, fn in implementations(case, inputs, device).items():
+            progress(f"[{n}/{len(grid)}] {case.name}: {name} ...")
+            seconds = time_callable(fn, device)
+            rate = amount / seconds / 1e9
+            peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["sgemm_gflops"]
+            case_rows.append({
+                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series, "impl": name,
+                "median_s": seconds, "throughput": rate, "unit": unit,
+                "fraction_of_peak": rate / peak if device == "cpu" else None,
+                "max_abs_error": max_error(case, fn(), expected),
+            })  # fmt: skip
+        best = min(
+            (r["median_s"] for r in case_rows if not r["impl"].startswith("fastpe")), default=None
+        )
+        for r in case_rows:
+            r["speedup_vs_best_baseline"] = None if best is None else best / r["median_s"]
+        rows += case_rows
+    return {"environment": environment(device, peaks), "dtype": dtype, "results": rows}
