@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -14,6 +15,8 @@ import numpy as np
 import fastpe
 from fastpe import benchmarking as bm
 from fastpe.benchmarking.runner import package_version
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 def info() -> str:
@@ -105,30 +108,78 @@ def demo() -> str:
     return "\n".join(rows)
 
 
+def _fail(command: str, message: str) -> int:
+    print(f"fastpe {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _cannot_write(path: str) -> str | None:
+    """Why ``path`` cannot be written, found before an hour of benchmarking rather than after."""
+    if os.path.isdir(path):
+        return f"{path!r} is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):  # "a": an existing file keeps its contents until the run ends
+            pass
+    except OSError as exc:
+        return f"cannot write {path!r}: {exc.strerror or exc}"
+    if not existed:
+        os.remove(path)
+    return None
+
+
+def _cannot_plot(path: str) -> str | None:
+    if importlib.util.find_spec("matplotlib") is None:
+        return "needs matplotlib (pip install matplotlib); pass --plot '' for no plot"
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if ext not in formats:
+            return f"{path!r}: matplotlib cannot write .{ext} files; it writes {', '.join(sorted(formats))}"
+    return _cannot_write(path)
+
+
 def bench(args) -> int:
+    try:
+        device = bm.resolve_device(args.device, "--device")
+    except ValueError as exc:
+        return _fail("bench", str(exc))
+    problems = [("--json", _cannot_write(args.json))]
+    if args.plot:
+        problems.append(("--plot", _cannot_plot(args.plot)))
+    for option, problem in problems:
+        if problem:
+            return _fail("bench", f"{option}: {problem}")
     grid = bm.QUICK_GRID if args.quick else bm.FULL_GRID
     if args.ops:
         grid = [c for c in grid if c.op in args.ops]
-    device = args.device
-    if device is None:
-        try:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            device = "cpu"
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
     doc = bm.run_benchmarks(
         grid, device, dtype, progress=lambda m: print(m, file=sys.stderr, flush=True)
     )
     print(bm.format_table(doc))
+    for line in bm.caveats(doc):
+        print(line)
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"\nresults: {args.json}")
-    if args.plot:
+    if args.plot and doc["results"]:
         bm.plot(doc, args.plot)
         print(f"plot:    {args.plot}")
+    return 0
+
+
+def report(args) -> int:
+    try:
+        doc = bm.load_results(args.json)
+    except ValueError as exc:
+        return _fail("report", str(exc))
+    print(bm.format_summary(doc) if args.summary else bm.format_table(doc, markdown=True))
+    for line in bm.caveats(doc):  # stderr: stdout is the markdown that goes into the README
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -176,12 +227,20 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         default="fastpe-bench.png",
         metavar="PATH",
-        help="PNG of throughput vs sequence length, needs matplotlib (%(default)s; '' for none)",
+        help="plot of throughput vs sequence length, format from the extension, needs "
+        "matplotlib (%(default)s; '' for none)",
     )
     b.add_argument(
         "--device", default=None, help="cpu or cuda[:N] (default: cuda when torch sees a GPU)"
     )
-    b.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    b.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        metavar="DTYPE",
+        help="dtype of the inputs: %(choices)s (default: float32 on CPU, bfloat16 on GPU); "
+        "baselines that cannot take it are skipped, and the tables are computed in float32",
+    )
     r = sub.add_parser(
         "report",
         help="print a results JSON as markdown (the tables in bench/results and the README)",
@@ -208,9 +267,7 @@ def main(argv=None) -> int:
     elif args.command == "bench":
         return bench(args)
     else:
-        with open(args.json) as f:
-            doc = json.load(f)
-        print(bm.format_summary(doc) if args.summary else bm.format_table(doc, markdown=True))
+        return report(args)
     return 0
 
 

@@ -24,6 +24,13 @@ class Baseline:
     module: str  # must be importable for the baseline to run
     build: Callable[[Case, dict], Callable]  # (case, inputs) -> zero-argument callable
     devices: frozenset[str] | None = None  # device types it runs on (None: any)
+    dtypes: frozenset[str] | None = None  # input dtypes it takes (None: any)
+
+    def cannot_take(self, dtype: str) -> str | None:
+        """Why this baseline cannot be timed with ``dtype`` inputs, or None."""
+        if self.dtypes is None or dtype in self.dtypes:
+            return None
+        return f"takes {', '.join(sorted(self.dtypes))} inputs, not {dtype}"
 
 
 # NumPy recipes: what a NumPy user writes (the float32 recipe for tables, gather + add for embed)
@@ -135,10 +142,12 @@ def _liger_rope(case: Case, x: dict):
 
 
 _CPU, _CUDA = frozenset({"cpu"}), frozenset({"cuda"})
+_NUMPY_DTYPES = frozenset({"float16", "float32", "float64"})  # NumPy has no bfloat16
+_HALF = frozenset({"float16", "bfloat16"})  # flash-attn's kernels
 
 BASELINES: dict[str, tuple[Baseline, ...]] = {
     "sinusoidal_table": (
-        Baseline("numpy", "numpy", _numpy_sinusoidal),
+        Baseline("numpy", "numpy", _numpy_sinusoidal, dtypes=_NUMPY_DTYPES),
         Baseline("torch eager", "torch", _torch_sinusoidal),
     ),
     "rope_table": (Baseline("torch eager", "torch", _torch_rope_table),),
@@ -147,12 +156,13 @@ BASELINES: dict[str, tuple[Baseline, ...]] = {
         Baseline("liger", "liger_kernel", _liger_rope, devices=_CUDA),
     ),
     "embed": (
-        Baseline("numpy", "numpy", _numpy_embed, devices=_CPU),  # reads the tensors' memory
+        # reads the tensors' memory
+        Baseline("numpy", "numpy", _numpy_embed, devices=_CPU, dtypes=_NUMPY_DTYPES),
         Baseline("torch eager", "torch", _torch_embed),
     ),
     "attention": (
         Baseline("torch SDPA", "torch", _torch_sdpa),
-        Baseline("flash-attn", "flash_attn", _flash_attn, devices=_CUDA),
+        Baseline("flash-attn", "flash_attn", _flash_attn, devices=_CUDA, dtypes=_HALF),
     ),
 }
 

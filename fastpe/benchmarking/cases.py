@@ -239,13 +239,14 @@ def max_error(case: Case, result, expected) -> float:
     )
     worst = 0.0
     for got, want in pairs:
-        got = (
-            got.detach().cpu().double().numpy()
-            if hasattr(got, "detach")
-            else np.asarray(got, np.float64)
-        )
-        worst = max(worst, float(np.max(np.abs(got - np.asarray(want, np.float64)), initial=0.0)))
+        diff = _float64(got) - _float64(want)
+        worst = max(worst, float(np.max(np.abs(diff), initial=0.0)))
     return worst
+
+
+def _float64(a) -> np.ndarray:
+    # torch tensors through .double(): NumPy cannot take bfloat16 (nor CUDA memory)
+    return a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a, np.float64)
 
 
 def error_scale(case: Case) -> float:

@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
+import json
+
 from .baselines import TARGET_BASELINE
 
 
 def format_table(doc: dict, markdown: bool = False) -> str:
-    """Every row: median time, throughput, fraction of peak, speedup, error vs the oracle."""
-    head = [
-        "op",
-        "case",
-        "implementation",
-        "median",
-        "throughput",
-        "% peak",
-        "vs best baseline",
-        "max |err|",
-    ]
+    """Every row: median time (with the spread of the runs when recorded), throughput, fraction
+    of peak, speedup, error vs the oracle."""
+    spread = any("iqr_s" in r for r in doc["results"])  # absent from files of older versions
+    head = ["op", "case", "implementation", "median", *(["IQR", "min"] if spread else []),
+            "throughput", "% peak", "vs best baseline", "max |err|"]  # fmt: skip
     lines = []
     for r in doc["results"]:
         frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
         speed = (
             "" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
         )
-        lines.append([r["op"], r["case"], r["impl"], f"{r['median_s'] * 1e3:.2f} ms",
+        times = [
+            _ms(r.get(k)) for k in (["median_s", "iqr_s", "min_s"] if spread else ["median_s"])
+        ]
+        lines.append([r["op"], r["case"], r["impl"], *times,
                       f"{r['throughput']:.1f} {r['unit']}", frac, speed, f"{r['max_abs_error']:.1e}"])  # fmt: skip
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -31,6 +30,38 @@ def format_table(doc: dict, markdown: bool = False) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths)
     return "\n".join([fmt.format(*head)] + [fmt.format(*row) for row in lines])
+
+
+def _ms(seconds) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+# A row's runs disagree too much for its median to be trusted when their interquartile range
+# exceeds NOISY_IQR of the median, or when the median run took SLOW_MEDIAN times the fastest: on a
+# contended machine the scheduler's time slices (~4-8 ms) get added to most runs, which moves the
+# median by whole slices while the IQR can stay small.
+NOISY_IQR = 0.25
+SLOW_MEDIAN = 1.5
+
+
+def caveats(doc: dict) -> list[str]:
+    """One line per row whose timed runs spread widely (a busy or throttled machine), and per
+    implementation that was skipped."""
+    out = []
+    for r in doc["results"]:
+        iqr, fastest, median = r.get("iqr_s"), r.get("min_s"), r["median_s"]
+        if iqr is None or fastest is None:  # files of older versions
+            continue
+        if iqr > NOISY_IQR * median or median > SLOW_MEDIAN * fastest:
+            out.append(
+                f"warning: {r['op']} {r['case']} {r['impl']}: noisy timing, IQR {iqr / median:.0%} "
+                f"of the median {_ms(median)}, which is {median / fastest:.1f}x the fastest run "
+                f"({_ms(fastest)}): the machine was busy or throttling; do not trust this row's "
+                "ratios, rerun on an idle machine"
+            )
+    for s in doc.get("skipped", []):
+        out.append(f"skipped: {s['op']} {s['case']} {s['impl']}: {s['reason']}")
+    return out
 
 
 def format_summary(doc: dict) -> str:
@@ -88,3 +119,43 @@ def plot(doc: dict, path: str) -> None:
     fig.suptitle(f"fastpe on {env.get('gpu', env['machine'])}, {doc['dtype']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# What every row of a results document holds (iqr_s, min_s, runs and "skipped" came later)
+_TEXT = ("op", "case", "impl", "unit")
+_NUMBER = ("median_s", "throughput", "max_abs_error")
+_NUMBER_OR_NULL = ("fraction_of_peak", "speedup_vs_best_baseline")
+
+
+def _valid(key: str, value) -> bool:
+    if key in _TEXT:
+        return isinstance(value, str)
+    if value is None:
+        return key in _NUMBER_OR_NULL
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    return value > 0 if key == "median_s" else True  # speedups divide by it
+
+
+def load_results(path: str) -> dict:
+    """A results document from a JSON file; ValueError (one line) when it cannot be read or is
+    not a `fastpe bench` results file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path!r} is not JSON ({exc})") from None
+    what = f"{path!r} is not a `fastpe bench` results file"
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise ValueError(f"{what}: expected an object with a 'results' list")
+    for i, row in enumerate(doc["results"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"{what}: results[{i}] is not an object")
+        for key in (*_TEXT, *_NUMBER, *_NUMBER_OR_NULL):
+            if key not in row:
+                raise ValueError(f"{what}: results[{i}] has no {key!r}")
+            if not _valid(key, row[key]):
+                raise ValueError(f"{what}: results[{i}][{key!r}] is {row[key]!r}")
+    return doc
