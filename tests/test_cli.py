@@ -223,6 +223,27 @@ def test_bench_bfloat16_on_cpu_skips_numpy(monkeypatch, fast_peaks, tmp_path, ca
     assert "skipped: embed 2x16 vocab 100 d32 numpy: " in capsys.readouterr().out
 
 
+def test_bench_skips_a_fastpe_backend_that_refuses_the_dtype(
+    monkeypatch, fast_peaks, tmp_path, capsys
+):
+    # Triton's kernels compute in float32 and its capability table refuses float64 (it runs here
+    # through TRITON_INTERPRET=1 when installed, and is refused as not installed otherwise)
+    pytest.importorskip("torch")
+    backends = {"numba": None, "triton": None}
+    monkeypatch.setattr(runner, "fastpe_backends", lambda device_type=None: backends)
+    monkeypatch.setattr(bm, "QUICK_GRID", TINY[:1])
+    out = tmp_path / "out.json"
+    argv = ["bench", "--quick", "--device", "cpu", "--dtype", "float64", "--json", str(out)]
+    assert cli.main([*argv, "--plot", ""]) == 0
+    doc = json.loads(out.read_text())
+    impls = [r["impl"] for r in doc["results"]]
+    assert "fastpe[numba]" in impls and "fastpe[triton]" not in impls
+    (skip,) = doc["skipped"]
+    assert skip["impl"] == "fastpe[triton]" and "triton" in skip["reason"]
+    assert "\n" not in skip["reason"]
+    assert f"skipped: {TINY[0].name} fastpe[triton]: " in capsys.readouterr().out
+
+
 def test_time_callable_records_spread(monkeypatch):
     # a fake clock: calls alternate between 8 ms and 1 ms, as on a contended machine
     clock = {"now": 0.0, "calls": 0}
