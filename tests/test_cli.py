@@ -79,6 +79,9 @@ def test_report_not_json(tmp_path, capsys):
         ({"results": [_row(median_s="10 ms")]}, ["results[0]['median_s']", "'10 ms'"]),
         ({"results": [_row(median_s=0.0)]}, ["results[0]['median_s']"]),
         ({"results": [_row(throughput=None)]}, ["results[0]['throughput']"]),
+        ({"results": [_row(iqr_s="1 ms", min_s=0.001)]}, ["results[0]['iqr_s']"]),
+        ({"results": [_row(iqr_s=0.001, min_s=0)]}, ["results[0]['min_s']"]),
+        ({"results": [_row()], "skipped": [{"impl": "numpy"}]}, ["'skipped'"]),
     ],
 )  # fmt: skip
 def test_report_wrong_schema(tmp_path, capsys, doc, words):

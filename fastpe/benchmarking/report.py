@@ -121,10 +121,13 @@ def plot(doc: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-# What every row of a results document holds (iqr_s, min_s, runs and "skipped" came later)
+# What every row of a results document holds; the spread fields came later, so files of older
+# versions lack them
 _TEXT = ("op", "case", "impl", "unit")
 _NUMBER = ("median_s", "throughput", "max_abs_error")
 _NUMBER_OR_NULL = ("fraction_of_peak", "speedup_vs_best_baseline")
+_SPREAD = ("iqr_s", "min_s", "runs")
+_SKIPPED = ("op", "case", "impl", "reason")  # each entry of the optional "skipped" list
 
 
 def _valid(key: str, value) -> bool:
@@ -134,7 +137,7 @@ def _valid(key: str, value) -> bool:
         return key in _NUMBER_OR_NULL
     if not isinstance(value, int | float) or isinstance(value, bool):
         return False
-    return value > 0 if key == "median_s" else True  # speedups divide by it
+    return value > 0 if key in ("median_s", "min_s") else True  # ratios divide by them
 
 
 def load_results(path: str) -> dict:
@@ -153,9 +156,16 @@ def load_results(path: str) -> dict:
     for i, row in enumerate(doc["results"]):
         if not isinstance(row, dict):
             raise ValueError(f"{what}: results[{i}] is not an object")
-        for key in (*_TEXT, *_NUMBER, *_NUMBER_OR_NULL):
+        for key in (*_TEXT, *_NUMBER, *_NUMBER_OR_NULL, *_SPREAD):
             if key not in row:
+                if key in _SPREAD:
+                    continue
                 raise ValueError(f"{what}: results[{i}] has no {key!r}")
             if not _valid(key, row[key]):
                 raise ValueError(f"{what}: results[{i}][{key!r}] is {row[key]!r}")
+    skipped = doc.get("skipped", [])
+    if not isinstance(skipped, list) or not all(
+        isinstance(s, dict) and all(isinstance(s.get(k), str) for k in _SKIPPED) for s in skipped
+    ):
+        raise ValueError(f"{what}: 'skipped' must list objects with {', '.join(_SKIPPED)}")
     return doc
