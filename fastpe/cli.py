@@ -1,24 +1,22 @@
-"""``fastpe`` command line: ``fastpe info`` and ``fastpe demo`` (also ``python -m fastpe ...``)."""
+"""fastpe's command line: ``fastpe info|demo|bench|report`` (also ``python -m fastpe``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import platform
 import sys
 import time
-from importlib import metadata
 
 import numpy as np
 
 import fastpe
+from fastpe import benchmarking as bm
+from fastpe.benchmarking.runner import package_version
 
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 def info() -> str:
@@ -28,7 +26,7 @@ def info() -> str:
         f"{os.cpu_count()} CPUs)"
     ]
     for dist in ("numpy", "numba", "torch", "triton", "transformers"):
-        lines.append(f"  {dist:13s} {_version(dist)}")
+        lines.append(f"  {dist:13s} {package_version(dist)}")
     lines.append("backends:")
     for name, status in fastpe.backends().items():
         lines.append(f"  {name:7s} {status}")
@@ -110,225 +108,157 @@ def demo() -> str:
     return "\n".join(rows)
 
 
-def _environment(device: str, peaks: dict) -> dict:
-    import numba
+def _fail(command: str, message: str) -> int:
+    print(f"fastpe {command}: error: {message}", file=sys.stderr)
+    return 2
 
-    cpu = platform.processor() or platform.machine()
+
+def _cannot_write(path: str) -> str | None:
+    """Why ``path`` cannot be written, found before an hour of benchmarking rather than after."""
+    if os.path.isdir(path):
+        return f"{path!r} is a directory"
+    existed = os.path.exists(path)
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    env = {
-        "machine": f"{cpu} ({os.cpu_count()} CPUs)",
-        "python": platform.python_version(),
-        "versions": {
-            d: _version(d) for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
-        },
-        "numba_threads": numba.get_num_threads(),
-        "device": device,
-        "peaks": peaks,
-    }
-    try:
-        import torch
-
-        env["torch_threads"] = torch.get_num_threads()
-        if device.startswith("cuda"):
-            env["gpu"] = torch.cuda.get_device_name(device)
-    except ImportError:
-        pass
-    return env
+        with open(path, "a"):  # "a": an existing file keeps its contents until the run ends
+            pass
+    except OSError as exc:
+        return f"cannot write {path!r}: {exc.strerror or exc}"
+    if not existed:
+        os.remove(path)
+    return None
 
 
-def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=print) -> dict:
-    """Time every implementation of every case; returns the JSON-able results document."""
-    from fastpe import benchmarking as bm
+def _cannot_plot(path: str) -> str | None:
+    if importlib.util.find_spec("matplotlib") is None:
+        return "needs matplotlib (pip install matplotlib); pass --plot '' for no plot"
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext:
+        from matplotlib.backend_bases import FigureCanvasBase
 
-    peaks = bm.measure_peaks()
-    rows = []
-    for n, case in enumerate(grid, 1):
-        inputs = bm.make_inputs(case, device, dtype)
-        expected = bm.reference(case, inputs)
-        amount, unit = bm.work(
-            case, itemsize=np.dtype("float32" if dtype != "float64" else "float64").itemsize
-        )
-        impls = bm.implementations(case, inputs, device)
-        for name, fn in impls.items():
-            progress(f"[{n}/{len(grid)}] {case.name}: {name} ...")
-            seconds = bm.time_callable(fn, device)
-            rate = amount / seconds / 1e9
-            peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["sgemm_gflops"]
-            rows.append({
-                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series, "impl": name,
-                "median_s": seconds, "throughput": rate, "unit": unit,
-                "fraction_of_peak": rate / peak if device == "cpu" else None,
-                "max_abs_error": bm.max_error(case, fn(), expected),
-            })  # fmt: skip
-        baselines = [
-            r
-            for r in rows
-            if r["case"] == case.label and r["op"] == case.op and not r["impl"].startswith("fastpe")
-        ]
-        best = min((r["median_s"] for r in baselines), default=None)
-        for r in rows:
-            if r["case"] == case.label and r["op"] == case.op:
-                r["speedup_vs_best_baseline"] = None if best is None else best / r["median_s"]
-    return {"environment": _environment(device, peaks), "dtype": dtype, "results": rows}
-
-
-def format_table(doc: dict, markdown: bool = False) -> str:
-    head = [
-        "op",
-        "case",
-        "implementation",
-        "median",
-        "throughput",
-        "% peak",
-        "vs best baseline",
-        "max |err|",
-    ]
-    lines = []
-    for r in doc["results"]:
-        frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
-        speed = (
-            "" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
-        )
-        lines.append([r["op"], r["case"], r["impl"], f"{r['median_s'] * 1e3:.2f} ms",
-                      f"{r['throughput']:.1f} {r['unit']}", frac, speed, f"{r['max_abs_error']:.1e}"])  # fmt: skip
-    if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(out + ["| " + " | ".join(row) + " |" for row in lines])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=True)]
-    fmt = "  ".join(f"{{:{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head)] + [fmt.format(*row) for row in lines])
-
-
-# The baseline each op's speed target is stated against (what users run today).
-TARGET_BASELINE = {
-    "sinusoidal_table": "torch eager",
-    "rope_table": "torch eager",
-    "apply_rope": "transformers",
-    "embed": "torch eager",
-    "attention": "torch SDPA",
-}
-
-
-def format_summary(doc: dict) -> str:
-    """Markdown: per case, fastpe's throughput and its speedup over the target baseline."""
-    out = [
-        "| op | case | fastpe | throughput | % of peak | baseline | speedup |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    rows = doc["results"]
-    for r in rows:
-        if not r["impl"].startswith("fastpe"):
-            continue
-        name = TARGET_BASELINE.get(r["op"])
-        base = next(
-            (b for b in rows if (b["op"], b["case"], b["impl"]) == (r["op"], r["case"], name)), None
-        )
-        speed = "" if base is None else f"{base['median_s'] / r['median_s']:.2f}x"
-        frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
-        out.append(
-            f"| {r['op']} | {r['case']} | {r['impl']} | {r['throughput']:.1f} {r['unit']} | {frac} | {name} | {speed} |"
-        )
-    return "\n".join(out)
-
-
-def plot(doc: dict, path: str) -> None:
-    """Throughput against sequence length, one panel per op, one line per implementation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = sorted({r["op"] for r in doc["results"]})
-    cols = min(3, len(ops))
-    nrows = -(-len(ops) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
-    for ax in axes.flat[len(ops) :]:
-        ax.set_visible(False)
-    for ax, op in zip(axes.flat, ops, strict=False):
-        rows = [r for r in doc["results"] if r["op"] == op]
-        for impl, series in sorted({(r["impl"], r.get("series", "")) for r in rows}):
-            pts = sorted(
-                (r["seq"], r["throughput"])
-                for r in rows
-                if (r["impl"], r.get("series", "")) == (impl, series)
-            )
-            style = "-" if impl.startswith("fastpe") else "--"
-            label = f"{impl} {series}".strip()
-            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(op)
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(rows[0]["unit"])
-        ax.legend(fontsize=7)
-    env = doc["environment"]
-    fig.suptitle(f"fastpe on {env.get('gpu', env['machine'])}, {doc['dtype']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if ext not in formats:
+            return f"{path!r}: matplotlib cannot write .{ext} files; it writes {', '.join(sorted(formats))}"
+    return _cannot_write(path)
 
 
 def bench(args) -> int:
-    import json
-
-    from fastpe import benchmarking as bm
-
+    try:
+        device = bm.resolve_device(args.device, "--device")
+    except ValueError as exc:
+        return _fail("bench", str(exc))
+    problems = [("--json", _cannot_write(args.json))]
+    if args.plot:
+        problems.append(("--plot", _cannot_plot(args.plot)))
+    for option, problem in problems:
+        if problem:
+            return _fail("bench", f"{option}: {problem}")
     grid = bm.QUICK_GRID if args.quick else bm.FULL_GRID
     if args.ops:
         grid = [c for c in grid if c.op in args.ops]
-    device = args.device
-    if device is None:
-        try:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            device = "cpu"
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
-    doc = run_benchmarks(
+    doc = bm.run_benchmarks(
         grid, device, dtype, progress=lambda m: print(m, file=sys.stderr, flush=True)
     )
-    print(format_table(doc))
+    print(bm.format_table(doc))
+    for line in bm.caveats(doc):
+        print(line)
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"\nresults: {args.json}")
-    if args.plot:
-        plot(doc, args.plot)
+    if args.plot and doc["results"]:
+        bm.plot(doc, args.plot)
         print(f"plot:    {args.plot}")
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastpe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, backends and why each is or isn't available")
-    sub.add_parser("demo", help="run every op once and print its error against the float64 oracle")
-    b = sub.add_parser("bench", help="time fastpe against the baselines on this machine")
-    b.add_argument("--quick", action="store_true", help="small grid, about a minute")
-    b.add_argument(
-        "--ops",
-        nargs="+",
-        choices=["sinusoidal_table", "rope_table", "apply_rope", "embed", "attention"],
+def report(args) -> int:
+    try:
+        doc = bm.load_results(args.json)
+    except ValueError as exc:
+        return _fail("report", str(exc))
+    print(bm.format_summary(doc) if args.summary else bm.format_table(doc, markdown=True))
+    for line in bm.caveats(doc):  # stderr: stdout is the markdown that goes into the README
+        print(line, file=sys.stderr)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastpe",
+        description="fastpe: fused kernels for positional encodings, embedding + PE and "
+        "attention, checked against a float64 NumPy oracle (also run as `python -m fastpe`).",
+        epilog="`fastpe COMMAND --help` describes a command and its options.",
     )
-    b.add_argument("--json", default="fastpe-bench.json", help="where to write the results")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser(
+        "info",
+        help="versions, backends (and why each is or isn't available), threads and GPUs",
+        description="Print versions, fastpe's backends (and why each is or isn't available), "
+        "thread counts and CUDA devices.",
+    )
+    sub.add_parser(
+        "demo",
+        help="run every op once; print its time and error against the float64 oracle",
+        description="Print `fastpe info`, then run every op once on the automatic backend and "
+        "print its time and max |error| against the float64 NumPy oracle.",
+    )
+    b = sub.add_parser(
+        "bench",
+        help="time fastpe against the baselines on this machine",
+        description="Time fastpe's kernel backends for the device against the baselines (NumPy, "
+        "torch eager, transformers, torch SDPA; flash-attn and Liger on GPU when installed): "
+        "median of repeated calls after a warm-up, throughput, fraction of the machine's "
+        "measured peak (CPU) and max |error| against the float64 oracle. Prints a table, writes "
+        "the results JSON and a plot.",
+    )
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="the small grid (one case per op, three for attention) instead of the full one",
+    )
+    b.add_argument(
+        "--ops", nargs="+", choices=list(bm.OPS), metavar="OP", help="only these ops: %(choices)s"
+    )
+    b.add_argument(
+        "--json", default="fastpe-bench.json", metavar="PATH", help="results file (%(default)s)"
+    )
     b.add_argument(
         "--plot",
         default="fastpe-bench.png",
-        help="PNG of throughput vs sequence length ('' for none)",
+        metavar="PATH",
+        help="plot of throughput vs sequence length, format from the extension, needs "
+        "matplotlib (%(default)s; '' for none)",
     )
-    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    b.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    r = sub.add_parser("report", help="print a results JSON as a markdown table (the README's)")
-    r.add_argument("json")
+    b.add_argument(
+        "--device", default=None, help="cpu or cuda[:N] (default: cuda when torch sees a GPU)"
+    )
+    b.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        metavar="DTYPE",
+        help="dtype of the inputs: %(choices)s (default: float32 on CPU, bfloat16 on GPU); "
+        "baselines that cannot take it are skipped, and the tables are computed in float32",
+    )
+    r = sub.add_parser(
+        "report",
+        help="print a results JSON as markdown (the tables in bench/results and the README)",
+        description="Print a results file written by `fastpe bench` as a markdown table: every "
+        "row, or with --summary fastpe against each op's target baseline.",
+    )
+    r.add_argument("json", metavar="PATH", help="a results file written by `fastpe bench`")
     r.add_argument(
-        "--summary", action="store_true", help="fastpe vs each op's target baseline only"
+        "--summary",
+        action="store_true",
+        help="only fastpe's rows, with the speedup over each op's target baseline "
+        "(" + ", ".join(f"{op}: {name}" for op, name in bm.TARGET_BASELINE.items()) + ")",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "info":
         print(info())
     elif args.command == "demo":
@@ -337,11 +267,7 @@ def main(argv=None) -> int:
     elif args.command == "bench":
         return bench(args)
     else:
-        import json
-
-        with open(args.json) as f:
-            doc = json.load(f)
-        print(format_summary(doc) if args.summary else format_table(doc, markdown=True))
+        return report(args)
     return 0
 
 

@@ -1,0 +1,65 @@
+"""The benchmark shared by the pytest-benchmark suites in ``bench/`` and by ``fastpe bench``, so
+both time the same cases against the same baselines.
+
+``cases``: the grids and, per op, inputs, work and the oracle's answer; ``baselines``: what fastpe
+is compared with; ``runner``: which implementations run here, timing, peaks, the results
+document; ``report``: tables and the plot of a results document.
+"""
+
+from .baselines import BASELINES, TARGET_BASELINE, Baseline
+from .cases import (
+    FULL_GRID,
+    OPS,
+    QUICK_GRID,
+    SMOKE_GRID,
+    Case,
+    OpSpec,
+    error_scale,
+    make_inputs,
+    max_error,
+    reference,
+    work,
+)
+from .report import caveats, format_summary, format_table, load_results, plot
+from .runner import (
+    Timing,
+    baselines_for,
+    fastpe_backends,
+    implementation_names,
+    implementations,
+    measure_peaks,
+    resolve_device,
+    run_benchmarks,
+    time_callable,
+)
+
+__all__ = [
+    "BASELINES",
+    "FULL_GRID",
+    "OPS",
+    "QUICK_GRID",
+    "SMOKE_GRID",
+    "TARGET_BASELINE",
+    "Baseline",
+    "Case",
+    "OpSpec",
+    "Timing",
+    "baselines_for",
+    "caveats",
+    "error_scale",
+    "fastpe_backends",
+    "format_summary",
+    "format_table",
+    "implementation_names",
+    "implementations",
+    "load_results",
+    "make_inputs",
+    "max_error",
+    "measure_peaks",
+    "plot",
+    "reference",
+    "resolve_device",
+    "run_benchmarks",
+    "time_callable",
+    "work",
+]

@@ -1,0 +1,254 @@
+"""What is benchmarked: the Case record, the grids, and per op how to run it and check it.
+
+``OPS`` holds one ``OpSpec`` per op: random inputs, the work a call does, the float64 oracle's
+answer and fastpe's own call. Adding an op to the benchmark means adding one entry there (and its
+baselines in ``baselines.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import fastpe
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # a key of OPS
+    label: str  # shape and options, for tables
+    seq: int  # sequence length, the x axis of the plot
+    params: dict = field(default_factory=dict)
+    series: str = ""  # cases of one series differ only in length: joined by a line in the plot
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {self.label}"
+
+
+def _attn(b, hq, hkv, sq, sk, d, causal):
+    label = f"B{b} H{hq}/{hkv} Sq{sq} Sk{sk} D{d}" + (" causal" if causal else "")
+    kind = "decode" if sq == 1 else "causal" if causal else "non-causal"
+    series = f"{kind} B{b} H{hq}/{hkv} D{d}"
+    return Case(
+        "attention", label, sk, {"shape": (b, hq, hkv, sq, sk, d), "causal": causal}, series
+    )
+
+
+# The issue's target cases (full grid) and a sequence-length sweep for the plot.
+FULL_GRID = [
+    Case("sinusoidal_table", "8192 x 1024", 8192, {"positions": 8192, "dim": 1024}),
+    Case("sinusoidal_table", "512 x 1024 at 2^20", 512, {"positions": 512, "dim": 1024, "offset": 2**20 - 512}),
+    Case("rope_table", "8192 x 128", 8192, {"positions": 8192, "rotary_dim": 128}),
+    *[Case("apply_rope", f"q32+k8 S{s} D128", s, {"seq": s, "q_heads": 32, "k_heads": 8, "dim": 128})
+      for s in (1024, 4096)],
+    *[Case("embed", f"8x{s} vocab 32000 d1024", s, {"batch": 8, "seq": s, "vocab": 32000, "dim": 1024})
+      for s in (512, 2048)],
+    _attn(1, 16, 16, 1024, 1024, 64, False),
+    *[_attn(1, 16, 16, s, s, 64, True) for s in (512, 1024, 2048)],
+    _attn(1, 8, 8, 4096, 4096, 128, True),
+    _attn(4, 16, 16, 512, 512, 64, True),
+    _attn(8, 32, 8, 1, 4096, 128, True),
+]  # fmt: skip
+
+QUICK_GRID = [
+    Case("sinusoidal_table", "2048 x 512", 2048, {"positions": 2048, "dim": 512}),
+    Case("rope_table", "2048 x 128", 2048, {"positions": 2048, "rotary_dim": 128}),
+    Case("apply_rope", "q32+k8 S512 D128", 512, {"seq": 512, "q_heads": 32, "k_heads": 8, "dim": 128}),
+    Case("embed", "4x512 vocab 32000 d1024", 512, {"batch": 4, "seq": 512, "vocab": 32000, "dim": 1024}),
+    _attn(1, 8, 8, 512, 512, 64, False),
+    _attn(1, 8, 8, 512, 512, 64, True),
+    _attn(4, 32, 8, 1, 2048, 128, True),
+]  # fmt: skip
+
+# Tiny shapes for `pytest bench --benchmark-disable` (the CI smoke run): every op, every impl.
+SMOKE_GRID = [
+    Case("sinusoidal_table", "64 x 32", 64, {"positions": 64, "dim": 32}),
+    Case("rope_table", "64 x 16", 64, {"positions": 64, "rotary_dim": 16}),
+    Case("apply_rope", "q4+k2 S32 D16", 32, {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16}),
+    Case("embed", "2x16 vocab 100 d32", 16, {"batch": 2, "seq": 16, "vocab": 100, "dim": 32}),
+    _attn(1, 4, 2, 32, 32, 16, True),
+    _attn(2, 4, 2, 1, 64, 16, True),
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Per op: inputs, work, the oracle's answer and fastpe's call
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    # (params, rng) -> float64/int64 NumPy arrays by name; make_inputs casts and moves them
+    arrays: Callable[[dict, np.random.Generator], dict]
+    # (params, itemsize) -> (amount, unit): bytes that must move, or FLOPs for attention
+    work: Callable[[dict, int], tuple[float, str]]
+    # (params, inputs) -> the float64 oracle's answer (or the part of it `compared` keeps)
+    reference: Callable[[dict, dict], object]
+    # (params, inputs, backend, device) -> zero-argument callable running fastpe's kernel
+    fastpe: Callable[[dict, dict, str, str], Callable]
+    # (params, result) -> the part of a result that is compared with `reference`
+    compared: Callable[[dict, object], object] = lambda p, result: result
+    # (params) -> magnitude of the outputs, which scales the error tolerance of the bench suites
+    error_scale: Callable[[dict], float] = lambda p: 1.0
+
+
+_ORACLE = {"backend": "numpy"}
+
+
+def _no_arrays(p, rng):
+    return {}
+
+
+def _rope_arrays(p, rng):
+    q = rng.standard_normal((1, p["q_heads"], p["seq"], p["dim"]))
+    k = rng.standard_normal((1, p["k_heads"], p["seq"], p["dim"]))
+    cos, sin = fastpe.rope_table(p["seq"], p["dim"], dtype="float64", backend="numpy")
+    return {"q": q, "k": k, "cos": cos, "sin": sin}
+
+
+def _embed_arrays(p, rng):
+    ids = rng.integers(0, p["vocab"], size=(p["batch"], p["seq"]))
+    return {"ids": ids, "weight": rng.standard_normal((p["vocab"], p["dim"]))}
+
+
+def _attention_arrays(p, rng):
+    b, hq, hkv, sq, sk, d = p["shape"]
+    q = rng.standard_normal((b, hq, sq, d))
+    k = rng.standard_normal((b, hkv, sk, d))
+    return {"q": q, "k": k, "v": rng.standard_normal((b, hkv, sk, d))}
+
+
+def _attention_flops(p, itemsize):
+    b, hq, _, sq, sk, d = p["shape"]
+    # 4·B·H·D per visible (query, key) pair: Sq·Sk, or the bottom-right causal triangle
+    pairs = sum(min(sk, i + 1 + sk - sq) for i in range(sq)) if p["causal"] else sq * sk
+    return 4.0 * b * hq * d * pairs, "GFLOP/s"
+
+
+def _apply_rope_call(p, x, backend, device):
+    cos, sin = x["cos"].float(), x["sin"].float()
+    # q and k in one call, as transformers' apply_rotary_pos_emb takes them
+    return lambda: fastpe.apply_rope((x["q"], x["k"]), cos, sin, backend=backend)
+
+
+def _first_group(p, result):
+    """Batch 0's query heads that read kv head 0: heads are independent, and the full oracle would
+    materialise [B, H, Sq, Sk] in float64."""
+    return result[:1, : p["shape"][1] // p["shape"][2]]
+
+
+OPS: dict[str, OpSpec] = {
+    "sinusoidal_table": OpSpec(
+        arrays=_no_arrays,
+        work=lambda p, itemsize: (p["positions"] * p["dim"] * itemsize, "GB/s"),
+        reference=lambda p, x: fastpe.sinusoidal_table(
+            p["positions"], p["dim"], offset=p.get("offset", 0), dtype="float64", **_ORACLE
+        ),
+        fastpe=lambda p, x, backend, device: (
+            lambda: fastpe.sinusoidal_table(
+                p["positions"], p["dim"], offset=p.get("offset", 0), device=device, backend=backend
+            )
+        ),
+    ),
+    "rope_table": OpSpec(
+        arrays=_no_arrays,
+        # two [P, R/2] tables
+        work=lambda p, itemsize: (p["positions"] * p["rotary_dim"] * itemsize, "GB/s"),
+        reference=lambda p, x: fastpe.rope_table(
+            p["positions"], p["rotary_dim"], dtype="float64", **_ORACLE
+        ),
+        fastpe=lambda p, x, backend, device: (
+            lambda: fastpe.rope_table(
+                p["positions"], p["rotary_dim"], device=device, backend=backend
+            )
+        ),
+    ),
+    "apply_rope": OpSpec(
+        arrays=_rope_arrays,
+        # q and k read and written
+        work=lambda p, itemsize: (
+            2 * (p["q_heads"] + p["k_heads"]) * p["seq"] * p["dim"] * itemsize,
+            "GB/s",
+        ),
+        reference=lambda p, x: tuple(
+            fastpe.apply_rope(x[n], x["cos"], x["sin"], **_ORACLE) for n in ("q", "k")
+        ),
+        fastpe=_apply_rope_call,
+    ),
+    "embed": OpSpec(
+        arrays=_embed_arrays,
+        # gathered rows + output
+        work=lambda p, itemsize: (2 * p["batch"] * p["seq"] * p["dim"] * itemsize, "GB/s"),
+        reference=lambda p, x: fastpe.embed(
+            x["ids"], x["weight"], scale=math.sqrt(p["dim"]), **_ORACLE
+        ),
+        fastpe=lambda p, x, backend, device: (
+            lambda: fastpe.embed(x["ids"], x["weight"], scale=math.sqrt(p["dim"]), backend=backend)
+        ),
+        # outputs are ~sqrt(D)·|w| in magnitude
+        error_scale=lambda p: math.sqrt(p["dim"]) * 4,
+    ),
+    "attention": OpSpec(
+        arrays=_attention_arrays,
+        work=_attention_flops,
+        reference=lambda p, x: fastpe.attention(
+            _first_group(p, x["q"]), x["k"][:1, :1], x["v"][:1, :1], causal=p["causal"], **_ORACLE
+        ),
+        fastpe=lambda p, x, backend, device: (
+            lambda: fastpe.attention(x["q"], x["k"], x["v"], causal=p["causal"], backend=backend)
+        ),
+        compared=_first_group,
+    ),
+}
+
+
+def make_inputs(case: Case, device: str = "cpu", dtype: str = "float32") -> dict:
+    """Random inputs for ``case`` as torch tensors on ``device`` (NumPy arrays if torch is absent)."""
+    arrays = OPS[case.op].arrays(case.params, np.random.default_rng(0))
+    try:
+        import torch
+    except ImportError:
+        return {k: a.astype(dtype) if a.dtype.kind == "f" else a for k, a in arrays.items()}
+    tdtype = getattr(torch, dtype)
+    return {
+        k: torch.from_numpy(a).to(
+            device=device, dtype=tdtype if a.dtype.kind == "f" else torch.int64
+        )
+        for k, a in arrays.items()
+    }
+
+
+def work(case: Case, itemsize: int = 4) -> tuple[float, str]:
+    """(amount, unit): bytes that must move for memory-bound ops, FLOPs for attention."""
+    return OPS[case.op].work(case.params, itemsize)
+
+
+def reference(case: Case, inputs: dict):
+    """The float64 oracle's answer, cast to the inputs' dtype (attention: see ``_first_group``)."""
+    return OPS[case.op].reference(case.params, inputs)
+
+
+def max_error(case: Case, result, expected) -> float:
+    """Largest absolute difference between ``result`` (one array or a tuple) and the oracle's."""
+    result = OPS[case.op].compared(case.params, result)
+    pairs = (
+        zip(result, expected, strict=True) if isinstance(expected, tuple) else [(result, expected)]
+    )
+    worst = 0.0
+    for got, want in pairs:
+        diff = _float64(got) - _float64(want)
+        worst = max(worst, float(np.max(np.abs(diff), initial=0.0)))
+    return worst
+
+
+def _float64(a) -> np.ndarray:
+    # torch tensors through .double(): NumPy cannot take bfloat16 (nor CUDA memory)
+    return a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a, np.float64)
+
+
+def error_scale(case: Case) -> float:
+    """Magnitude of the case's outputs, to scale an error tolerance."""
+    return OPS[case.op].error_scale(case.params)

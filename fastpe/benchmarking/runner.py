@@ -1,0 +1,238 @@
+"""Running the benchmark: which implementations time a case, timing, machine peaks, the results."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+import numpy as np
+
+import fastpe
+from fastpe.backends import kernel_backends, unavailable_reason
+
+from .baselines import BASELINES, Baseline
+from .cases import OPS, Case, make_inputs, max_error, reference, work
+
+
+def fastpe_backends(device_type: str | None = None) -> dict[str, str | None]:
+    """fastpe's kernel backends that serve ``device_type`` (all of them when None), each with the
+    reason it cannot run here, or None when it can."""
+    return {name: unavailable_reason(name) for name in kernel_backends(device_type)}
+
+
+def implementation_names(op: str) -> list[str]:
+    """Every implementation that could time ``op`` (whether it runs here is decided later)."""
+    return [f"fastpe[{n}]" for n in fastpe_backends()] + [b.name for b in BASELINES[op]]
+
+
+def baselines_for(op: str, device: str, dtype: str) -> tuple[list[Baseline], dict[str, str]]:
+    """The baselines of ``op`` that run on ``device`` here, split into those that take ``dtype``
+    and, by name, why the others cannot."""
+    device_type = device.split(":")[0]
+    runnable, refused = [], {}
+    for baseline in BASELINES[op]:
+        if baseline.devices is not None and device_type not in baseline.devices:
+            continue
+        if importlib.util.find_spec(baseline.module) is None:
+            continue
+        reason = baseline.cannot_take(dtype)
+        if reason is None:
+            runnable.append(baseline)
+        else:
+            refused[baseline.name] = reason
+    return runnable, refused
+
+
+def implementations(
+    case: Case, inputs: dict, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, Callable]:
+    """Every runnable implementation of ``case``: fastpe's kernel backends and the baselines that
+    run on ``device`` and take ``dtype`` (the dtype ``inputs`` were made in)."""
+    found: dict[str, Callable] = {}
+    for backend, reason in fastpe_backends(device.split(":")[0]).items():
+        if reason is None:
+            found[f"fastpe[{backend}]"] = OPS[case.op].fastpe(case.params, inputs, backend, device)
+    for baseline in baselines_for(case.op, device, dtype)[0]:
+        found[baseline.name] = baseline.build(case, inputs)
+    return found
+
+
+def resolve_device(device: str | None, argument: str = "device") -> str:
+    """``device``, or cuda when torch sees a GPU and cpu otherwise; ValueError when no fastpe
+    backend can run on it here (the message names ``argument``)."""
+    if device is None:
+        try:
+            import torch
+        except ImportError:
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    device_type, _, index = device.partition(":")
+    expected = "expected cpu or cuda[:N]"
+    backends = fastpe_backends(device_type)
+    if not backends:
+        raise ValueError(f"{argument} {device!r}: no fastpe backend serves it; {expected}")
+    if index and not (device_type == "cuda" and index.isdigit()):
+        raise ValueError(f"{argument} {device!r} is malformed; {expected}")
+    if device_type == "cuda":
+        try:
+            import torch
+        except ImportError:
+            raise ValueError(f"{argument} {device!r} needs torch, which is not installed") from None
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{argument} {device!r}: torch sees no CUDA GPU here")
+        if index and int(index) >= count:
+            raise ValueError(
+                f"{argument} {device!r}: torch sees {count} CUDA GPU(s), 0..{count - 1}"
+            )
+    if all(reason is not None for reason in backends.values()):
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in backends.items())
+        raise ValueError(f"{argument} {device!r}: no fastpe backend can run on it here ({reasons})")
+    return device
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and machine peaks
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over the timed runs."""
+
+    median: float
+    iqr: float  # interquartile range: a busy or throttled machine widens it
+    min: float
+    runs: int
+
+    @classmethod
+    def of(cls, times: list[float]) -> Timing:
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+        return cls(statistics.median(times), q3 - q1, min(times), len(times))
+
+
+def time_callable(
+    fn: Callable, device: str = "cpu", *, min_time: float = 0.3, max_runs: int = 50
+) -> Timing:
+    """Seconds per call after a warm-up call (compilation, autotuning, caches), at least 3 runs."""
+    fn()
+    synchronize(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_runs):
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return Timing.of(times)
+
+
+def measure_peaks() -> dict[str, float]:
+    """This machine's float32 matmul GFLOP/s (NumPy's BLAS) and copy bandwidth GB/s, measured now."""
+    a = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+    gemm = time_callable(lambda: a @ a, min_time=0.5).median
+    src = np.ones(32 * 2**20, np.float32)  # 128 MiB, well past the caches
+    dst = np.empty_like(src)
+    copy = time_callable(lambda: np.copyto(dst, src), min_time=0.5).median
+    return {"sgemm_gflops": 2 * 2048**3 / gemm / 1e9, "copy_gbps": 2 * src.nbytes / copy / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------
+# The results document
+
+
+def package_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: str, peaks: dict) -> dict:
+    """The machine, versions, thread counts and peaks a results document was measured with."""
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    env = {
+        "machine": f"{cpu} ({os.cpu_count()} CPUs)",
+        "python": platform.python_version(),
+        "versions": {
+            d: package_version(d)
+            for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
+        },
+        "numba_threads": numba.get_num_threads(),
+        "device": device,
+        "peaks": peaks,
+    }
+    try:
+        import torch
+
+        env["torch_threads"] = torch.get_num_threads()
+        if device.startswith("cuda"):
+            env["gpu"] = torch.cuda.get_device_name(device)
+    except ImportError:
+        pass
+    return env
+
+
+def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=print) -> dict:
+    """Time every implementation of every case; returns the JSON-able results document.
+
+    Implementations that cannot take ``dtype`` (a baseline's dtype table, or a fastpe backend's
+    capability table) are listed under "skipped" with the reason instead of being timed."""
+    peaks = measure_peaks()
+    itemsize = np.dtype("float32" if dtype != "float64" else "float64").itemsize
+    rows, skipped = [], []
+    for n, case in enumerate(grid, 1):
+        inputs = make_inputs(case, device, dtype)
+        expected = reference(case, inputs)
+        amount, unit = work(case, itemsize=itemsize)
+        for name, reason in baselines_for(case.op, device, dtype)[1].items():
+            skipped.append({"op": case.op, "case": case.label, "impl": name, "reason": reason})
+        case_rows = []
+        for name, fn in implementations(case, inputs, device, dtype).items():
+            progress(f"[{n}/{len(grid)}] {case.name}: {name} ...")
+            try:
+                timing = time_callable(fn, device)
+            except fastpe.BackendNotSupportedError as exc:  # refused before any kernel ran
+                reason = str(exc).replace("\n", " ")
+                skipped.append({"op": case.op, "case": case.label, "impl": name, "reason": reason})
+                continue
+            rate = amount / timing.median / 1e9
+            peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["sgemm_gflops"]
+            case_rows.append({
+                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series, "impl": name,
+                "median_s": timing.median, "iqr_s": timing.iqr, "min_s": timing.min,
+                "runs": timing.runs, "throughput": rate, "unit": unit,
+                "fraction_of_peak": rate / peak if device == "cpu" else None,
+                "max_abs_error": max_error(case, fn(), expected),
+            })  # fmt: skip
+        best = min(
+            (r["median_s"] for r in case_rows if not r["impl"].startswith("fastpe")), default=None
+        )
+        for r in case_rows:
+            r["speedup_vs_best_baseline"] = None if best is None else best / r["median_s"]
+        rows += case_rows
+    doc = {"environment": environment(device, peaks), "dtype": dtype, "results": rows}
+    if skipped:
+        doc["skipped"] = skipped
+    return doc
