@@ -25,7 +25,7 @@ def check_float(name: str, value, *, positive: bool = False) -> float:
         raise TypeError(f"{name} must be a real number; got {value!r} ({type(value).__name__})")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value}")
+        raise ValueError(f"{name} must be finite{' and > 0' if positive else ''}; got {value}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0; got {value}")
     return value
