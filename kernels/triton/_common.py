@@ -51,14 +51,19 @@ def sincos_of_product(position, omega, FP64: tl.constexpr = False):
     """sin and cos of position·ω (ω fp64, taken as exact), accurate at any position below 2^32:
     ~1 fp32 ulp in fp32, ~1e-15 in fp64; beyond 2^32 the error grows like position·2^-53.
 
-    ω is split into ω_hi (its top 21 significant bits) + ω_lo, so position·ω_hi is exact in
-    fp64 for position < 2^32 and reduces exactly modulo 2π (Cody-Waite); position·ω_lo is small.
-    The fp32 sin/cos then see an argument in [-π, π], and the rounding of that argument to fp32
-    (up to 1.2e-7 rad) is put back to first order: sin(r32 + d) ≈ sin r32 + d·cos r32.
+    ω is split into three pieces of 21, 21 and 11 significant bits, so position·piece is exact
+    in fp64 for position < 2^32; the first two products reduce exactly modulo 2π (Cody-Waite,
+    for position·ω < 2^36, i.e. any ω < 16) and the third is below 2^-9. The fp32 sin/cos then
+    see an argument in [-π, π], and the rounding of that argument to fp32 (up to 1.2e-7 rad) is
+    put back to first order: sin(r32 + d) ≈ sin r32 + d·cos r32.
     """
     p = position.to(tl.float64)
     omega_hi = ((omega.to(tl.int64, bitcast=True) >> 32) << 32).to(tl.float64, bitcast=True)
-    reduced = _reduce_turns(_reduce_turns(p * omega_hi) + p * (omega - omega_hi))
+    rest = omega - omega_hi
+    omega_mid = ((rest.to(tl.int64, bitcast=True) >> 32) << 32).to(tl.float64, bitcast=True)
+    reduced = _reduce_turns(
+        _reduce_turns(p * omega_hi) + _reduce_turns(p * omega_mid) + p * (rest - omega_mid)
+    )
     if FP64:
         return tl.sin(reduced), tl.cos(reduced)
     reduced32 = reduced.to(tl.float32)
