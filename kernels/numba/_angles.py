@@ -21,6 +21,7 @@ below 2^64, however far.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import threading
 from collections import OrderedDict
@@ -208,10 +209,17 @@ def gather_basis(positions: np.ndarray, omega: np.ndarray, interleaved: bool, dt
 
     Only the blocks that hold a position get a hi row, and L <= ~sqrt(N), so the cost follows
     the number of positions, not their span: [0, 2^40] costs two hi rows and a few lo rows.
-    Not cached: for a sequence of S positions it is ~2·sqrt(S) rows of work.
+    Cached like ``column_basis``, keyed by a digest of the positions (a model passes the same
+    position ids on every forward pass).
     """
     omega = np.ascontiguousarray(omega, dtype=np.float64)
-    positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+    positions = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+    dtype = np.dtype(dtype).name
+    digest = hashlib.blake2b(positions.data, digest_size=32).digest()
+    key = ("gather", digest, positions.size, omega.tobytes(), bool(interleaved), dtype)
+    cached = BASIS_CACHE.get(key)
+    if cached is not None:
+        return cached
     p0 = int(positions.min())
     span = int(positions.max()) - p0 + 1
     # sqrt(span) minimises hi + lo rows for contiguous positions; sqrt(N) caps the lo table
@@ -221,7 +229,7 @@ def gather_basis(positions: np.ndarray, omega: np.ndarray, interleaved: bool, dt
     starts = np.uint64(p0) + blocks * np.uint64(block)
     sin_hi, cos_hi = sincos_of_integers(starts, omega)
     sin_lo, cos_lo = sincos_progression(0, 1, block, omega)
-    return (
+    basis = (
         block,
         p0,
         row.reshape(-1).astype(np.int64),
@@ -230,3 +238,4 @@ def gather_basis(positions: np.ndarray, omega: np.ndarray, interleaved: bool, dt
         _columns(cos_lo, cos_lo, interleaved, dtype),
         _columns(sin_lo, sin_lo, interleaved, dtype),
     )
+    return BASIS_CACHE.put(key, basis)
