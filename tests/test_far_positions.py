@@ -135,6 +135,23 @@ def test_tables_exact_at_the_edge_of_the_range(backend, dtype, tol):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba", "triton"])
+@pytest.mark.parametrize("dtype,tol", [("float32", 2.5e-7), ("float64", 1e-14)])
+def test_fast_frequencies_exact_at_the_edge_of_the_range(backend, dtype, tol):
+    """linear factor 0.1 makes ω up to 10: p·ω ~ 2^35 turns' worth of radians at the edge."""
+    device = {"device": "cpu"} if backend == "triton" else {}
+    if backend == "triton":
+        pytest.importorskip("triton")
+    scaling = {"rope_type": "linear", "factor": 0.1}
+    cos, sin = fastpe.rope_table(
+        EDGE_ROWS, D, offset=EDGE, scaling=scaling, dtype=dtype, backend=backend, **device
+    )
+    inv_freq = fastpe.rope_inv_freq(D, scaling=scaling)[0]
+    assert inv_freq.max() == pytest.approx(10.0)
+    want = exact_sincos(range(EDGE, EDGE + EDGE_ROWS), inv_freq)
+    assert max(max_error(sin, want[..., 0]), max_error(cos, want[..., 1])) <= tol
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba", "triton"])
 def test_embed_exact_at_the_edge_of_the_range(backend):
     if backend == "triton":
         pytest.importorskip("triton")

@@ -31,16 +31,17 @@ def next_pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(max(int(n), 1)))
 
 
-# 2π = TWO_PI_A + TWO_PI_B + TWO_PI_C (Cody-Waite): A and B carry 22 significant bits, so k·A and
-# k·B are exact in fp64 for any turn count k < 2^31; C is the fp64 remainder (2π to ~1e-30).
-TWO_PI_A = tl.constexpr(6.283185958862305)
-TWO_PI_B = tl.constexpr(-6.516827397717861e-07)
-TWO_PI_C = tl.constexpr(2.1561211432632476e-14)
+# 2π = TWO_PI_A + TWO_PI_B + TWO_PI_C (Cody-Waite): A and B carry 19 and 17 significant bits, so
+# k·A and k·B are exact in fp64 for any turn count k < 2^34; C is the fp64 remainder (the sum is
+# within 5e-28 of 2π).
+TWO_PI_A = tl.constexpr(6.2831878662109375)
+TWO_PI_B = tl.constexpr(-2.559041604399681e-06)
+TWO_PI_C = tl.constexpr(1.0253376606378076e-11)
 
 
 @triton.jit
 def _reduce_turns(x):
-    """x - k·2π, k = round(x / 2π): exact up to the last subtraction for |x| < 2^33
+    """x - k·2π, k = round(x / 2π): exact up to the last subtraction for |x| < 2^36
     (x - k·A is exact by Sterbenz: k·A lies within a factor 2 of x whenever k != 0)."""
     k = tl.floor(x * INV_TWO_PI + 0.5)
     return ((x - k * TWO_PI_A) - k * TWO_PI_B) - k * TWO_PI_C
