@@ -258,6 +258,14 @@ def rope_inv_freq(rotary_dim, *, base=DEFAULT_BASE, scaling=None, seq_len=None):
     in the dict is used as the base when ``base`` is left at its default (and must agree with it
     otherwise). ``seq_len`` selects the dynamic-NTK base and the longrope factor set exactly as
     transformers does. The formulas are those of transformers' ``ROPE_INIT_FUNCTIONS``, in float64.
+
+    Every key is checked by name against the keys its type accepts (``TYPE_KEYS``; a key set to
+    None counts as absent) and every value by kind: factors, ``rope_theta``, ``attention_factor``,
+    betas and frequency factors finite and > 0, ``mscale*`` finite and >= 0, lengths positive
+    ints, ``truncate`` a bool, factor lists rotary_dim/2 positive numbers; NumPy scalars count as
+    numbers. ``partial_rotary_factor`` must be 1.0: ``rotary_dim`` is already the rotated width.
+    ``max_position_embeddings`` is accepted for every type (it is the model's context length)
+    and used by dynamic, and by yarn/longrope/llama3 where their own keys are absent.
     """
     rotary_dim = check_int("rotary_dim", rotary_dim, minimum=2)
     if rotary_dim % 2:

@@ -125,3 +125,24 @@ def test_yarn_beta_and_truncate_match_transformers():
     ours, our_factor = fastpe.rope_inv_freq(32, base=1000.0, scaling=params)
     np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=2e-6)
     assert our_factor == their_factor == 1.5
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_rotary_from_config_with_config_level_original_max():
+    """A config attribute original_max_position_embeddings (Phi-3 style) is passed on only to
+    the types that read it: a linear config with it still builds and matches transformers."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    import fastpe.nn
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=128,
+                         rope_parameters={**LINEAR, "rope_theta": 1000.0},
+                         original_max_position_embeddings=64)  # fmt: skip
+    ours = fastpe.nn.RotaryEmbedding.from_config(config)
+    theirs = LlamaRotaryEmbedding(config)
+    x = torch.randn(1, 2, 16, 32)
+    position_ids = torch.arange(16)[None]
+    for got, want in zip(ours(x, position_ids), theirs(x, position_ids), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
