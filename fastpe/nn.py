@@ -66,10 +66,12 @@ def _rope_parameters_from_config(config) -> tuple[int, float, dict | None, int]:
     )
     rotary_dim = int(head_dim * partial)
     max_positions = config.max_position_embeddings
-    if params.get("rope_type", params.get("type", "default")) == "default":
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
         return rotary_dim, base, None, max_positions
     if (
-        hasattr(config, "original_max_position_embeddings")
+        rope_type in ("yarn", "longrope", "llama3")  # the types that read it
+        and hasattr(config, "original_max_position_embeddings")
         and "original_max_position_embeddings" not in params
     ):
         params["original_max_position_embeddings"] = config.original_max_position_embeddings

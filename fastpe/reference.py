@@ -8,11 +8,30 @@ other backend is tested against these functions.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
 # ---------------------------------------------------------------------------------------------
 # docs/math.md#sinusoidal-encoding
+
+
+# 2π to 65 digits: the exact reduction below must not be limited by a float64 constant
+_TWO_PI = Fraction("6.28318530717958647692528676655900576839433879875021164194988918462")
+
+
+def angles(positions, omega: np.ndarray) -> np.ndarray:
+    """p·ω [..., F] for integer positions [...] and float64 ω [F] (taken as exact).
+
+    A float64 product is off by up to p·ω·2^-53 rad (1e-4 at p·ω = 2^40), so wherever
+    p·ω >= 2^20 it is formed instead in exact rationals and reduced modulo 2π before rounding.
+    """
+    positions = np.asarray(positions, dtype=np.int64)  # float64 would round p >= 2^53
+    angle = positions[..., None].astype(np.float64) * omega
+    for index in map(tuple, np.argwhere(np.abs(angle) >= 2.0**20)):
+        exact = Fraction(int(positions[index[:-1]])) * Fraction(float(omega[index[-1]]))
+        angle[index] = float(exact % _TWO_PI)
+    return angle
 
 
 def sinusoidal_frequencies(dim: int, base: float, freq: str) -> np.ndarray:
@@ -29,9 +48,7 @@ def sinusoidal_frequencies(dim: int, base: float, freq: str) -> np.ndarray:
 
 def sinusoidal_rows(positions: np.ndarray, dim: int, base: float, layout: str, freq: str):
     """PE rows for arbitrary (integer-valued) positions, any leading shape -> [..., dim]."""
-    angle = np.asarray(positions, dtype=np.float64)[..., None] * sinusoidal_frequencies(
-        dim, base, freq
-    )
+    angle = angles(positions, sinusoidal_frequencies(dim, base, freq))
     out = np.empty(angle.shape[:-1] + (dim,), dtype=np.float64)
     if layout == "interleaved":
         out[..., 0::2] = np.sin(angle)
@@ -71,7 +88,7 @@ def relative_transform(k: int, dim: int, base: float, freq: str, layout: str) ->
 
 def rope_table(num_positions: int, inv_freq: np.ndarray, attention_factor: float, offset: int):
     """cos/sin [P, R/2] = attention_factor · cos/sin(p · inv_freq)."""
-    angle = np.arange(offset, offset + num_positions, dtype=np.float64)[:, None] * inv_freq
+    angle = angles(np.arange(offset, offset + num_positions, dtype=np.int64), inv_freq)
     return attention_factor * np.cos(angle), attention_factor * np.sin(angle)
 
 

@@ -3,15 +3,17 @@
 Logical shapes: ids, positions, token types [B·S]; weight [V, D]; pe_table [P, D];
 token_type_weight [T, D] -> out [B·S, D].
 out[t] = scale · weight[ids[t]] + PE(positions[t]) [+ token_type_weight[tt[t]]], in weight's dtype
-(float32 sums stay within a few ulp; the PE term within 2.5e-7 of the float64 truth). The sinusoidal PE is computed on the fly (no table is read) by angle addition
-from two small float64 bases in column order (see ``_angles``); ids and positions were
-range-checked upstream.
+(float32 sums stay within a few ulp; the PE term within 2.5e-7 of the exact value at any
+position). The sinusoidal PE is computed on the fly (no table is read) by angle addition from
+small bases in column order (see ``_angles.gather_basis``): one hi row per block of positions
+actually present, so the cost follows the token count, not the span of the positions; ids and
+positions were range-checked upstream.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from fastpe.kernels.numba._angles import column_basis
+from fastpe.kernels.numba._angles import gather_basis
 from numba import njit, prange, types
 from numba.extending import overload
 
@@ -54,7 +56,7 @@ PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
 
 @njit(parallel=True, cache=True)
 def _embed_numba(
-    ids, weight, scale, positions, pe_kind, pe_table, block, p0, hi_a, hi_b, lo_x, lo_y,
+    ids, weight, scale, positions, pe_kind, pe_table, block, p0, hi_row, hi_a, hi_b, lo_x, lo_y,
     has_types, type_ids, type_weight, out,
 ):  # fmt: skip
     tokens, dim = out.shape
@@ -62,7 +64,7 @@ def _embed_numba(
         row = ids[t]
         tt = type_ids[t] if has_types else 0
         p = positions[t]
-        hi, lo = (p - p0) // block, (p - p0) % block
+        hi, lo = hi_row[t], (p - p0) % block
         for c in range(dim):
             value = scale * _widen(weight[row, c])
             if has_types:
@@ -88,13 +90,12 @@ def embed_numba(
     flat_pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
     out = np.empty((batch * seq, dim), dtype=weight.dtype)
     unused = np.zeros((1, 1), dtype=compute)
-    basis, p0 = (1, unused, unused, unused, unused), 0
+    basis = (1, 0, np.zeros(flat_pos.size, dtype=np.int64), unused, unused, unused, unused)
     kind = PE_NONE
     if pe == "sinusoidal":
         kind = PE_SINUSOIDAL
         if flat_pos.size:
-            p0 = int(flat_pos.min())
-            basis = column_basis(p0, int(flat_pos.max()) - p0 + 1, omega, interleaved, compute)
+            basis = gather_basis(flat_pos, omega, interleaved, compute)
     table = np.zeros((1, 1), dtype=weight.dtype)
     if pe == "table":
         kind, table = PE_TABLE, np.ascontiguousarray(pe_table)
@@ -108,7 +109,7 @@ def embed_numba(
         np.ascontiguousarray(token_type_weight) if has_types else np.zeros((1, 1), weight.dtype)
     )
     _embed_numba(
-        flat_ids, np.ascontiguousarray(weight), np.dtype(compute).type(scale), flat_pos, kind, table, basis[0], p0,
-        basis[1], basis[2], basis[3], basis[4], has_types, type_ids, type_weight, out,
+        flat_ids, np.ascontiguousarray(weight), np.dtype(compute).type(scale), flat_pos, kind, table, *basis,
+        has_types, type_ids, type_weight, out,
     )  # fmt: skip
     return out.reshape(batch, seq, dim)
