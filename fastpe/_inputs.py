@@ -24,6 +24,7 @@ from fastpe._validate import (
     check_float_array,
     check_int,
     check_int_array,
+    check_position,
     check_range,
     check_same_placement,
 )
@@ -42,6 +43,13 @@ def _check_sinusoidal_dim(name: str, dim: int, freq: str) -> None:
         )
     if freq == "tensor2tensor" and dim < 4:
         raise ValueError(f"{name} must be >= 4 with freq='tensor2tensor' (ω divides by dim/2 - 1)")
+
+
+def _check_offset(offset, num_positions: int) -> int:
+    """A table's first position: an int with the whole table inside the supported range."""
+    offset = check_int("offset", offset, minimum=0)
+    check_position("offset", offset, count=num_positions)
+    return offset
 
 
 def _features(**flags: bool) -> frozenset[str]:
@@ -86,7 +94,7 @@ class SinusoidalTableInputs(_Inputs):
             base=check_float("base", base, positive=True),
             layout=layout,
             freq=freq,
-            offset=check_int("offset", offset, minimum=0),
+            offset=_check_offset(offset, num_positions),
             dtype=_arrays.normalize_dtype(dtype, placement),
             placement=placement,
         )
@@ -107,7 +115,7 @@ class RopeTableInputs(_Inputs):
         from fastpe.rope_scaling import rope_inv_freq
 
         num_positions = check_int("num_positions", num_positions, minimum=0)
-        offset = check_int("offset", offset, minimum=0)
+        offset = _check_offset(offset, num_positions)
         # dynamic NTK and longrope pick their parameters from the longest position in the table
         inv_freq, attention_factor = rope_inv_freq(
             rotary_dim, base=base, scaling=scaling, seq_len=offset + num_positions

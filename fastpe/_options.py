@@ -16,11 +16,13 @@ import numpy as np
 
 from fastpe import _arrays
 from fastpe._validate import (
+    MAX_POSITION,
     check_bool,
     check_finite,
     check_float_array,
     check_int,
     check_int_array,
+    check_position,
     check_range,
 )
 
@@ -42,6 +44,7 @@ class Positions(NamedTuple):
             value = _arrays.array_like(value, like)
         if value is None or isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             offset = 0 if value is None else check_int(name, value, minimum=0)
+            check_position(name, offset, count=seq)
             if limit is not None and offset + seq > limit:
                 raise IndexError(
                     f"{name}: positions {offset} … {offset + seq - 1} are needed but {what} has "
@@ -56,8 +59,11 @@ class Positions(NamedTuple):
                 f"{name} must be an int offset or an int array of shape [S]={expected[0]}, "
                 f"[B, S]={expected[1]} or [1, S]={expected[2]}; got shape {tuple(array.shape)}"
             )
-        bound = "" if limit is None else f" ({what} has {limit} rows)"
-        check_range(name, array, 0, limit if limit is not None else 2**62, what=bound)
+        if limit is not None:
+            check_range(name, array, 0, limit, what=f"({what} has {limit} rows)")
+        elif _arrays.min_value(array) < 0:  # a negative row index: IndexError, like table rows
+            check_range(name, array, 0, MAX_POSITION)
+        check_position(name, array)  # the supported range: ValueError
         if array.ndim == 2:
             array = _arrays.broadcast_to(array, (batch, seq))
         return cls(array=array)

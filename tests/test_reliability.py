@@ -191,3 +191,27 @@ def test_rope_table_under_compile_with_changing_scaling(fullgraph):
     for scaling in dicts:
         eager = fastpe.rope_table(16, 8, scaling=scaling)[1]
         np.testing.assert_allclose(compiled(scaling).numpy(), eager, rtol=1e-6, atol=1e-7)
+
+
+# --- 11. positions beyond the supported range [0, 2^32) are refused by name, on every op
+
+
+@pytest.mark.parametrize("far", [2**32, 2**63 - 1, 2**70])
+def test_far_positions_refused_by_name(far):
+    ids, weight = np.zeros((1, 3), np.int64), np.zeros((4, 8), np.float32)
+    cos, sin = fastpe.rope_table(8, 8)
+    x = np.zeros((1, 1, 3, 8), np.float32)
+    supported = "outside the supported range \\[0, 2\\*\\*32"
+    with pytest.raises(ValueError, match=f"positions = .*{supported}"):
+        fastpe.embed(ids, weight, positions=far)
+    if far < 2**64:
+        with pytest.raises(ValueError, match=f"positions contains {far} .*{supported}"):
+            fastpe.embed(ids, weight, positions=np.array([0, 1, far], dtype=np.uint64))
+    with pytest.raises(ValueError, match=f"offset = .*{supported}"):
+        fastpe.sinusoidal_table(2, 8, offset=far)
+    with pytest.raises(ValueError, match=f"offset = .*{supported}"):
+        fastpe.rope_table(2, 8, offset=far)
+    with pytest.raises((ValueError, IndexError), match="positions"):
+        fastpe.apply_rope(x, cos, sin, positions=far)
+    # the last supported positions still work
+    fastpe.embed(ids, weight, positions=2**32 - 3)
