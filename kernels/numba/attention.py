@@ -20,7 +20,8 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from fastpe.kernels.numba._runtime import njit
+from numba import prange
 from threadpoolctl import ThreadpoolController
 
 LOG2E = 1.4426950408889634

@@ -1,0 +1,105 @@
+"""Process-wide Numba settings shared by every kernel module: the threading layer.
+
+Imported (through ``njit``) by each kernel module before its first decorator runs, so the
+threading layer is chosen before Numba launches its threads; ``import fastpe`` never gets here.
+
+- Threading layer: Numba's default on Linux is GNU OpenMP, whose thread pool does not survive
+  ``fork()`` — Numba then kills any forked child that runs a parallel kernel (DataLoader workers,
+  pre-fork servers, ``multiprocessing`` with fork). Unless the user chose a layer, fastpe asks for
+  Numba's "forksafe" choice: TBB where its library loads, else ``workqueue`` on Linux (OpenMP
+  elsewhere, where it is fork-safe). ``workqueue`` aborts the process when two threads enter a
+  parallel region at once, and Numba releases the GIL inside parallel regions, so under it
+  fastpe's parallel kernels take a process-wide lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import numba
+from numba.core import config
+
+# Numba's own default order; any other value was put there by the user (config file or code)
+_DEFAULT_PRIORITY = ["tbb", "omp", "workqueue"]
+
+
+def _user_chose_layer() -> bool:
+    """True when the environment, a .numba_config.yaml or code already picked the layer."""
+    return (
+        "NUMBA_THREADING_LAYER" in os.environ
+        or "NUMBA_THREADING_LAYER_PRIORITY" in os.environ
+        or str(config.THREADING_LAYER).lower() != "default"
+        or list(config.THREADING_LAYER_PRIORITY) != _DEFAULT_PRIORITY
+    )
+
+
+def _start_threads() -> str:
+    """Choose the threading layer (unless the user did) and start Numba's threads now.
+
+    Starting them here, rather than at the first parallel call, fixes the choice: Numba's
+    compiler reloads its config from the environment when a NUMBA_* variable changes, which would
+    otherwise put the default layer back before the threads start."""
+    try:
+        return numba.threading_layer()  # already running: whatever started it chose
+    except ValueError:
+        pass
+    if not _user_chose_layer():
+        config.THREADING_LAYER = "forksafe"
+    numba.get_num_threads()  # launches the threads with the configured layer
+    return numba.threading_layer()
+
+
+THREADING_LAYER = _start_threads()
+
+
+def threading_layer() -> str:
+    """The Numba threading layer fastpe's kernels run on ("tbb", "omp" or "workqueue")."""
+    return THREADING_LAYER
+
+
+# workqueue is the one layer that cannot run two parallel regions at once
+_SERIALIZE_LAUNCHES = THREADING_LAYER == "workqueue"
+_launch_lock = threading.Lock()
+
+
+class _SerializedKernel:
+    """A parallel kernel called under ``_launch_lock`` (Numba releases the GIL inside parallel
+    regions, and two concurrent regions abort the process under ``workqueue``). Attribute access
+    (``py_func``, ``signatures``…) reaches the dispatcher."""
+
+    def __init__(self, dispatcher):
+        self._dispatcher = dispatcher
+        functools.update_wrapper(self, dispatcher.py_func)
+
+    def __call__(self, *args, **kwargs):
+        with _launch_lock:
+            return self._dispatcher(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._dispatcher, name)
+
+
+def njit(**options):
+    """``numba.njit(**options)`` for fastpe's kernels.
+
+    ``parallel=True`` kernels are serialised when the threading layer requires it.
+    """
+
+    def decorate(func):
+        dispatcher = numba.njit(**options)(func)
+        if options.get("parallel") and _SERIALIZE_LAUNCHES and hasattr(dispatcher, "py_func"):
+            return _SerializedKernel(dispatcher)
+        return dispatcher
+
+    return decorate
+
+
+def _after_fork_in_child():
+    """Locks held by another thread at fork() would stay held forever in the child."""
+    global _launch_lock
+    _launch_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
