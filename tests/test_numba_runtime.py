@@ -1,4 +1,4 @@
-"""The Numba runtime under fork and threads.
+"""The Numba runtime under fork, threads and a read-only install.
 
 Every case runs in a subprocess of its own: the failures under test kill or hang the process
 (Numba's OpenMP layer kills a forked child; its workqueue layer aborts on concurrent parallel
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -220,3 +221,52 @@ def test_threading_layer_is_fork_safe_unless_the_user_chose(tmp_path):
         """,
         tmp_path,
     )
+
+
+def _read_only_install(tmp_path) -> pathlib.Path:
+    """fastpe laid out as installed (fastpe/kernels inside fastpe), with nowhere to cache.
+
+    chmod stops other users; a root test process ignores it, so every place Numba could write
+    to is also made impossible for anyone: a plain file named __pycache__ in each package
+    folder, and HOME / XDG_CACHE_HOME (the user cache directory) pointing at a file."""
+    site = tmp_path / "site"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "fastpe", site / "fastpe", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", site / "fastpe" / "kernels", ignore=ignore)
+    for folder in [site, *site.rglob("*")]:
+        if folder.is_dir():
+            (folder / "__pycache__").write_text("")
+    for path in [site, *site.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    return site
+
+
+def test_read_only_install_without_cache_still_runs_numba(tmp_path):
+    # Numba raised "cannot cache function ...: no locator available" on every op.
+    site = _read_only_install(tmp_path)
+    not_a_dir = tmp_path / "home-is-a-file"
+    not_a_dir.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(PYTHONPATH=str(site), HOME=str(not_a_dir), XDG_CACHE_HOME=str(not_a_dir))
+    try:
+        run_script(
+            f"""
+            import warnings
+            assert fastpe.__file__.startswith({str(site)!r}), fastpe.__file__
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert table_ok(21)
+                cos, sin = fastpe.rope_table(19, 8, backend="numba")
+                ref_cos, ref_sin = fastpe.rope_table(19, 8, backend="numpy")
+                assert np.allclose(cos, ref_cos, atol=1e-6) and np.allclose(sin, ref_sin, atol=1e-6)
+            notes = [w for w in caught if "no writable cache" in str(w.message)]
+            assert len(notes) == 1, [str(w.message) for w in caught]  # once per process
+            assert "NUMBA_CACHE_DIR" in str(notes[0].message)
+            print("ok")
+            """,
+            tmp_path,
+            env=env,
+        )
+    finally:
+        for path in [site, *site.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)

@@ -1,4 +1,4 @@
-"""Process-wide Numba settings shared by every kernel module: the threading layer.
+"""Process-wide Numba settings shared by every kernel module: threading layer, disk cache.
 
 Imported (through ``njit``) by each kernel module before its first decorator runs, so the
 threading layer is chosen before Numba launches its threads; ``import fastpe`` never gets here.
@@ -10,6 +10,9 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
   elsewhere, where it is fork-safe). ``workqueue`` aborts the process when two threads enter a
   parallel region at once, and Numba releases the GIL inside parallel regions, so under it
   fastpe's parallel kernels take a process-wide lock.
+- Disk cache: with no writable cache location (read-only install, no writable home, unusable
+  NUMBA_CACHE_DIR) ``cache=True`` raises at decoration; fastpe then compiles in memory and warns
+  once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import warnings
 
 import numba
 from numba.core import config
@@ -81,14 +85,40 @@ class _SerializedKernel:
         return getattr(self._dispatcher, name)
 
 
+_no_cache_warned = False
+
+
+def _warn_no_cache(error: Exception) -> None:
+    global _no_cache_warned
+    if _no_cache_warned:
+        return
+    _no_cache_warned = True
+    warnings.warn(
+        "fastpe: Numba found no writable cache directory (NUMBA_CACHE_DIR, the package's "
+        "__pycache__, the user cache directory), so the CPU kernels are compiled in memory and "
+        "recompiled in every process. Set NUMBA_CACHE_DIR to a writable directory to keep them. "
+        f"({error})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def njit(**options):
     """``numba.njit(**options)`` for fastpe's kernels.
 
-    ``parallel=True`` kernels are serialised when the threading layer requires it.
+    ``cache=True`` falls back to an in-memory compile (with one warning per process) when Numba
+    has nowhere to write its cache, instead of failing every call; ``parallel=True`` kernels are
+    serialised when the threading layer requires it.
     """
+    cache = options.pop("cache", False)
 
     def decorate(func):
         dispatcher = numba.njit(**options)(func)
+        if cache and hasattr(dispatcher, "enable_caching"):  # not under NUMBA_DISABLE_JIT
+            try:
+                dispatcher.enable_caching()
+            except RuntimeError as error:  # "cannot cache function ...: no locator available"
+                _warn_no_cache(error)
         if options.get("parallel") and _SERIALIZE_LAUNCHES and hasattr(dispatcher, "py_func"):
             return _SerializedKernel(dispatcher)
         return dispatcher
