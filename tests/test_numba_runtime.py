@@ -1,4 +1,4 @@
-"""The Numba runtime under fork, threads and a read-only install.
+"""The Numba runtime under fork, threads, a read-only install and BLAS thread limits.
 
 Every case runs in a subprocess of its own: the failures under test kill or hang the process
 (Numba's OpenMP layer kills a forked child; its workqueue layer aborts on concurrent parallel
@@ -182,6 +182,61 @@ def test_threads_call_parallel_kernels_concurrently(tmp_path):
         sys.setswitchinterval(1e-5)
         run_threads(work, 4, 240)
         assert not errors, errors
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
+def test_blas_threads_restored_after_concurrent_attention(tmp_path):
+    # Overlapping per-call limits saved each other's "1" as the original: afterwards every
+    # matmul of the process ran on one thread ([1, 1] instead of [3, 3] here).
+    run_script(
+        """
+        from threadpoolctl import threadpool_limits
+        assert attention_ok()
+        # 3 BLAS threads, set from a thread that then exits: threadpoolctl lets only the thread
+        # that set an OpenBLAS limit change it again while it lives
+        setter = threading.Thread(target=lambda: threadpool_limits(limits=3, user_api="blas"))
+        setter.start(); setter.join()
+        before = blas_threads()
+        assert before and min(before) == 3, before
+
+        errors = []
+        def work():
+            try:
+                for _ in range(150):
+                    assert attention_ok()
+            except BaseException as exc:
+                errors.append(repr(exc))
+        sys.setswitchinterval(1e-6)  # interleave the threads as much as possible
+        run_threads(work, 4, 240)
+        assert not errors, errors
+        after = blas_threads()
+        assert after == before, (before, after)
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
+def test_single_threaded_blas_limits_and_restores(tmp_path):
+    run_script(
+        """
+        from fastpe.kernels.numba._runtime import single_threaded_blas
+        from threadpoolctl import threadpool_limits
+        setter = threading.Thread(target=lambda: threadpool_limits(limits=3, user_api="blas"))
+        setter.start(); setter.join()
+        assert set(blas_threads()) == {3}, blas_threads()
+        with single_threaded_blas():
+            assert set(blas_threads()) == {1}, blas_threads()
+        assert set(blas_threads()) == {3}, blas_threads()
+        try:
+            with single_threaded_blas():
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert set(blas_threads()) == {3}, blas_threads()
         print("ok")
         """,
         tmp_path,

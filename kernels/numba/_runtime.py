@@ -1,4 +1,4 @@
-"""Process-wide Numba settings shared by every kernel module: threading layer, disk cache.
+"""Process-wide Numba settings shared by every kernel module: threading layer, disk cache, BLAS.
 
 Imported (through ``njit``) by each kernel module before its first decorator runs, so the
 threading layer is chosen before Numba launches its threads; ``import fastpe`` never gets here.
@@ -13,10 +13,13 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
 - Disk cache: with no writable cache location (read-only install, no writable home, unusable
   NUMBA_CACHE_DIR) ``cache=True`` raises at decoration; fastpe then compiles in memory and warns
   once.
+- BLAS: kernels that call BLAS from Numba's threads limit it to one thread while they run
+  (``single_threaded_blas``); the limit is process-wide, so it is taken under a lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -126,10 +129,50 @@ def njit(**options):
     return decorate
 
 
+@functools.cache
+def _blas_controller():
+    # Numba's np.dot calls scipy's BLAS: load it first so the controller can see it
+    import scipy.linalg.cython_blas  # noqa: F401
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+_blas_lock = threading.Lock()
+_blas_limiter = None  # the active limit, if any (a forked child restores it)
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """BLAS limited to one thread while the block runs: Numba's threads already fill the cores,
+    and a threaded BLAS inside each of them oversubscribes.
+
+    The limit is process-wide and restored on exit, so concurrent callers take turns: with
+    overlapping limits one caller would save another's "1" as the original and restore it last,
+    leaving every later matmul of the process single-threaded. threadpoolctl also lets only the
+    thread that set an OpenBLAS limit change it again, so each limit is set and restored by the
+    same thread, inside the lock.
+    """
+    global _blas_limiter
+    with _blas_lock:
+        limiter = _blas_controller().limit(limits=1, user_api="blas")
+        _blas_limiter = limiter
+        try:
+            with limiter:  # __exit__ restores and releases threadpoolctl's thread ownership
+                yield
+        finally:
+            _blas_limiter = None
+
+
 def _after_fork_in_child():
     """Locks held by another thread at fork() would stay held forever in the child."""
-    global _launch_lock
+    global _launch_lock, _blas_lock, _blas_limiter
     _launch_lock = threading.Lock()
+    _blas_lock = threading.Lock()
+    if _blas_limiter is not None:  # another thread was inside single_threaded_blas
+        limiter, _blas_limiter = _blas_limiter, None
+        with contextlib.suppress(Exception):
+            limiter.restore_original_limits()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
