@@ -72,10 +72,20 @@ def run_threads(target, count, seconds):
 """
 
 
-def run_script(body: str, tmp_path, env=None, cwd=None) -> str:
-    """Run PRELUDE + body as a file (spawned children re-import it); kill its whole process
-    group and fail on timeout; fail with its output unless it exits 0 and prints an "ok" line (interpreter shutdown may
-    still print warnings after it)."""
+# The layer fastpe picks (TBB where installed, else workqueue on Linux) and workqueue forced by
+# the user, so that the lock serialising kernels under workqueue is exercised wherever TBB is.
+LAYERS = [pytest.param(None, id="fastpe-layer"), pytest.param("workqueue", id="workqueue")]
+
+
+def run_script(body: str, tmp_path, env=None, cwd=None, layer=None) -> str:
+    """Run PRELUDE + body as a file (spawned children re-import it) in ``env`` (default: this
+    environment with NUMBA_THREADING_LAYER set to ``layer``, or unset for None); kill its whole
+    process group and fail on timeout; fail with its output unless it exits 0 and prints an "ok"
+    line (interpreter shutdown may still print warnings after it)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}
+        if layer is not None:
+            env["NUMBA_THREADING_LAYER"] = layer
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     proc = subprocess.Popen(
@@ -99,7 +109,8 @@ def run_script(body: str, tmp_path, env=None, cwd=None) -> str:
     return output
 
 
-def test_forked_child_runs_parallel_kernels(tmp_path):
+@pytest.mark.parametrize("layer", LAYERS)
+def test_forked_child_runs_parallel_kernels(tmp_path, layer):
     # Under GNU OpenMP (Numba's default on Linux) the child was killed with SIGTERM.
     run_script(
         """
@@ -113,11 +124,15 @@ def test_forked_child_runs_parallel_kernels(tmp_path):
         print("ok")
         """,
         tmp_path,
+        layer=layer,
     )
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_multiprocessing_pool_runs_parallel_kernels(tmp_path, method):
+@pytest.mark.parametrize(
+    "method, layer",
+    [("fork", None), ("fork", "workqueue"), ("spawn", None), ("forkserver", None)],
+)
+def test_multiprocessing_pool_runs_parallel_kernels(tmp_path, method, layer):
     # With fork, every pool worker was killed on its first kernel and Pool.map hung.
     run_script(
         f"""
@@ -133,10 +148,12 @@ def test_multiprocessing_pool_runs_parallel_kernels(tmp_path, method):
             print("ok")
         """,
         tmp_path,
+        layer=layer,
     )
 
 
-def test_fork_while_other_threads_run_kernels(tmp_path):
+@pytest.mark.parametrize("layer", LAYERS)
+def test_fork_while_other_threads_run_kernels(tmp_path, layer):
     # A server forking while its threads serve requests: locks held by those threads at fork()
     # must not deadlock the child.
     run_script(
@@ -163,10 +180,12 @@ def test_fork_while_other_threads_run_kernels(tmp_path):
         print("ok")
         """,
         tmp_path,
+        layer=layer,
     )
 
 
-def test_threads_call_parallel_kernels_concurrently(tmp_path):
+@pytest.mark.parametrize("layer", LAYERS)
+def test_threads_call_parallel_kernels_concurrently(tmp_path, layer):
     # Under the workqueue layer, concurrent parallel regions abort the whole process.
     run_script(
         """
@@ -185,10 +204,12 @@ def test_threads_call_parallel_kernels_concurrently(tmp_path):
         print("ok")
         """,
         tmp_path,
+        layer=layer,
     )
 
 
-def test_blas_threads_restored_after_concurrent_attention(tmp_path):
+@pytest.mark.parametrize("layer", LAYERS)
+def test_blas_threads_restored_after_concurrent_attention(tmp_path, layer):
     # Overlapping per-call limits saved each other's "1" as the original: afterwards every
     # matmul of the process ran on one thread ([1, 1] instead of [3, 3] here).
     run_script(
@@ -217,6 +238,7 @@ def test_blas_threads_restored_after_concurrent_attention(tmp_path):
         print("ok")
         """,
         tmp_path,
+        layer=layer,
     )
 
 
@@ -250,7 +272,14 @@ def test_threading_layer_is_fork_safe_unless_the_user_chose(tmp_path):
         assert table_ok(9)
         import numba
         from fastpe.kernels.numba._runtime import threading_layer
-        assert numba.threading_layer() == threading_layer() in ("tbb", "workqueue"), threading_layer()
+        assert numba.threading_layer() == threading_layer(), threading_layer()
+        from importlib import metadata
+        try:
+            metadata.files("tbb")  # pip's TBB, a dependency on Linux x86-64, must be found
+            expected = ("tbb",)
+        except metadata.PackageNotFoundError:
+            expected = ("tbb", "workqueue")
+        assert threading_layer() in expected, (threading_layer(), expected)
         print("ok")
         """,
         tmp_path,

@@ -6,10 +6,12 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
 - Threading layer: Numba's default on Linux is GNU OpenMP, whose thread pool does not survive
   ``fork()`` — Numba then kills any forked child that runs a parallel kernel (DataLoader workers,
   pre-fork servers, ``multiprocessing`` with fork). Unless the user chose a layer, fastpe asks for
-  Numba's "forksafe" choice: TBB where its library loads, else ``workqueue`` on Linux (OpenMP
-  elsewhere, where it is fork-safe). ``workqueue`` aborts the process when two threads enter a
-  parallel region at once, and Numba releases the GIL inside parallel regions, so under it
-  fastpe's parallel kernels take a process-wide lock.
+  Numba's "forksafe" choice: TBB where its library loads (a dependency on Linux x86-64, loaded
+  from pip's location here), else ``workqueue`` on Linux (OpenMP elsewhere, where it is
+  fork-safe). TBB is also thread-safe and starts a parallel region as fast as OpenMP;
+  ``workqueue`` takes tens of microseconds and aborts the process when two threads enter a
+  parallel region at once (Numba releases the GIL inside parallel regions), so under it fastpe's
+  parallel kernels take a process-wide lock.
 - Disk cache: with no writable cache location (read-only install, no writable home, unusable
   NUMBA_CACHE_DIR) ``cache=True`` raises at decoration; fastpe then compiles in memory and warns
   once.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import warnings
 
@@ -42,6 +45,35 @@ def _user_chose_layer() -> bool:
     )
 
 
+def _load_pip_tbb() -> None:
+    """Make a pip-installed TBB visible to Numba.
+
+    pip puts libtbb.so.12 in <prefix>/lib, which is not on the dynamic loader's search path, and
+    Numba's tbbpool extension carries no rpath to it: Numba would report TBB missing. Once the
+    library is loaded by its full path, Numba's own dlopen("libtbb.so.12") finds it by its
+    soname. A TBB the loader already finds (conda, the system) is left alone: two TBB runtimes
+    in one process would fight over the same threads."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    from importlib import metadata
+
+    try:
+        ctypes.CDLL("libtbb.so.12")
+        return
+    except OSError:
+        pass
+    try:
+        files = metadata.files("tbb") or []
+    except metadata.PackageNotFoundError:
+        return
+    for file in files:
+        if file.name == "libtbb.so.12":
+            with contextlib.suppress(OSError):  # then Numba falls back to the next layer
+                ctypes.CDLL(str(file.locate()))
+            return
+
+
 def _start_threads() -> str:
     """Choose the threading layer (unless the user did) and start Numba's threads now.
 
@@ -54,6 +86,8 @@ def _start_threads() -> str:
         pass
     if not _user_chose_layer():
         config.THREADING_LAYER = "forksafe"
+    if str(config.THREADING_LAYER).lower() not in ("omp", "workqueue"):  # TBB may be picked
+        _load_pip_tbb()
     numba.get_num_threads()  # launches the threads with the configured layer
     return numba.threading_layer()
 
