@@ -8,7 +8,8 @@ cos, sin [P, R/2]; positions [B, S] rows of cos/sin.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from fastpe.kernels.numba._runtime import njit
+from numba import prange, types
 from numba.extending import overload
 
 

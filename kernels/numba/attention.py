@@ -15,13 +15,12 @@ merged with the log-sum-exp rule of ``merge_attention``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numba
 import numpy as np
-from numba import njit, prange
-from threadpoolctl import ThreadpoolController
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from numba import prange
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -335,19 +334,9 @@ def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
     return block_m, min(block_n, max(sk, 1))
 
 
-@functools.cache
-def _blas_controller() -> ThreadpoolController:
-    # Numba's np.dot calls scipy's BLAS: load it first so the controller can see it
-    import scipy.linalg.cython_blas  # noqa: F401
-
-    return ThreadpoolController()
-
-
-def _single_threaded_blas():
-    """BLAS limited to one thread while the kernel runs: Numba's threads already fill the cores,
-    and a threaded BLAS inside them oversubscribes (OpenBLAS warns of an OpenMP loop and may hang).
-    """
-    return _blas_controller().limit(limits=1, user_api="blas")
+# BLAS limited to one thread while the kernel runs: Numba's threads already fill the cores, and
+# a threaded BLAS inside them oversubscribes. Process-wide, so shared with its lock (_runtime).
+_single_threaded_blas = single_threaded_blas
 
 
 def _dummy(dtype, ndim):

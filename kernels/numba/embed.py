@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 from fastpe.kernels.numba._angles import gather_basis
-from numba import njit, prange, types
+from fastpe.kernels.numba._runtime import njit
+from numba import prange, types
 from numba.extending import overload
 
 

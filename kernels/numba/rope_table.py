@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 from fastpe.kernels.numba._angles import column_basis
-from numba import njit, prange
+from fastpe.kernels.numba._runtime import njit
+from numba import prange
 
 
 @njit(parallel=True, cache=True)

@@ -1,0 +1,356 @@
+"""The Numba runtime under fork, threads, a read-only install and BLAS thread limits.
+
+Every case runs in a subprocess of its own: the failures under test kill or hang the process
+(Numba's OpenMP layer kills a forked child; its workqueue layer aborts on concurrent parallel
+regions; a dead pool worker hangs ``multiprocessing``), and each script sets its own deadlines
+below the subprocess timeout, so a hang fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("numba")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT = 300  # seconds for a whole script, compiles included; scripts give up well before
+
+# Expected values come from fastpe's float64 NumPy oracle (backend="numpy").
+PRELUDE = """
+import os, sys, threading, time
+import numpy as np
+import fastpe
+import scipy.linalg.cython_blas  # the BLAS Numba's np.dot calls, loaded before any limit is set
+
+def table_ok(n):
+    got = fastpe.sinusoidal_table(n, 16, backend="numba")
+    return bool(np.allclose(got, fastpe.sinusoidal_table(n, 16, backend="numpy"), atol=1e-6, rtol=0))
+
+rng = np.random.default_rng(7)
+q = rng.standard_normal((2, 4, 37, 16)).astype(np.float32)
+k = rng.standard_normal((2, 2, 300, 16)).astype(np.float32)
+v = rng.standard_normal((2, 2, 300, 16)).astype(np.float32)
+expected_attention = fastpe.attention(q, k, v, causal=True, backend="numpy")
+
+def attention_ok():
+    got = fastpe.attention(q, k, v, causal=True, backend="numba")
+    return bool(np.allclose(got, expected_attention, atol=1e-5, rtol=1e-5))
+
+def blas_threads():
+    from threadpoolctl import threadpool_info
+    return sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+
+def wait_child(pid, seconds):  # the child's exit code (negative: killed by that signal)
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            sys.exit("forked child hung")
+        time.sleep(0.02)
+
+def run_threads(target, count, seconds):
+    threads = [threading.Thread(target=target, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        print("threads hung", flush=True)
+        os._exit(2)
+"""
+
+
+# The layer fastpe picks (TBB where installed, else workqueue on Linux) and workqueue forced by
+# the user, so that the lock serialising kernels under workqueue is exercised wherever TBB is.
+LAYERS = [pytest.param(None, id="fastpe-layer"), pytest.param("workqueue", id="workqueue")]
+
+
+def run_script(body: str, tmp_path, env=None, cwd=None, layer=None) -> str:
+    """Run PRELUDE + body as a file (spawned children re-import it) in ``env`` (default: this
+    environment with NUMBA_THREADING_LAYER set to ``layer``, or unset for None); kill its whole
+    process group and fail on timeout; fail with its output unless it exits 0 and prints an "ok"
+    line (interpreter shutdown may still print warnings after it)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}
+        if layer is not None:
+            env["NUMBA_THREADING_LAYER"] = layer
+    script = tmp_path / "script.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd or tmp_path,
+        start_new_session=True,  # forked grandchildren die with it on timeout
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"script hung for {TIMEOUT}s:\n{output}")
+    assert proc.returncode == 0 and "ok" in output.splitlines(), (
+        f"exit {proc.returncode}:\n{output}"
+    )
+    return output
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_forked_child_runs_parallel_kernels(tmp_path, layer):
+    # Under GNU OpenMP (Numba's default on Linux) the child was killed with SIGTERM.
+    run_script(
+        """
+        assert table_ok(37) and attention_ok()  # the parent's threads are running
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if table_ok(53) and attention_ok() else 3)
+        code = wait_child(pid, 120)
+        assert code == 0, f"forked child exited with {code}"  # -15: Numba's OpenMP fork guard
+        assert table_ok(64)  # and the parent still works
+        print("ok")
+        """,
+        tmp_path,
+        layer=layer,
+    )
+
+
+@pytest.mark.parametrize(
+    "method, layer",
+    [("fork", None), ("fork", "workqueue"), ("spawn", None), ("forkserver", None)],
+)
+def test_multiprocessing_pool_runs_parallel_kernels(tmp_path, method, layer):
+    # With fork, every pool worker was killed on its first kernel and Pool.map hung.
+    run_script(
+        f"""
+        def work(n):
+            return table_ok(n) and attention_ok()
+
+        if __name__ == "__main__":
+            assert work(5)  # the parent uses Numba's threads before the pool starts
+            import multiprocessing
+            with multiprocessing.get_context("{method}").Pool(2) as pool:
+                results = pool.map_async(work, [3, 11, 29, 64]).get(timeout=150)
+            assert results == [True] * 4, results
+            print("ok")
+        """,
+        tmp_path,
+        layer=layer,
+    )
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_fork_while_other_threads_run_kernels(tmp_path, layer):
+    # A server forking while its threads serve requests: locks held by those threads at fork()
+    # must not deadlock the child.
+    run_script(
+        """
+        # warm up first: a fork while another thread is importing a module leaves that
+        # module's import lock held in the child (CPython's hazard, not Numba's)
+        assert attention_ok() and table_ok(29)
+        stop = False
+        def serve():
+            while not stop:
+                assert attention_ok() and table_ok(29)
+        threads = [threading.Thread(target=serve, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if attention_ok() and table_ok(31) else 3)
+            assert wait_child(pid, 60) == 0
+        stop = True
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        print("ok")
+        """,
+        tmp_path,
+        layer=layer,
+    )
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_threads_call_parallel_kernels_concurrently(tmp_path, layer):
+    # Under the workqueue layer, concurrent parallel regions abort the whole process.
+    run_script(
+        """
+        errors = []
+        def work():
+            try:
+                for i in range(25):
+                    assert attention_ok(), "attention"
+                    assert table_ok(17 + i), "table"
+            except BaseException as exc:
+                errors.append(repr(exc))
+        assert attention_ok()  # compile before the threads race
+        sys.setswitchinterval(1e-5)
+        run_threads(work, 4, 240)
+        assert not errors, errors
+        print("ok")
+        """,
+        tmp_path,
+        layer=layer,
+    )
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_blas_threads_restored_after_concurrent_attention(tmp_path, layer):
+    # Overlapping per-call limits saved each other's "1" as the original: afterwards every
+    # matmul of the process ran on one thread ([1, 1] instead of [3, 3] here).
+    run_script(
+        """
+        from threadpoolctl import threadpool_limits
+        assert attention_ok()
+        # 3 BLAS threads, set from a thread that then exits: threadpoolctl lets only the thread
+        # that set an OpenBLAS limit change it again while it lives
+        setter = threading.Thread(target=lambda: threadpool_limits(limits=3, user_api="blas"))
+        setter.start(); setter.join()
+        before = blas_threads()
+        assert before and min(before) == 3, before
+
+        errors = []
+        def work():
+            try:
+                for _ in range(150):
+                    assert attention_ok()
+            except BaseException as exc:
+                errors.append(repr(exc))
+        sys.setswitchinterval(1e-6)  # interleave the threads as much as possible
+        run_threads(work, 4, 240)
+        assert not errors, errors
+        after = blas_threads()
+        assert after == before, (before, after)
+        print("ok")
+        """,
+        tmp_path,
+        layer=layer,
+    )
+
+
+def test_single_threaded_blas_limits_and_restores(tmp_path):
+    run_script(
+        """
+        from fastpe.kernels.numba._runtime import single_threaded_blas
+        from threadpoolctl import threadpool_limits
+        setter = threading.Thread(target=lambda: threadpool_limits(limits=3, user_api="blas"))
+        setter.start(); setter.join()
+        assert set(blas_threads()) == {3}, blas_threads()
+        with single_threaded_blas():
+            assert set(blas_threads()) == {1}, blas_threads()
+        assert set(blas_threads()) == {3}, blas_threads()
+        try:
+            with single_threaded_blas():
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert set(blas_threads()) == {3}, blas_threads()
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's layers are checked")
+def test_threading_layer_is_fork_safe_unless_the_user_chose(tmp_path):
+    run_script(
+        """
+        assert table_ok(9)
+        import numba
+        from fastpe.kernels.numba._runtime import threading_layer
+        assert numba.threading_layer() == threading_layer(), threading_layer()
+        from importlib import metadata
+        try:
+            metadata.files("tbb")  # pip's TBB, a dependency on Linux x86-64, must be found
+            expected = ("tbb",)
+        except metadata.PackageNotFoundError:
+            expected = ("tbb", "workqueue")
+        assert threading_layer() in expected, (threading_layer(), expected)
+        print("ok")
+        """,
+        tmp_path,
+    )
+    env = dict(os.environ, NUMBA_THREADING_LAYER="omp")
+    run_script(
+        """
+        assert table_ok(9)
+        import numba
+        assert numba.threading_layer() == "omp", numba.threading_layer()
+        print("ok")
+        """,
+        tmp_path,
+        env=env,
+    )
+    run_script(
+        """
+        import numba
+        numba.config.THREADING_LAYER = "omp"  # chosen in code before fastpe's first kernel
+        assert table_ok(9)
+        assert numba.threading_layer() == "omp", numba.threading_layer()
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
+def _read_only_install(tmp_path) -> pathlib.Path:
+    """fastpe laid out as installed (fastpe/kernels inside fastpe), with nowhere to cache.
+
+    chmod stops other users; a root test process ignores it, so every place Numba could write
+    to is also made impossible for anyone: a plain file named __pycache__ in each package
+    folder, and HOME / XDG_CACHE_HOME (the user cache directory) pointing at a file."""
+    site = tmp_path / "site"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "fastpe", site / "fastpe", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", site / "fastpe" / "kernels", ignore=ignore)
+    for folder in [site, *site.rglob("*")]:
+        if folder.is_dir():
+            (folder / "__pycache__").write_text("")
+    for path in [site, *site.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    return site
+
+
+def test_read_only_install_without_cache_still_runs_numba(tmp_path):
+    # Numba raised "cannot cache function ...: no locator available" on every op.
+    site = _read_only_install(tmp_path)
+    not_a_dir = tmp_path / "home-is-a-file"
+    not_a_dir.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(PYTHONPATH=str(site), HOME=str(not_a_dir), XDG_CACHE_HOME=str(not_a_dir))
+    try:
+        run_script(
+            f"""
+            import warnings
+            assert fastpe.__file__.startswith({str(site)!r}), fastpe.__file__
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert table_ok(21)
+                cos, sin = fastpe.rope_table(19, 8, backend="numba")
+                ref_cos, ref_sin = fastpe.rope_table(19, 8, backend="numpy")
+                assert np.allclose(cos, ref_cos, atol=1e-6) and np.allclose(sin, ref_sin, atol=1e-6)
+            notes = [w for w in caught if "no writable cache" in str(w.message)]
+            assert len(notes) == 1, [str(w.message) for w in caught]  # once per process
+            assert "NUMBA_CACHE_DIR" in str(notes[0].message)
+            print("ok")
+            """,
+            tmp_path,
+            env=env,
+        )
+    finally:
+        for path in [site, *site.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
