@@ -34,8 +34,12 @@ def info() -> str:
     try:
         import numba
 
+        # the runtime picks fastpe's threading layer; starting Numba before it would pick OpenMP
+        from fastpe.kernels.numba._runtime import threading_layer
+
         lines.append(
-            f"  numba threads {numba.get_num_threads()} (numba.set_num_threads / NUMBA_NUM_THREADS)"
+            f"  numba threads {numba.get_num_threads()} on the {threading_layer()!r} layer "
+            "(numba.set_num_threads / NUMBA_NUM_THREADS)"
         )
     except ImportError:
         pass

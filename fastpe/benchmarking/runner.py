@@ -164,6 +164,8 @@ def environment(device: str, peaks: dict) -> dict:
     """The machine, versions, thread counts and peaks a results document was measured with."""
     import numba
 
+    from fastpe.kernels.numba._runtime import threading_layer  # before Numba starts its threads
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -180,6 +182,7 @@ def environment(device: str, peaks: dict) -> dict:
             for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
         },
         "numba_threads": numba.get_num_threads(),
+        "numba_threading_layer": threading_layer(),
         "device": device,
         "peaks": peaks,
     }
