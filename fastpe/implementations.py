@@ -100,6 +100,16 @@ class NumpyEmbed(_Oracle):
         return from_float64(out, inp.placement, inp.dtype)
 
 
+def _bottom_right(inp):
+    return inp.q_offset == inp.k.shape[2] - inp.q.shape[2]
+
+
+def _relative_bias(inp, table):
+    if table is None:
+        return None
+    return (table, inp.t5_num_buckets, inp.t5_max_distance, inp.t5_bidirectional)
+
+
 @register
 class NumpyAttention(_Oracle):
     op = "attention"
@@ -123,20 +133,18 @@ class NumpyAttention(_Oracle):
         alibi = None
         if inp.alibi_slopes is not None:
             alibi = np.broadcast_to(to_float64(inp.alibi_slopes), (b, hq))
+        table = None if inp.t5_table is None else to_float64(inp.t5_table)
         out, lse = reference.attention(
             q,
             k,
             v,
             scale=inp.scale,
             causal=inp.causal,
-            q_offset=inp.q_offset,
+            bottom_right=_bottom_right(inp),
             mask=mask,
             key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
             alibi_slopes=alibi,
-            t5_table=None if inp.t5_table is None else to_float64(inp.t5_table),
-            t5_num_buckets=inp.t5_num_buckets,
-            t5_max_distance=inp.t5_max_distance,
-            t5_bidirectional=inp.t5_bidirectional,
+            relative_bias=_relative_bias(inp, table),
         )
         out = from_float64(out, inp.placement, inp.dtype)
         if inp.return_lse:
@@ -317,13 +325,12 @@ class NumbaAttention(_Numba):
         if inp.mask is not None:
             is_bool = _arrays.dtype_name(inp.mask) == "bool"
             mask = _arrays.to_bool(inp.mask) if is_bool else _host(inp.mask, dtype)
+            mask = np.broadcast_to(mask, (b, hq, sq, sk))
         out, lse = attention_numba(
-            q, k, v, scale=inp.scale, causal=inp.causal, q_offset=inp.q_offset, mask=mask,
+            q, k, v, scale=inp.scale, causal=inp.causal, bottom_right=_bottom_right(inp), mask=mask,
             key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
             alibi_slopes=None if inp.alibi_slopes is None else np.broadcast_to(to_float64(inp.alibi_slopes), (b, hq)),
-            t5_table=None if inp.t5_table is None else _host(inp.t5_table, dtype),
-            t5_num_buckets=inp.t5_num_buckets, t5_max_distance=inp.t5_max_distance,
-            t5_bidirectional=inp.t5_bidirectional,
+            relative_bias=_relative_bias(inp, None if inp.t5_table is None else _host(inp.t5_table, dtype)),
         )  # fmt: skip
         out = _back(out, inp.placement, inp.dtype)
         return (out, _back(lse, inp.placement, "float32")) if inp.return_lse else out
@@ -473,14 +480,12 @@ class TritonAttention(_Triton):
             else None
         )
         out, lse = attention_triton(
-            inp.q, inp.k, inp.v, scale=inp.scale, causal=inp.causal, q_offset=inp.q_offset, mask=mask,
+            inp.q, inp.k, inp.v, scale=inp.scale, causal=inp.causal, bottom_right=_bottom_right(inp), mask=mask,
             key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
             alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float().expand(b, hq),
-            t5_table=inp.t5_table, t5_num_buckets=inp.t5_num_buckets, t5_max_distance=inp.t5_max_distance,
-            t5_bidirectional=inp.t5_bidirectional,
-            rope_cos=inp.rope_cos.contiguous() if rope else None, rope_sin=inp.rope_sin.contiguous() if rope else None,
-            rope_interleaved=inp.rope_interleaved, q_positions=qpos, q_pos_offset=qoff,
-            k_positions=kpos, k_pos_offset=koff, num_sms=sms,
+            relative_bias=_relative_bias(inp, inp.t5_table),
+            rope=(inp.rope_cos, inp.rope_sin, inp.rope_interleaved, (qpos, qoff), (kpos, koff)) if rope else None,
+            num_sms=sms,
         )  # fmt: skip
         return (out, lse) if inp.return_lse else out
 

@@ -149,21 +149,20 @@ def attention(
     *,
     scale: float,
     causal: bool,
-    q_offset: int,
+    bottom_right: bool,
     mask=None,
     key_lengths=None,
     alibi_slopes=None,
-    t5_table=None,
-    t5_num_buckets: int = 32,
-    t5_max_distance: int = 128,
-    t5_bidirectional: bool = True,
+    relative_bias=None,
 ):
     """Materialised softmax attention on float64 arrays.
 
-    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]; query i sits at key position
-    i + q_offset (used by the causal rule, ALiBi and the T5 distance). ``mask`` is a bool array
-    (True = attend) or a float array to add, already broadcast to [B, Hq, Sq, Sk];
-    ``alibi_slopes`` is [B, Hq]; ``t5_table`` is [num_buckets, Hq].
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]. Query i sits at key position
+    i + Sk - Sq when ``bottom_right`` (the queries are the last Sq positions), i otherwise; that
+    position drives the causal rule, ALiBi and the relative-bias distance. ``mask`` is a bool
+    array (True = attend) or a float array to add, already broadcast to [B, Hq, Sq, Sk];
+    ``alibi_slopes`` is [B, Hq]; ``relative_bias`` is None or (table [num_buckets, Hq],
+    num_buckets, max_distance, bidirectional), T5's bucketed bias.
     Returns out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (-inf where a row sees no key; out = 0 there).
     """
     batch, hq, sq, _ = q.shape
@@ -173,7 +172,8 @@ def attention(
     v_full = np.repeat(v, group, axis=1)
     scores = scale * np.einsum("bhid,bhjd->bhij", q, k_full)
 
-    i = np.arange(sq)[:, None] + q_offset  # query positions on the key axis
+    query_shift = sk - sq if bottom_right else 0
+    i = np.arange(sq)[:, None] + query_shift  # query positions on the key axis
     j = np.arange(sk)[None, :]
     allowed = np.ones((batch, hq, sq, sk), dtype=bool)
     if causal:
@@ -190,9 +190,10 @@ def attention(
             scores = scores + mask
     if alibi_slopes is not None:
         scores = scores - alibi_slopes[:, :, None, None] * np.abs(i - j)
-    if t5_table is not None:
-        bucket = t5_bucket(j - i, t5_bidirectional, t5_num_buckets, t5_max_distance)  # [Sq, Sk]
-        scores = scores + np.transpose(t5_table[bucket], (2, 0, 1))[None]
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+        bucket = t5_bucket(j - i, bidirectional, num_buckets, max_distance)  # [Sq, Sk]
+        scores = scores + np.transpose(table[bucket], (2, 0, 1))[None]
     scores = np.where(allowed, scores, -np.inf)
 
     row_max = scores.max(axis=-1, keepdims=True)

@@ -89,13 +89,13 @@ def _exp2_shifted_f64(s, row_max, p, r0, r1, n, totals):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _apply_tile_masks(
-    s, b, hk, group, i0, npos, j0, n, q_offset, causal,
+    s, b, hk, group, i0, npos, j0, n, query_shift, causal,
     has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
 ):  # fmt: skip
     """Add biases and set -inf where a row may not attend, on one (group·npos, n) tile.
 
     Row r is query head hk·group + r // npos at position i0 + r % npos; column c is key j0 + c.
-    Query i sits at key position i + q_offset.
+    Query i sits at key position i + query_shift.
     """
     m = group * npos
     if has_alibi or has_bias or has_mask:
@@ -103,7 +103,7 @@ def _apply_tile_masks(
             g = r // npos
             h = hk * group + g
             i = i0 + r - g * npos
-            qpos = i + q_offset
+            qpos = i + query_shift
             if has_alibi:
                 slope = alibi[b, h]  # already times log2(e)
                 for c in range(n):
@@ -118,14 +118,14 @@ def _apply_tile_masks(
                         if not mask_bool[b, h, i, j0 + c]:
                             s[r, c] = -np.inf
                 else:
-                    for c in range(n):
-                        s[r, c] += mask[b, h, i, j0 + c]
+                    for c in range(n):  # scores are in log2 units
+                        s[r, c] += mask[b, h, i, j0 + c] * LOG2E
     # Causal: only tiles crossing the diagonal need masking (the caller never visits tiles
     # wholly above it; key lengths already bound the key range).
-    if causal and j0 + n - 1 > i0 + q_offset:
+    if causal and j0 + n - 1 > i0 + query_shift:
         for r in range(m):
             i = i0 + r % npos
-            first_blocked = i + q_offset + 1 - j0
+            first_blocked = i + query_shift + 1 - j0
             for c in range(max(first_blocked, 0), n):
                 s[r, c] = -np.inf
 
@@ -160,14 +160,14 @@ def _row_max(s, r, n, lanes):
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
     qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
-    q_offset, causal, has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
+    query_shift, causal, has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
     bias_offset, is_f32,
 ):  # fmt: skip
     """One key tile for one row tile: S = Q·Kᵀ, masks, online-softmax update, O += P·V."""
     m, n = s.shape
     np.dot(qt, kt.T, s)
     _apply_tile_masks(
-        s, b, hk, group, i0, npos, j0, n, q_offset, causal,
+        s, b, hk, group, i0, npos, j0, n, query_shift, causal,
         has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
     )  # fmt: skip
     # Online softmax with a lazy reference: each row's scores are exponentiated against its
@@ -219,7 +219,7 @@ def _attend_tile(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
-    q, k, v, part_out, part_lse, scale_log2, causal, q_offset, key_len,
+    q, k, v, part_out, part_lse, scale_log2, causal, query_shift, key_len,
     has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
     block_m, block_n, n_splits, is_f32,
 ):  # fmt: skip
@@ -240,7 +240,7 @@ def _attention_numba(
         # keys this block can see: below the key length and, if causal, up to its last query
         j_end = key_len[b]
         if causal:
-            j_end = min(j_end, i0 + npos + q_offset)
+            j_end = min(j_end, i0 + npos + query_shift[b])
         j_end = max(j_end, 0)
         # this item's slice of [0, j_end), in whole key tiles
         tiles = (j_end + block_n - 1) // block_n
@@ -273,7 +273,7 @@ def _attention_numba(
                 v[b, hk, j0 : j0 + (block_n if full_tile else tail)],
                 s_full if full_tile else s_tail, p_full if full_tile else p_tail,
                 pv, acc, row_max, row_sum, work,
-                b, hk, group, i0, npos, j0, q_offset, causal,
+                b, hk, group, i0, npos, j0, query_shift[b], causal,
                 has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
                 bias_offset, is_f32,
             )  # fmt: skip
@@ -355,7 +355,7 @@ def _dummy(dtype, ndim):
 
 
 @njit(cache=True)
-def _t5_bias_by_distance_numba(table, first, count, bidirectional, num_buckets, max_distance):
+def _relative_bias_by_distance_numba(table, first, count, bidirectional, num_buckets, max_distance):
     """bias[h, t] = table[bucket(first + t), h] for key-minus-query distances first … first+count-1.
 
     T5's bucketing: half the buckets (per direction when bidirectional) are exact distances, the
@@ -390,15 +390,17 @@ def _t5_bias_by_distance_numba(table, first, count, bidirectional, num_buckets, 
 
 
 def attention_numba(
-    q, k, v, *, scale, causal, q_offset, mask=None, key_lengths=None, alibi_slopes=None,
-    t5_table=None, t5_num_buckets=32, t5_max_distance=128, t5_bidirectional=True,
+    q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
+    relative_bias=None,
 ):  # fmt: skip
     """Launch the flash-style kernel on NumPy arrays (float32 or float64, any strides).
 
-    ``mask``: bool (True = attend) or float (added) array broadcastable to [B, Hq, Sq, Sk] (it
-    is broadcast as a view, never materialised); ``key_lengths`` int [B] or None;
-    ``alibi_slopes`` [B, Hq] or None; ``t5_table`` [num_buckets, Hq] or None.
-    Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32 [B, Hq, Sq]).
+    Query i sits at key position i + Sk - Sq when ``bottom_right``, i otherwise. ``mask``: None,
+    or a bool (True = attend) or float (added; float32 or float64 whatever q's dtype) array
+    already broadcast to [B, Hq, Sq, Sk], typically a stride-0 view: it is read in place, never
+    copied. ``key_lengths`` int [B] or None; ``alibi_slopes`` [B, Hq] or None;
+    ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
+    bidirectional). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32 [B, Hq, Sq]).
     """
     dtype = q.dtype
     q, k, v = (np.ascontiguousarray(a, dtype=dtype) for a in (q, k, v))
@@ -419,35 +421,36 @@ def attention_numba(
         if key_lengths is None
         else np.ascontiguousarray(key_lengths, dtype=np.int64)
     )
-    full = (batch, hq, sq, sk)
+    query_shift = np.full(batch, sk - sq if bottom_right else 0, dtype=np.int64)
     mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     if mask is not None:
-        mask4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         if mask_is_bool:
-            mask_bool = np.broadcast_to(mask4, full)
-        else:  # scores are in log2 units inside the kernel
-            mask_add = np.broadcast_to((mask4 * LOG2E).astype(dtype), full)
+            mask_bool = mask
+        else:
+            mask_add = mask
     alibi = _dummy(dtype, 2)
     if alibi_slopes is not None:
         alibi = np.ascontiguousarray(alibi_slopes * LOG2E, dtype=dtype)
     bias, bias_offset = _dummy(dtype, 2), 0
-    if t5_table is not None:
-        # distances j - (i + q_offset) over the whole call; O((Sq + Sk)·H), never [Sq, Sk]
-        first = -(q_offset + sq - 1)
-        count = sk + sq - 1
-        table = np.ascontiguousarray(t5_table * LOG2E, dtype=dtype)
-        bias = _t5_bias_by_distance_numba(
-            table, first, count, t5_bidirectional, t5_num_buckets, t5_max_distance
-        )
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+        # distances j - (i + query_shift) over the whole call; O((Sq + Sk)·H), never [Sq, Sk]
+        first = -(int(query_shift.max(initial=0)) + sq - 1)
+        count = sk - int(query_shift.min(initial=0)) - first
+        bias = _relative_bias_by_distance_numba(
+            np.ascontiguousarray(table * LOG2E, dtype=dtype),
+            first, count, bidirectional, num_buckets, max_distance,
+        )  # fmt: skip
         bias_offset = -first
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
     with _single_threaded_blas():
         _attention_numba(
-        q, k, v, out, lse, dtype.type(scale * LOG2E), causal, q_offset, key_len,
+        q, k, v, out, lse, dtype.type(scale * LOG2E), causal, query_shift, key_len,
         mask is not None, mask_bool, mask_add, mask_is_bool, alibi_slopes is not None, alibi,
-        t5_table is not None, bias, bias_offset, block_m, block_n, n_splits, dtype == np.float32,
+        relative_bias is not None, bias, bias_offset, block_m, block_n, n_splits,
+        dtype == np.float32,
     )  # fmt: skip
     if n_splits == 1:
         return out[0], lse[0]

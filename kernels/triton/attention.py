@@ -7,7 +7,8 @@ One program = one block of queries of one (batch, query head), optionally one sl
 (split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32 with
 exp2 (log2(e) folded into the scale and every bias); tiles above the causal diagonal are never
 visited and only tiles crossing it are masked. GQA reads kv head h // (Hq / Hkv) in place.
-RoPE rotates q and k tiles as they are loaded; ALiBi and T5 buckets are computed per tile.
+RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
+computed per tile.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def _load_tile(base, rows, cols, stride_row, stride_col, row_ok, col_ok,
 
 
 @triton.jit
-def _t5_bucket(rel, NUM_BUCKETS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, max_exact, log_span):
+def _relative_bias_bucket(
+    rel, NUM_BUCKETS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, max_exact, log_span
+):
     """T5's bucket of key-minus-query distance ``rel`` (the log in fp32, as T5 evaluates it)."""
     if BIDIRECTIONAL:
         bucket = tl.where(rel > 0, NUM_BUCKETS // 2, 0)
@@ -124,21 +127,21 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    mask_ptr, key_len_ptr, alibi_ptr, t5_ptr, cos_ptr, sin_ptr, qpos_ptr, kpos_ptr,
-    Hq, group, Sq, Sk, D, Dv, q_offset, half, keys_per_split, q_pos_offset, k_pos_offset,
-    t5_max_exact, t5_log_span,
+    mask_ptr, key_len_ptr, alibi_ptr, bias_ptr, cos_ptr, sin_ptr, qpos_ptr, kpos_ptr,
+    Hq, group, Sq, Sk, D, Dv, query_shift, half, keys_per_split, q_positions_offset,
+    k_positions_offset, bias_max_exact, bias_log_span,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_osplit, stride_ob, stride_oh, stride_os, stride_od,
     stride_lsplit, stride_lb, stride_lh, stride_ls,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    stride_ab, stride_ah, stride_t5b, stride_t5h, stride_cos,
+    stride_ab, stride_ah, stride_biasb, stride_biash, stride_cos,
     stride_qpb, stride_qps, stride_kpb, stride_kps,
     scale_log2,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_KEY_LEN: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_T5: tl.constexpr,
-    T5_BUCKETS: tl.constexpr, T5_BIDIRECTIONAL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
     HAS_ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -157,7 +160,7 @@ def _attention_kernel(
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
     q = _load_tile(q_base, rows, dcols, stride_qs, stride_qd, row_ok, dcols < D, HAS_ROPE, HAS_QPOS,
-                   qpos_ptr + b * stride_qpb, stride_qps, q_pos_offset, cos_ptr, sin_ptr, stride_cos, half,
+                   qpos_ptr + b * stride_qpb, stride_qps, q_positions_offset, cos_ptr, sin_ptr, stride_cos, half,
                    ROPE_INTERLEAVED)  # fmt: skip
     q = q * scale_log2  # scores in log2 units
     if not DOT_FP32:
@@ -168,11 +171,11 @@ def _attention_kernel(
     if HAS_KEY_LEN:
         end = tl.minimum(end, tl.load(key_len_ptr + b))
     if CAUSAL:
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + q_offset)
+        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + query_shift)
     end = tl.maximum(end, 0)
     lo = split * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
-    qpos_keys = rows + q_offset  # each query's position on the key axis
+    qpos_keys = rows + query_shift  # each query's position on the key axis
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -183,7 +186,7 @@ def _attention_kernel(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         k = _load_tile(k_base, cols, dcols, stride_ks, stride_kd, col_ok, dcols < D, HAS_ROPE, HAS_KPOS,
-                       kpos_ptr + b * stride_kpb, stride_kps, k_pos_offset, cos_ptr, sin_ptr, stride_cos, half,
+                       kpos_ptr + b * stride_kpb, stride_kps, k_positions_offset, cos_ptr, sin_ptr, stride_cos, half,
                        ROPE_INTERLEAVED)  # fmt: skip
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -191,17 +194,19 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k.to(k_ptr.dtype.element_ty)))
         valid = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:
-            if start + BLOCK_N - 1 > pid_m * BLOCK_M + q_offset:  # only tiles crossing the diagonal
+            if (
+                start + BLOCK_N - 1 > pid_m * BLOCK_M + query_shift
+            ):  # only tiles crossing the diagonal
                 valid = valid & (cols[None, :] <= qpos_keys[:, None])
         if HAS_ALIBI:
             s -= slope * tl.abs(qpos_keys[:, None] - cols[None, :]).to(tl.float32)
-        if HAS_T5:
-            bucket = _t5_bucket((cols[None, :] - qpos_keys[:, None]).to(tl.int32), T5_BUCKETS, T5_BIDIRECTIONAL,
-                                t5_max_exact, t5_log_span)  # fmt: skip
+        if HAS_RELATIVE_BIAS:
+            bucket = _relative_bias_bucket((cols[None, :] - qpos_keys[:, None]).to(tl.int32), RELATIVE_BIAS_BUCKETS,
+                                           RELATIVE_BIAS_BIDIRECTIONAL, bias_max_exact, bias_log_span)  # fmt: skip
             s += (
-                tl.load(t5_ptr + bucket * stride_t5b + h * stride_t5h, mask=valid, other=0.0).to(
-                    tl.float32
-                )
+                tl.load(
+                    bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0
+                ).to(tl.float32)
                 * LOG2E
             )
         if HAS_MASK:
@@ -318,17 +323,21 @@ SPLIT_GRANULE = 128
 
 
 def attention_triton(
-    q, k, v, *, scale, causal, q_offset, mask=None, key_lengths=None, alibi_slopes=None,
-    t5_table=None, t5_num_buckets=32, t5_max_distance=128, t5_bidirectional=True,
-    rope_cos=None, rope_sin=None, rope_interleaved=False, q_positions=None, q_pos_offset=0,
-    k_positions=None, k_pos_offset=0, num_sms=None,
+    q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
+    relative_bias=None, rope=None, num_sms=None,
 ):  # fmt: skip
-    """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). ``mask`` is already
-    broadcast to [B, Hq, Sq, Sk] as a stride-0 view; positions are int64 [Sq]/[B, Sq] tensors
-    or None (offset + index). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
+    """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    Query i sits at key position i + Sk - Sq when ``bottom_right``, i otherwise. ``mask`` is
+    None or bool/float, already broadcast to [B, Hq, Sq, Sk] (a stride-0 view); ``relative_bias``
+    None or (table [num_buckets, Hq], num_buckets, max_distance, bidirectional); ``rope`` None or
+    (cos, sin, interleaved, q_positions, k_positions), each positions entry (int64 tensor [S] or
+    [B, S] or None, int offset): the rows of cos/sin used are tensor values, or offset + index.
+    Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
+    query_shift = sk - sq if bottom_right else 0
     # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     # split the keys when (query blocks x heads x batch) cannot fill the GPU: decoding
@@ -349,14 +358,29 @@ def attention_triton(
     def pos_strides(p):
         return (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
 
+    if rope is not None:
+        (
+            cos,
+            sin,
+            interleaved,
+            (q_positions, q_positions_offset),
+            (k_positions, k_positions_offset),
+        ) = rope
+        cos, sin = cos.contiguous(), sin.contiguous()  # the kernel assumes unit column stride
+        half = cos.shape[1]
+    else:
+        cos = sin = dummy[0, 0]
+        interleaved, half = False, 0
+        q_positions, q_positions_offset, k_positions, k_positions_offset = None, 0, None, 0
     qpos = q_positions if q_positions is not None else pos_dummy
     kpos = k_positions if k_positions is not None else pos_dummy
     alibi = alibi_slopes if alibi_slopes is not None else dummy[0, 0]
-    t5 = t5_table if t5_table is not None else dummy[0, 0]
-    buckets = t5_num_buckets // 2 if t5_bidirectional else t5_num_buckets
+    if relative_bias is not None:
+        bias, num_buckets, max_distance, bidirectional = relative_bias
+    else:
+        bias, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
+    buckets = num_buckets // 2 if bidirectional else num_buckets
     max_exact = max(buckets // 2, 1)
-    cos = rope_cos if rope_cos is not None else dummy[0, 0]
-    sin = rope_sin if rope_sin is not None else dummy[0, 0]
     key_len = (
         key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
     )
@@ -366,18 +390,18 @@ def attention_triton(
 
     if batch * hq * sq:
         _attention_kernel[grid](
-            q, k, v, part_out, part_lse, mask_t, key_len, alibi, t5, cos, sin, qpos, kpos,
-            hq, hq // hkv, sq, sk, d, dv, q_offset, 0 if rope_cos is None else rope_cos.shape[1],
-            keys_per_split, q_pos_offset, k_pos_offset,
-            max_exact, math.log(t5_max_distance / max_exact) if t5_table is not None else 1.0,
+            q, k, v, part_out, part_lse, mask_t, key_len, alibi, bias, cos, sin, qpos, kpos,
+            hq, hq // hkv, sq, sk, d, dv, query_shift, half, keys_per_split, q_positions_offset, k_positions_offset,
+            max_exact, math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
             *q.stride(), *k.stride(), *v.stride(), *part_out.stride(), *part_lse.stride(), *mask_t.stride(),
-            alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), t5.stride(0), t5.stride(1),
+            alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), bias.stride(0), bias.stride(1),
             cos.stride(0), *pos_strides(qpos), *pos_strides(kpos),
             scale * LOG2E.value,
             CAUSAL=causal, HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
             HAS_KEY_LEN=key_lengths is not None, HAS_ALIBI=alibi_slopes is not None,
-            HAS_T5=t5_table is not None, T5_BUCKETS=t5_num_buckets, T5_BIDIRECTIONAL=t5_bidirectional,
-            HAS_ROPE=rope_cos is not None, ROPE_INTERLEAVED=rope_interleaved,
+            HAS_RELATIVE_BIAS=relative_bias is not None, RELATIVE_BIAS_BUCKETS=num_buckets,
+            RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
+            HAS_ROPE=rope is not None, ROPE_INTERLEAVED=interleaved,
             HAS_QPOS=q_positions is not None, HAS_KPOS=k_positions is not None,
             DOT_FP32=dot_fp32, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
         )  # fmt: skip
