@@ -324,7 +324,9 @@ class NumbaAttention(_Numba):
         mask = None
         if inp.mask is not None:
             is_bool = _arrays.dtype_name(inp.mask) == "bool"
-            mask = _arrays.to_bool(inp.mask) if is_bool else _host(inp.mask, dtype)
+            # a float64 mask stays float64 (the kernel saturates it, never overflows it)
+            mask_dtype = np.float64 if _arrays.dtype_name(inp.mask) == "float64" else np.float32
+            mask = _arrays.to_bool(inp.mask) if is_bool else _host(inp.mask, mask_dtype)
             mask = np.broadcast_to(mask, (b, hq, sq, sk))
         out, lse = attention_numba(
             q, k, v, scale=inp.scale, causal=inp.causal, bottom_right=_bottom_right(inp), mask=mask,

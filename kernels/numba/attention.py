@@ -6,8 +6,9 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]
 One work item = (batch, kv head, block of query positions, slice of keys). The item packs the
 ``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
 read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ through BLAS
-(``np.dot`` into a preallocated tile), masks/biases on S, an online softmax in base 2 (log2(e)
-folded into the query scale) with a vectorisable exp2, then O += P·V through BLAS. Tiles above
+(``np.dot`` into a preallocated tile), masks/biases on S (natural-log units, so that finite
+masks up to float32's max stay finite), an online softmax with a vectorisable exp2 of
+(s - max)·log2 e, then O += P·V through BLAS. Tiles above
 the causal diagonal are never visited; only tiles crossing it are masked. When B·Hkv·(query
 blocks) leaves cores idle (decoding), keys are split across items and the partial results are
 merged with the log-sum-exp rule of ``merge_attention``.
@@ -24,7 +25,6 @@ from numba import njit, prange
 from threadpoolctl import ThreadpoolController
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 # 2**f for f in [0, 1): degree-6 Chebyshev fit (fitted for fastpe), max relative error 1e-7 when
 # evaluated in float32 Horner form — about 1.6 ulp, below float32 attention's own rounding.
@@ -42,24 +42,27 @@ _FLAGS = {"contract", "reassoc", "nsz", "arcp"}
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp2_shifted(s, row_max, p, r0, r1, n, totals):
-    """p[r, c] = 2 ** (s[r, c] - row_max[r]) for rows r0 … r1-1, exact 0 for -inf scores and
-    clamped at 2**127 above; totals[r] = Σ_c p[r, c] (fused: one less pass over the tile).
+def _exp_shifted(s, row_max, p, r0, r1, n, totals):
+    """p[r, c] = e ** (s[r, c] - row_max[r]) for rows r0 … r1-1, exact 0 for -inf scores,
+    clamped at 2**127 above, NaN for NaN (an overflowed score: inf - inf); totals[r] =
+    Σ_c p[r, c] (fused: one less pass over the tile).
 
-    Range reduction x = k + f (k = floor x via the vectorisable np.floor, f in [0, 1)), 2**f by
-    polynomial, 2**k by writing k into the exponent bits: one loop of plain arithmetic that LLVM
-    vectorises (Numba's math.exp is a scalar libm call without Intel SVML, which PyPI's llvmlite
-    lacks). Relative error <= 1e-7.
+    As 2**x with x = (s - row_max)·log2 e: the difference first, so that scores near ±float32
+    max (huge finite masks) never overflow on the way. Range reduction x = k + f (k = floor x
+    via the vectorisable np.floor, f in [0, 1)), 2**f by polynomial, 2**k by writing k into the
+    exponent bits: one loop of plain arithmetic that LLVM vectorises (Numba's math.exp is a
+    scalar libm call without Intel SVML, which PyPI's llvmlite lacks). Relative error <= 1e-7.
     """
     for r in range(r0, r1):
         mx = row_max[r]
         total = np.float32(0.0)
         for c in range(n):
-            x = s[r, c] - mx
-            # -127 (also -inf, a masked score) gives exponent field 0, i.e. exactly 0
-            x = x if x > -127.0 else np.float32(-127.0)
-            x = x if x < 127.0 else np.float32(127.0)
-            k = np.floor(x)
+            x = (s[r, c] - mx) * np.float32(LOG2E)
+            # -127 (also -inf, a masked score) gives exponent field 0, i.e. exactly 0; NaN
+            # passes both clamps (and k is taken from 0 so no NaN reaches the integer cast)
+            x = np.float32(-127.0) if x < -127.0 else x
+            x = np.float32(127.0) if x > 127.0 else x
+            k = np.floor(x if x == x else np.float32(0.0))
             f = x - k
             poly = np.float32(_P6)
             poly = poly * f + np.float32(_P5)
@@ -75,27 +78,33 @@ def _exp2_shifted(s, row_max, p, r0, r1, n, totals):
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp2_shifted_f64(s, row_max, p, r0, r1, n, totals):
+def _exp_shifted_f64(s, row_max, p, r0, r1, n, totals):
     """float64 inputs keep float64 throughout: libm exp (scalar, accurate)."""
     for r in range(r0, r1):
         mx = row_max[r]
         total = 0.0
         for c in range(n):
-            value = math.exp((s[r, c] - mx) * LN2)
+            value = math.exp(s[r, c] - mx)
             p[r, c] = value
             total += value
         totals[r] = total
 
 
+@njit(cache=True)
+def _nearest_key_distance(qpos, length):
+    """Distance from a query at key position qpos to the nearest of keys 0 … length-1."""
+    return max(0, qpos - (length - 1), -qpos)
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _apply_tile_masks(
-    s, b, hk, group, i0, npos, j0, n, query_shift, causal,
-    has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
+    s, b, hk, group, i0, npos, j0, n, query_shift, causal, has_mask, mask_bool, mask,
+    mask_is_bool, mask_limit, has_alibi, alibi, length, has_bias, bias, bias_offset,
 ):  # fmt: skip
     """Add biases and set -inf where a row may not attend, on one (group·npos, n) tile.
 
     Row r is query head hk·group + r // npos at position i0 + r % npos; column c is key j0 + c.
-    Query i sits at key position i + query_shift.
+    Query i sits at key position i + query_shift. Scores are in natural-log units.
     """
     m = group * npos
     if has_alibi or has_bias or has_mask:
@@ -105,9 +114,12 @@ def _apply_tile_masks(
             i = i0 + r - g * npos
             qpos = i + query_shift
             if has_alibi:
-                slope = alibi[b, h]  # already times log2(e)
+                # distances less the row's nearest visible one: that common part would only
+                # cost float32 precision here (it cancels in softmax; lse adds it back)
+                slope = alibi[b, h]
+                near = _nearest_key_distance(qpos, length)
                 for c in range(n):
-                    s[r, c] -= slope * abs(qpos - (j0 + c))
+                    s[r, c] -= slope * (abs(qpos - (j0 + c)) - near)
             if has_bias:
                 base = bias_offset - qpos + j0  # index of distance (j - qpos) in bias[h]
                 for c in range(n):
@@ -118,8 +130,13 @@ def _apply_tile_masks(
                         if not mask_bool[b, h, i, j0 + c]:
                             s[r, c] = -np.inf
                 else:
-                    for c in range(n):  # scores are in log2 units
-                        s[r, c] += mask[b, h, i, j0 + c] * LOG2E
+                    # a finite mask is a score however large: one beyond the compute dtype
+                    # (float64 masks on float32) saturates at its largest finite value
+                    for c in range(n):
+                        x = mask[b, h, i, j0 + c]
+                        x = mask_limit if x > mask_limit else x
+                        x = -mask_limit if -mask_limit > x > -np.inf else x
+                        s[r, c] += x
     # Causal: only tiles crossing the diagonal need masking (the caller never visits tiles
     # wholly above it; key lengths already bound the key range).
     if causal and j0 + n - 1 > i0 + query_shift:
@@ -160,23 +177,25 @@ def _row_max(s, r, n, lanes):
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
     qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
-    query_shift, causal, has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
-    bias_offset, is_f32,
+    query_shift, causal, has_mask, mask_bool, mask, mask_is_bool, mask_limit, has_alibi, alibi,
+    length, has_bias, bias, bias_offset, is_f32,
 ):  # fmt: skip
     """One key tile for one row tile: S = Q·Kᵀ, masks, online-softmax update, O += P·V."""
     m, n = s.shape
     np.dot(qt, kt.T, s)
     _apply_tile_masks(
-        s, b, hk, group, i0, npos, j0, n, query_shift, causal,
-        has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
+        s, b, hk, group, i0, npos, j0, n, query_shift, causal, has_mask, mask_bool, mask,
+        mask_is_bool, mask_limit, has_alibi, alibi, length, has_bias, bias, bias_offset,
     )  # fmt: skip
     # Online softmax with a lazy reference: each row's scores are exponentiated against its
     # running reference row_max, which need not be the exact max (whose reduction is the one
     # loop LLVM will not vectorise here) — only never far below it. A row's first reference is
     # the max of its first 16 scores (the exact max if those are all masked); whenever a score
-    # outruns the reference so far that the tile's sum exceeds 2**32 — read for free from the
-    # sums the exp pass computes — the row is redone against its exact max. Values up to 2**32
-    # leave float32 ample range, and the accumulator is rescaled only when the reference moves.
+    # outruns the reference so far that the tile's sum exceeds the tile's width n (a bound the
+    # exact max would keep) — read for free from the sums the exp pass computes — the row is
+    # redone against its exact max. So the running sum stays below Sk, as with an exact max,
+    # and P·V cannot overflow where the exact computation does not (|v| near float32 max / Sk
+    # aside); the accumulator is rescaled only when the reference moves.
     alpha, totals = work[0], work[1]
     lanes = work[2, :16]
     for r in range(m):
@@ -192,19 +211,19 @@ def _attend_tile(
     for r in range(m):
         shift[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
     if is_f32:
-        _exp2_shifted(s, shift, p, 0, m, n, totals)
+        _exp_shifted(s, shift, p, 0, m, n, totals)
     else:
-        _exp2_shifted_f64(s, shift, p, 0, m, n, totals)
+        _exp_shifted_f64(s, shift, p, 0, m, n, totals)
     for r in range(m):
-        if totals[r] > 4294967296.0:  # the reference fell behind: redo this row exactly
+        if totals[r] > n:  # the reference fell behind: redo this row exactly
             mx = max(row_max[r], _row_max(s, r, n, lanes))
-            alpha[r] = math.exp((row_max[r] - mx) * LN2)
+            alpha[r] = math.exp(row_max[r] - mx)
             row_max[r] = mx
             shift[r] = mx
             if is_f32:
-                _exp2_shifted(s, shift, p, r, r + 1, n, totals)
+                _exp_shifted(s, shift, p, r, r + 1, n, totals)
             else:
-                _exp2_shifted_f64(s, shift, p, r, r + 1, n, totals)
+                _exp_shifted_f64(s, shift, p, r, r + 1, n, totals)
         row_sum[r] = row_sum[r] * alpha[r] + totals[r]
     np.dot(p, vt, pv)
     for r in range(m):
@@ -219,9 +238,9 @@ def _attend_tile(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
-    q, k, v, part_out, part_lse, scale_log2, causal, query_shift, key_len,
-    has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias, bias_offset,
-    block_m, block_n, n_splits, is_f32,
+    q, k, v, part_out, part_lse, scale, causal, query_shift, key_len,
+    has_mask, mask_bool, mask, mask_is_bool, mask_limit, has_alibi, alibi, has_bias, bias,
+    bias_offset, block_m, block_n, n_splits, is_f32,
 ):  # fmt: skip
     batch, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
@@ -252,7 +271,7 @@ def _attention_numba(
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
-                    qt[g * npos + r, c] = q[b, hk * group + g, i0 + r, c] * scale_log2
+                    qt[g * npos + r, c] = q[b, hk * group + g, i0 + r, c] * scale
         acc = np.zeros((m, dv), dtype=q.dtype)
         row_max = np.full(m, -np.inf, dtype=q.dtype)
         row_sum = np.zeros(m, dtype=q.dtype)
@@ -274,19 +293,23 @@ def _attention_numba(
                 s_full if full_tile else s_tail, p_full if full_tile else p_tail,
                 pv, acc, row_max, row_sum, work,
                 b, hk, group, i0, npos, j0, query_shift[b], causal,
-                has_mask, mask_bool, mask, mask_is_bool, has_alibi, alibi, has_bias, bias,
-                bias_offset, is_f32,
+                has_mask, mask_bool, mask, mask_is_bool, mask_limit, has_alibi, alibi, key_len[b],
+                has_bias, bias, bias_offset, is_f32,
             )  # fmt: skip
         for g in range(group):
             h = hk * group + g
             for r in range(npos):
                 row = g * npos + r
                 total = row_sum[row]
-                if total > 0.0:
+                if total != 0.0:  # NaN too (an overflowed score): it must show, as in SDPA
                     inv = 1.0 / total
                     for c in range(dv):
                         part_out[split, b, h, i0 + r, c] = acc[row, c] * inv
-                    part_lse[split, b, h, i0 + r] = (row_max[row] + math.log2(total)) * LN2
+                    lse_row = row_max[row] + math.log(total)
+                    if has_alibi:  # the common ALiBi part left out of the scores
+                        near = _nearest_key_distance(i0 + r + query_shift[b], key_len[b])
+                        lse_row -= alibi[b, h] * near
+                    part_lse[split, b, h, i0 + r] = lse_row
                 else:  # no key to attend: zeros, lse = -inf
                     for c in range(dv):
                         part_out[split, b, h, i0 + r, c] = 0.0
@@ -318,7 +341,7 @@ def _merge_splits_numba(part_out, part_lse, out, lse):
             out[b, h, i, c] = 0.0
         for sp in range(n_splits):
             w = math.exp(part_lse[sp, b, h, i] - lse_row)
-            if w > 0.0:
+            if w != 0.0:  # a part that saw no key (lse -inf) adds nothing; NaN shows
                 for c in range(dv):
                     out[b, h, i, c] += w * part_out[sp, b, h, i, c]
 
@@ -395,7 +418,8 @@ def attention_numba(
 ):  # fmt: skip
     """Launch the flash-style kernel on NumPy arrays (float32 or float64, any strides).
 
-    Query i sits at key position i + Sk - Sq when ``bottom_right``, i otherwise. ``mask``: None,
+    Query i of sequence b sits at key position i + L_b - Sq when ``bottom_right`` (L_b =
+    key_lengths[b], or Sk), i otherwise. ``mask``: None,
     or a bool (True = attend) or float (added; float32 or float64 whatever q's dtype) array
     already broadcast to [B, Hq, Sq, Sk], typically a stride-0 view: it is read in place, never
     copied. ``key_lengths`` int [B] or None; ``alibi_slopes`` [B, Hq] or None;
@@ -403,9 +427,11 @@ def attention_numba(
     bidirectional). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32 [B, Hq, Sq]).
     """
     dtype = q.dtype
-    q, k, v = (np.ascontiguousarray(a, dtype=dtype) for a in (q, k, v))
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if batch * hq * sq == 0 or sk == 0:  # nothing to compute: empty, or every row sees no key
+        return np.zeros((batch, hq, sq, dv), dtype), np.full((batch, hq, sq), -np.inf, np.float32)
+    q, k, v = (np.ascontiguousarray(a, dtype=dtype) for a in (q, k, v))
     group = hq // hkv
     block_m, block_n = _block_sizes(sq, sk, group)
     n_mblocks = -(-sq // block_m)
@@ -421,7 +447,8 @@ def attention_numba(
         if key_lengths is None
         else np.ascontiguousarray(key_lengths, dtype=np.int64)
     )
-    query_shift = np.full(batch, sk - sq if bottom_right else 0, dtype=np.int64)
+    # FlashAttention's rule for a ragged KV cache: the queries are the last Sq of each sequence
+    query_shift = key_len - sq if bottom_right else np.zeros(batch, np.int64)
     mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     if mask is not None:
@@ -431,7 +458,7 @@ def attention_numba(
             mask_add = mask
     alibi = _dummy(dtype, 2)
     if alibi_slopes is not None:
-        alibi = np.ascontiguousarray(alibi_slopes * LOG2E, dtype=dtype)
+        alibi = np.ascontiguousarray(alibi_slopes, dtype=dtype)
     bias, bias_offset = _dummy(dtype, 2), 0
     if relative_bias is not None:
         table, num_buckets, max_distance, bidirectional = relative_bias
@@ -439,7 +466,7 @@ def attention_numba(
         first = -(int(query_shift.max(initial=0)) + sq - 1)
         count = sk - int(query_shift.min(initial=0)) - first
         bias = _relative_bias_by_distance_numba(
-            np.ascontiguousarray(table * LOG2E, dtype=dtype),
+            np.ascontiguousarray(table, dtype=dtype),
             first, count, bidirectional, num_buckets, max_distance,
         )  # fmt: skip
         bias_offset = -first
@@ -447,8 +474,9 @@ def attention_numba(
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
     with _single_threaded_blas():
         _attention_numba(
-        q, k, v, out, lse, dtype.type(scale * LOG2E), causal, query_shift, key_len,
-        mask is not None, mask_bool, mask_add, mask_is_bool, alibi_slopes is not None, alibi,
+        q, k, v, out, lse, dtype.type(scale), causal, query_shift, key_len,
+        mask is not None, mask_bool, mask_add, mask_is_bool, float(np.finfo(dtype).max),
+        alibi_slopes is not None, alibi,
         relative_bias is not None, bias, bias_offset, block_m, block_n, n_splits,
         dtype == np.float32,
     )  # fmt: skip
