@@ -6,10 +6,11 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]
 One work item = (batch, kv head, block of query positions, slice of keys). The item packs the
 ``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
 read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ through BLAS
-(``np.dot`` into a preallocated tile), masks/biases on S (natural-log units, so that finite
-masks up to float32's max stay finite), an online softmax with a vectorisable exp2 of
-(s - max)·log2 e, then O += P·V through BLAS. Tiles above
-the causal diagonal are never visited; only tiles crossing it are masked. When B·Hkv·(query
+(``np.dot`` into a preallocated tile), masks/biases on S, an online softmax with a
+vectorisable exp2, then O += P·V through BLAS. Scores are in log2 units (log2 e folded into the
+query scale), or in natural units when a float mask holds values too large to be multiplied by
+log2 e (transformers' finfo.min masks): every finite mask value stays a finite score. Tiles
+above the causal diagonal are never visited; only tiles crossing it are masked. When B·Hkv·(query
 blocks) leaves cores idle (decoding), keys are split across items and the partial results are
 merged with the log-sum-exp rule of ``merge_attention``.
 """
