@@ -365,18 +365,14 @@ class AttentionInputs(_Inputs):
         bottom_right = (
             check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS) == "bottom_right"
         )
-        # with bottom_right, queries are the last Sq of the Sk keys (a KV cache)
-        query_start = max(sk - sq, 0) if bottom_right else 0
-        rope = (
-            None
-            if rope is None
-            else Rope.build(rope, head_dim=d, batch=b, sq=sq, sk=sk, query_start=query_start)
-        )
+        key_lengths = None if key_lengths is None else _check_key_lengths(key_lengths, b, sk)
+        if rope is not None:
+            default = _default_query_positions(bottom_right, key_lengths, sq, sk)
+            rope = Rope.build(rope, head_dim=d, batch=b, sq=sq, sk=sk, q_positions=default)
         relative_bias = (
             None if relative_bias is None else RelativeBias.build(relative_bias, heads=hq)
         )
         mask = None if mask is None else _check_mask(mask, (b, hq, sq, sk))
-        key_lengths = None if key_lengths is None else _check_key_lengths(key_lengths, b, sk)
         alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, b, hq)
         placement = check_same_placement(
             {
@@ -406,6 +402,20 @@ class AttentionInputs(_Inputs):
             dtype=_arrays.dtype_name(q),
             placement=placement,
         )
+
+
+def _default_query_positions(bottom_right: bool, key_lengths, sq: int, sk: int):
+    """Fused RoPE's query positions when the caller gives none: the positions the alignment
+    puts the queries at (docs/math.md#fused-rope). bottom_right: the last Sq of each sequence's
+    keys, ``L_b - Sq + i`` with ``L_b = key_lengths[b]`` (or Sk); clamped at 0, for queries in
+    front of a sequence shorter than Sq (they see no key under the causal rule)."""
+    if not bottom_right:
+        return 0
+    if key_lengths is None:
+        return max(sk - sq, 0)
+    lengths = _arrays.to_int64(key_lengths)
+    positions = np.maximum(lengths[:, None] - sq + np.arange(sq)[None, :], 0)
+    return _arrays.array_like(positions, key_lengths)
 
 
 def _check_qkv(q, k, v):

@@ -128,13 +128,13 @@ class Rope(NamedTuple):
             )
 
     @classmethod
-    def build(cls, value, *, head_dim: int, batch: int, sq: int, sk: int, query_start: int):
+    def build(cls, value, *, head_dim: int, batch: int, sq: int, sk: int, q_positions):
         """From the public ``rope=dict(cos=, sin=, interleaved=False, q_positions=None,
-        k_positions=None)``; default query positions start at ``query_start``."""
+        k_positions=None)``; ``q_positions`` is the default for queries (an offset or array)."""
         cls.check_keys(value)
         cos, sin = check_rope_tables("rope['", value["cos"], value["sin"], head_dim)
         rows = cos.shape[0]
-        q_positions = value.get("q_positions", query_start)
+        q_positions = value.get("q_positions", q_positions)
         return cls(
             cos=cos,
             sin=sin,

@@ -174,29 +174,34 @@ def attention(
 ):
     """Materialised softmax attention on float64 arrays.
 
-    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]. Query i sits at key position
-    i + Sk - Sq when ``bottom_right`` (the queries are the last Sq positions), i otherwise; that
-    position drives the causal rule, ALiBi and the relative-bias distance. ``mask`` is a bool
-    array (True = attend) or a float array to add, already broadcast to [B, Hq, Sq, Sk];
-    ``alibi_slopes`` is [B, Hq]; ``relative_bias`` is None or (table [num_buckets, Hq],
-    num_buckets, max_distance, bidirectional), T5's bucketed bias.
-    Returns out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] (-inf where a row sees no key; out = 0 there).
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]. Query i of sequence b sits at key
+    position i + L_b - Sq when ``bottom_right`` (the queries are the last Sq of the L_b keys,
+    L_b = key_lengths[b], or Sk without key lengths: FlashAttention's rule for a ragged KV
+    cache), at i otherwise; that position drives the causal rule, ALiBi and the relative-bias
+    distance. ``mask`` is a bool array (True = attend) or a float array to add (any finite value
+    is a score, however large), already broadcast to [B, Hq, Sq, Sk]; ``alibi_slopes`` is
+    [B, Hq]; ``relative_bias`` is None or (table [num_buckets, Hq], num_buckets, max_distance,
+    bidirectional), T5's bucketed bias.
+    Returns out [B, Hq, Sq, Dv] and lse [B, Hq, Sq]. A row with no visible key (every key
+    -inf, False, beyond its length or after it under the causal rule; or Sk = 0) has out = 0
+    and lse = -inf: the empty sum.
     """
     batch, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    group = hq // hkv
+    group = hq // max(hkv, 1)
     k_full = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
     v_full = np.repeat(v, group, axis=1)
     scores = scale * np.einsum("bhid,bhjd->bhij", q, k_full)
 
-    query_shift = sk - sq if bottom_right else 0
-    i = np.arange(sq)[:, None] + query_shift  # query positions on the key axis
-    j = np.arange(sk)[None, :]
+    lengths = np.full(batch, sk, np.int64) if key_lengths is None else np.asarray(key_lengths)
+    query_shift = lengths - sq if bottom_right else np.zeros(batch, np.int64)
+    i = (np.arange(sq)[None, :] + query_shift[:, None])[:, None, :, None]  # [B, 1, Sq, 1]
+    j = np.arange(sk)[None, None, None, :]  # key positions, [1, 1, 1, Sk]
     allowed = np.ones((batch, hq, sq, sk), dtype=bool)
     if causal:
         allowed &= j <= i
     if key_lengths is not None:
-        is_key = j[0][None, :] < key_lengths[:, None]  # [B, Sk]
+        is_key = j[0, 0] < lengths[:, None]  # [B, Sk]
         allowed &= is_key[:, None, None, :]
         # padding is never read: a zero weight times a NaN value would still be NaN
         v_full = np.where(is_key[:, None, :, None], v_full, 0.0)
@@ -209,11 +214,11 @@ def attention(
         scores = scores - alibi_slopes[:, :, None, None] * np.abs(i - j)
     if relative_bias is not None:
         table, num_buckets, max_distance, bidirectional = relative_bias
-        bucket = t5_bucket(j - i, bidirectional, num_buckets, max_distance)  # [Sq, Sk]
-        scores = scores + np.transpose(table[bucket], (2, 0, 1))[None]
+        bucket = t5_bucket(j - i, bidirectional, num_buckets, max_distance)[:, 0]  # [B, Sq, Sk]
+        scores = scores + np.moveaxis(table[bucket], -1, 1)
     scores = np.where(allowed, scores, -np.inf)
 
-    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     seen = np.isfinite(row_max)  # rows with at least one key of finite score
     weights = np.exp(scores - np.where(seen, row_max, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
@@ -227,11 +232,15 @@ def attention(
 def merge_attention(out_a, lse_a, out_b, lse_b):
     """Combine attention over two disjoint key sets:
     lse = logaddexp(lse_a, lse_b), out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse).
-    Rows that saw no key on either side (both -inf) stay 0 with lse -inf.
+    A part with lse = -inf saw no key: it contributes nothing, whatever its out holds (0·NaN
+    must not poison the sum). Rows that saw no key on either side stay 0 with lse -inf.
     """
     lse = np.logaddexp(lse_a, lse_b)
     seen = np.isfinite(lse)
     safe = np.where(seen, lse, 0.0)
-    w_a = np.where(seen, np.exp(lse_a - safe), 0.0)[..., None]
-    w_b = np.where(seen, np.exp(lse_b - safe), 0.0)[..., None]
-    return out_a * w_a + out_b * w_b, lse
+    out = np.zeros(np.broadcast_shapes(out_a.shape, out_b.shape))
+    for part, part_lse in ((out_a, lse_a), (out_b, lse_b)):
+        w = np.where(seen, np.exp(part_lse - safe), 0.0)[..., None]
+        with np.errstate(invalid="ignore"):  # inf · 0 where w = 0, discarded
+            out = out + np.where(w > 0.0, part * w, 0.0)
+    return out, lse

@@ -215,3 +215,34 @@ def test_far_positions_refused_by_name(far):
         fastpe.apply_rope(x, cos, sin, positions=far)
     # the last supported positions still work
     fastpe.embed(ids, weight, positions=2**32 - 3)
+
+
+# --- 17. with key_lengths, bottom-right alignment (causal, fused RoPE's default query positions)
+# follows each sequence's length: row b equals the call on that sequence's keys alone
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_kv_cache_equals_each_sequence_alone(backend, rng):
+    b, hq, hkv, sq, sk, d = 3, 4, 2, 3, 9, 8
+    lengths = np.array([9, 5, 3])
+    q = rng.standard_normal((b, hq, sq, d)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, sk, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, sk, d)).astype(np.float32)
+    cos, sin = fastpe.rope_table(16, d)
+    options = {
+        "causal": True,
+        "rope": {"cos": cos, "sin": sin},
+        "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]),
+    }
+    if backend == "triton":
+        pytest.importorskip("torch")
+        got = fastpe.attention(*(torch.from_numpy(t) for t in (q, k, v)), backend=backend,
+                               key_lengths=torch.from_numpy(lengths),
+                               causal=True, alibi_slopes=torch.from_numpy(options["alibi_slopes"]),
+                               rope={"cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin)})  # fmt: skip
+    else:
+        got = fastpe.attention(q, k, v, key_lengths=lengths, backend=backend, **options)
+    for row, length in enumerate(lengths):
+        alone = fastpe.attention(q[row : row + 1], k[row : row + 1, :, :length],
+                                 v[row : row + 1, :, :length], backend="numpy", **options)  # fmt: skip
+        np.testing.assert_allclose(to_np(got)[row : row + 1], alone, atol=2e-5)

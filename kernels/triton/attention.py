@@ -4,8 +4,9 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any str
              -> out [B, Hq, Sq, Dv], lse [B, Hq, Sq] (natural log, fp32).
 
 One program = one block of queries of one (batch, query head), optionally one slice of the keys
-(split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32 with
-exp2 (log2(e) folded into the scale and every bias); tiles above the causal diagonal are never
+(split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32,
+scores in natural-log units (finite masks up to fp32's max stay finite) exponentiated as
+exp2((s - max)·log2 e); tiles above the causal diagonal are never
 visited and only tiles crossing it are masked. GQA reads kv head h // (Hq / Hkv) in place.
 RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
 computed per tile.
@@ -18,7 +19,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from fastpe.kernels.triton._common import LN2, LOG2E, interpreted, low_precision_via_fp32, next_pow2
+from fastpe.kernels.triton._common import LOG2E, interpreted, low_precision_via_fp32, next_pow2
+
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -138,9 +141,9 @@ def _attention_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_ab, stride_ah, stride_biasb, stride_biash, stride_cos,
     stride_qpb, stride_qps, stride_kpb, stride_kps,
-    scale_log2,
+    scale,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_KEY_LEN: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
     RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
     HAS_ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -162,26 +165,36 @@ def _attention_kernel(
     q = _load_tile(q_base, rows, dcols, stride_qs, stride_qd, row_ok, dcols < D, HAS_ROPE, HAS_QPOS,
                    qpos_ptr + b * stride_qpb, stride_qps, q_positions_offset, cos_ptr, sin_ptr, stride_cos, half,
                    ROPE_INTERLEAVED)  # fmt: skip
-    q = q * scale_log2  # scores in log2 units
+    q = q * scale
     if not DOT_FP32:
         q = q.to(k_ptr.dtype.element_ty)
 
     # the keys this block may see, then this program's slice of them
     end = Sk
+    shift = query_shift
     if HAS_KEY_LEN:
-        end = tl.minimum(end, tl.load(key_len_ptr + b))
+        length = tl.load(key_len_ptr + b)
+        end = tl.minimum(end, length)
+        if BOTTOM_RIGHT:  # FlashAttention's rule for a ragged KV cache: the last Sq of L_b
+            shift = length - Sq
     if CAUSAL:
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + query_shift)
+        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift)
     end = tl.maximum(end, 0)
+    end_keys = Sk
+    if HAS_KEY_LEN:
+        end_keys = length
     lo = split * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
-    qpos_keys = rows + query_shift  # each query's position on the key axis
+    qpos_keys = rows + shift  # each query's position on the key axis
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     if HAS_ALIBI:
-        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah).to(tl.float32) * LOG2E
+        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah).to(tl.float32)
+        # distances less the row's nearest key: that common part would only cost fp32
+        # precision in the scores (it cancels in softmax; lse adds it back)
+        near = tl.maximum(tl.maximum(qpos_keys - (end_keys - 1), -qpos_keys), 0)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
@@ -194,21 +207,16 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k.to(k_ptr.dtype.element_ty)))
         valid = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:
-            if (
-                start + BLOCK_N - 1 > pid_m * BLOCK_M + query_shift
-            ):  # only tiles crossing the diagonal
+            if start + BLOCK_N - 1 > pid_m * BLOCK_M + shift:  # only tiles crossing the diagonal
                 valid = valid & (cols[None, :] <= qpos_keys[:, None])
         if HAS_ALIBI:
-            s -= slope * tl.abs(qpos_keys[:, None] - cols[None, :]).to(tl.float32)
+            s -= slope * (tl.abs(qpos_keys[:, None] - cols[None, :]) - near[:, None]).to(tl.float32)
         if HAS_RELATIVE_BIAS:
             bucket = _relative_bias_bucket((cols[None, :] - qpos_keys[:, None]).to(tl.int32), RELATIVE_BIAS_BUCKETS,
                                            RELATIVE_BIAS_BIDIRECTIONAL, bias_max_exact, bias_log_span)  # fmt: skip
-            s += (
-                tl.load(
-                    bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0
-                ).to(tl.float32)
-                * LOG2E
-            )
+            s += tl.load(
+                bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0
+            ).to(tl.float32)
         if HAS_MASK:
             m_ptrs = (
                 mask_ptr
@@ -220,12 +228,19 @@ def _attention_kernel(
             if MASK_IS_BOOL:
                 valid = valid & (tl.load(m_ptrs, mask=valid, other=0) != 0)
             else:
-                s += tl.load(m_ptrs, mask=valid, other=0.0).to(tl.float32) * LOG2E
+                # a finite mask is a score however large: beyond fp32 (a float64 mask) it
+                # saturates at fp32's largest finite value rather than becoming ±inf
+                m_add = tl.load(m_ptrs, mask=valid, other=0.0)
+                m32 = m_add.to(tl.float32)
+                m32 = tl.where(m_add > FP32_MAX, FP32_MAX, m32)
+                m32 = tl.where((m_add < -FP32_MAX) & (m_add > float("-inf")), -FP32_MAX, m32)
+                s += m32
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        # the difference first: scores near ±fp32 max must not overflow once scaled
+        alpha = tl.exp2((m_i - m_safe) * LOG2E)
+        p = tl.exp2((s - m_safe[:, None]) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols[:, None] * stride_vs + vcols[None, :] * stride_vd,
                     mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
@@ -235,9 +250,11 @@ def _attention_kernel(
             pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # NaN too (an overflowed score): it must show, as in SDPA
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if HAS_ALIBI:
+        lse -= slope * near.to(tl.float32)
     o_ptrs = (
         out_ptr
         + split * stride_osplit
@@ -282,8 +299,9 @@ def _merge_kernel(
         total += w
         x = tl.load(part_out_ptr + part * stride_po_part + r[:, None] * stride_po_row + c[None, :],
                     mask=r_ok[:, None] & (c[None, :] < Dv), other=0.0).to(tl.float32)  # fmt: skip
-        acc += w[:, None] * x
-    seen = total > 0.0
+        # a part that saw no key (lse -inf, w = 0) adds nothing, whatever its out holds
+        acc += tl.where(w[:, None] == 0.0, 0.0, w[:, None] * x)
+    seen = total != 0.0
     out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
     lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     tl.store(out_ptr + r[:, None] * stride_o_row + c[None, :], out.to(out_ptr.dtype.element_ty),
@@ -328,7 +346,8 @@ def attention_triton(
 ):  # fmt: skip
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    Query i sits at key position i + Sk - Sq when ``bottom_right``, i otherwise. ``mask`` is
+    Query i of sequence b sits at key position i + L_b - Sq when ``bottom_right`` (L_b =
+    key_lengths[b], or Sk), i otherwise. ``mask`` is
     None or bool/float, already broadcast to [B, Hq, Sq, Sk] (a stride-0 view); ``relative_bias``
     None or (table [num_buckets, Hq], num_buckets, max_distance, bidirectional); ``rope`` None or
     (cos, sin, interleaved, q_positions, k_positions), each positions entry (int64 tensor [S] or
@@ -396,9 +415,9 @@ def attention_triton(
             *q.stride(), *k.stride(), *v.stride(), *part_out.stride(), *part_lse.stride(), *mask_t.stride(),
             alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), bias.stride(0), bias.stride(1),
             cos.stride(0), *pos_strides(qpos), *pos_strides(kpos),
-            scale * LOG2E.value,
+            scale,
             CAUSAL=causal, HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-            HAS_KEY_LEN=key_lengths is not None, HAS_ALIBI=alibi_slopes is not None,
+            HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi_slopes is not None,
             HAS_RELATIVE_BIAS=relative_bias is not None, RELATIVE_BIAS_BUCKETS=num_buckets,
             RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
             HAS_ROPE=rope is not None, ROPE_INTERLEAVED=interleaved,
