@@ -203,22 +203,25 @@ def attention(
     q, k, v, *, causal=False, causal_alignment="bottom_right", mask=None, key_lengths=None,
     scale=None, rope=None, alibi_slopes=None, relative_bias=None, return_lse=False, backend=None,
 ):  # fmt: skip
-    """Masked scaled dot-product attention, flash-style, in q's dtype (float32 accumulation).
+    """Masked scaled dot-product attention, flash-style, in q's dtype (docs/math.md#attention).
+
+    Half and single precision accumulate in float32, float64 in float64.
 
     ``q`` [B, Hq, Sq, D], ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv]; query head h reads kv
     head h // (Hq / Hkv) (GQA/MQA). ``scale`` defaults to 1/sqrt(D).
 
-    Query i sits at key position ``i + Sk - Sq`` (``causal_alignment="bottom_right"``, the
-    FlashAttention >= 2.1 rule for a KV cache) or ``i`` (``"top_left"``, torch SDPA's rule); the
-    same alignment is used by ``causal`` (keys j <= that position), by ALiBi and by the T5
-    distance. With Sq == Sk both are identical.
+    Query i of sequence b sits at key position ``i + L_b - Sq`` with ``L_b = key_lengths[b]``
+    (or Sk) for ``causal_alignment="bottom_right"`` (FlashAttention's rule for a ragged KV
+    cache), or at ``i`` for ``"top_left"`` (torch SDPA's rule); the same position is used by
+    ``causal`` (keys j <= that position), ALiBi, the T5 distance and fused RoPE's default query
+    positions. With Sq == L_b both are identical.
 
-    - ``mask``: bool (True = may attend, as torch SDPA) or float (added to scores, -inf blocks),
-      broadcastable to [B, Hq, Sq, Sk].
+    - ``mask``: bool (True = may attend, as torch SDPA) or float (added to scores, -inf blocks;
+      any finite value is a score), broadcastable to [B, Hq, Sq, Sk].
     - ``key_lengths`` int [B]: keys j >= key_lengths[b] are padding.
     - ``rope``: dict(cos=, sin=, interleaved=False, q_positions=None, k_positions=None) rotates q
       and k (see ``apply_rope``) inside the kernel; default positions are 0 … Sk-1 for keys and
-      the aligned positions above for queries.
+      the aligned positions above (clamped at 0) for queries.
     - ``alibi_slopes`` [Hq] or [B, Hq]: adds ``-slope · |query position - j|`` (FlashAttention).
     - ``relative_bias``: dict(table=[num_buckets, Hq], num_buckets=32, max_distance=128,
       bidirectional=True) adds ``table[bucket(j - query position), h]`` with T5's bucketing.
