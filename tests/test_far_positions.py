@@ -7,14 +7,13 @@ rounding of p·ω that these tests are about.
 
 from __future__ import annotations
 
+import mpmath  # noqa: E402  (a test dependency: the exact reference)
 import numpy as np
 import pytest
 from _testkit import torch
 
 import fastpe
 from fastpe import reference
-
-mpmath = pytest.importorskip("mpmath")
 
 D = 16
 OMEGA = reference.sinusoidal_frequencies(D, 10000.0, "paper")
