@@ -7,7 +7,7 @@ rounding of p·ω that these tests are about.
 
 from __future__ import annotations
 
-import mpmath  # noqa: E402  (a test dependency: the exact reference)
+import mpmath  # a test dependency: the exact reference
 import numpy as np
 import pytest
 from _testkit import torch
