@@ -157,20 +157,23 @@ class _Group:
         self.dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def agree(self, check):
-        """Run ``check()`` here and learn whether it failed anywhere; raise on every rank if so."""
+    def agree(self, check) -> list:
+        """Run ``check()`` here and gather every rank's result in one round; if it failed on any
+        rank, raise on every rank (the failing one re-raises its own error)."""
         try:
             result, error = check(), None
-        except (ValueError, TypeError, IndexError) as exc:
+        except Exception as exc:  # any failure here must reach the other ranks, or they hang
             result, error = None, exc
-        reports = self.gather_objects(None if error is None else (type(error).__name__, str(error)))
+        reports = self.gather_objects(
+            (result, None if error is None else (type(error).__name__, str(error)))
+        )
         if error is not None:
             raise error
-        for rank, report in enumerate(reports):
+        for rank, (_, report) in enumerate(reports):
             if report is not None:
                 kind = {"TypeError": TypeError, "IndexError": IndexError}.get(report[0], ValueError)
                 raise kind(f"rank {rank} of the process group rejected its inputs: {report[1]}")
-        return result
+        return [r for r, _ in reports]
 
 
 def _requires_grad(*tensors) -> bool:
@@ -207,7 +210,12 @@ def _without_backward(name, compute, inputs):
 
 
 class _Plan:
-    """What every rank agreed on: lengths and positions of every shard, and the options."""
+    """What every rank agreed on: lengths and positions of every shard, and the options.
+
+    One ``all_gather_object`` round: each rank validates its own arguments and sends a summary
+    (or its error); every later check reads only the gathered summaries, so all ranks reach the
+    same verdict without further communication.
+    """
 
     def __init__(self, g, q, k, v, *, causal, causal_alignment, key_lengths, scale, rope,
                  alibi_slopes, mask, relative_bias, layout, name):  # fmt: skip
@@ -246,7 +254,7 @@ class _Plan:
                     )
             inputs = AttentionInputs.build(
                 q, k, v, causal=causal, causal_alignment=causal_alignment, mask=None,
-                key_lengths=None, scale=scale, rope=None, alibi_slopes=alibi_slopes,
+                key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
                 relative_bias=None, return_lse=True,
             )  # fmt: skip
             if q.shape[2] != k.shape[2]:
@@ -257,11 +265,10 @@ class _Plan:
             if q.shape[2] == 0:
                 raise ValueError(f"{name}: every rank must hold at least one token; got 0")
             kl = None
-            if key_lengths is not None:
-                kl = torch.as_tensor(key_lengths)
-                kl = kl.tolist() if kl.ndim == 1 else kl
+            if key_lengths is not None:  # the range against the global length is checked below
+                kl = _check_key_lengths(key_lengths, q.shape[0], 2**62).tolist()
             slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).tolist()
-            table = None if rope is None else tuple(torch.as_tensor(rope["cos"]).shape)
+            table = None if rope is None else tuple(inputs.rope.cos.shape)
             return {
                 "shape": (
                     tuple(q.shape[:2]) + tuple(q.shape[3:]),
@@ -274,41 +281,43 @@ class _Plan:
                 "options": (bool(causal), layout, inputs.scale, table, kl, slopes),
             }
 
-        meta = g.agree(local)
-        reports = g.gather_objects(meta)
-
-        def consistent():
-            for key in ("shape", "dtype", "device", "options"):
-                values = [r[key] for r in reports]
-                for rank, value in enumerate(values):
-                    if value != values[0]:
-                        what = {
-                            "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
-                            "options": "options (causal, layout, scale, rope table shape, "
-                            "key_lengths, alibi_slopes)",
-                        }.get(key, key)
-                        raise ValueError(
-                            f"{name}: every rank must pass the same {what} except the sequence "
-                            f"length; rank 0 has {values[0]}, rank {rank} has {value}"
-                        )
-            seqs = [r["seq"] for r in reports]
-            if layout == "zigzag":
-                if len(set(seqs)) != 1 or seqs[0] % 2:
+        reports = g.agree(local)
+        for key in ("shape", "dtype", "device", "options"):
+            for rank, report in enumerate(reports):
+                if report[key] != reports[0][key]:
+                    what = {
+                        "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
+                        "options": "options (causal, layout, scale, rope table shape, "
+                        "key_lengths, alibi_slopes)",
+                    }.get(key, key)
                     raise ValueError(
-                        f"{name} with layout='zigzag' needs one even shard length on every rank "
-                        f"(a sequence divisible by 2 x world_size = {2 * g.size}); got shard "
-                        f"lengths {seqs}"
+                        f"{name}: every rank must pass the same {what} except the sequence "
+                        f"length; rank 0 has {reports[0][key]}, rank {rank} has {report[key]}"
                     )
-            return seqs
-
-        self.seqs = g.agree(consistent)
-        self.total = sum(self.seqs)
+        self.seqs = [r["seq"] for r in reports]
+        if layout == "zigzag" and (len(set(self.seqs)) != 1 or self.seqs[0] % 2):
+            raise ValueError(
+                f"{name} with layout='zigzag' needs one even shard length on every rank (a "
+                f"sequence divisible by 2 x world_size = {2 * g.size}); got shard lengths "
+                f"{self.seqs}"
+            )
+        self.total = total = sum(self.seqs)
+        _, _, self.scale, table, kl, _ = reports[0]["options"]
+        if kl is not None and max(kl) > total:
+            raise IndexError(
+                f"key_lengths contains {max(kl)}, more than the global sequence length {total} "
+                f"(the sum of the ranks' shards {self.seqs})"
+            )
+        if table is not None and table[0] < total:
+            raise IndexError(
+                f"rope['cos'] has {table[0]} rows, but the global positions of the sharded "
+                f"sequence go up to {total - 1}: the table must cover the whole sequence"
+            )
         self.layout = layout
         self.causal = bool(causal)
-        self.device = q.device
         if layout == "zigzag":
             self.positions = [
-                shard_positions(self.total, r, g.size, layout="zigzag", device=q.device)
+                shard_positions(total, r, g.size, layout="zigzag", device=q.device)
                 for r in range(g.size)
             ]
         else:
@@ -317,27 +326,7 @@ class _Plan:
                 torch.arange(s, s + n, device=q.device)
                 for s, n in zip(starts, self.seqs, strict=True)
             ]
-        self.scale = reports[0]["options"][2]
-
-        def global_checks():
-            kl = (
-                None
-                if key_lengths is None
-                else _check_key_lengths(
-                    torch.as_tensor(key_lengths, device=q.device), q.shape[0], self.total
-                )
-            )
-            if rope is not None:  # the table must cover the global positions
-                pos = self.positions[g.rank]
-                AttentionInputs.build(
-                    q, k, v, causal=False, causal_alignment="bottom_right", mask=None,
-                    key_lengths=None, scale=scale, rope={**rope, "q_positions": pos,
-                    "k_positions": pos}, alibi_slopes=None, relative_bias=None, return_lse=True,
-                )  # fmt: skip
-            return kl
-
-        kl = g.agree(global_checks)
-        self.key_lengths = None if kl is None else kl.to(torch.int64)
+        self.key_lengths = None if kl is None else torch.tensor(kl, device=q.device)
         self.rope = rope
         self.alibi = (
             None
@@ -388,9 +377,8 @@ def _merge_into(acc_out, acc_lse, out, lse):
     lse = lse.to(torch.float32)
     new = torch.logaddexp(acc_lse, lse)
     empty = torch.isneginf(new)
-    safe = torch.where(empty, 0.0, new)
-    w_acc = torch.where(empty, 0.0, torch.exp(acc_lse - safe))
-    w_part = torch.where(empty, 0.0, torch.exp(lse - safe))
+    w_acc = torch.where(empty, 0.0, torch.exp(acc_lse - new))
+    w_part = torch.where(empty, 0.0, torch.exp(lse - new))
     acc_out.mul_(w_acc[..., None]).add_(out.to(torch.float32) * w_part[..., None])
     acc_lse.copy_(new)
 
@@ -623,20 +611,15 @@ def sharded_kv_decode_attention(
             "scale": inputs.scale,
         }
 
-    meta = g.agree(local)
-    reports = g.gather_objects(meta)
-
-    def consistent():
-        for key, what in (("q", "q shape"), ("kv", "cache shape (B, Hkv, D, Dv)"),
-                          ("dtype", "dtype"), ("scale", "scale")):  # fmt: skip
-            for rank, r in enumerate(reports):
-                if r[key] != reports[0][key]:
-                    raise ValueError(
-                        f"sharded_kv_decode_attention: every rank must pass the same {what}; "
-                        f"rank 0 has {reports[0][key]}, rank {rank} has {r[key]}"
-                    )
-
-    g.agree(consistent)
+    reports = g.agree(local)
+    for key, what in (("q", "q shape"), ("kv", "cache shape (B, Hkv, D, Dv)"),
+                      ("dtype", "dtype"), ("scale", "scale")):  # fmt: skip
+        for rank, r in enumerate(reports):
+            if r[key] != reports[0][key]:
+                raise ValueError(
+                    f"sharded_kv_decode_attention: every rank must pass the same {what}; "
+                    f"rank 0 has {reports[0][key]}, rank {rank} has {r[key]}"
+                )
 
     def compute():
         import fastpe

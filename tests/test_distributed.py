@@ -37,7 +37,7 @@ GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 
 def _case(name, **spec):
     base = dict(fn="ring", b=2, hq=4, hkv=4, s=24, d=8, dv=8, causal=False, layout="contiguous",
-                seqs=None, key_lengths=None, rope=False, alibi=False, error=None)  # fmt: skip
+                seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None)  # fmt: skip
     base.update(spec)
     base["name"] = name
     return base
@@ -58,7 +58,7 @@ def _full_inputs(case):
             v[i, :, n:] = math.nan
     if case["rope"]:
         inv = 1.0 / 100.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        angles = torch.arange(s + 3, dtype=torch.float64)[:, None] * inv[None]
+        angles = torch.arange(case["rope_rows"] or s + 3, dtype=torch.float64)[:, None] * inv[None]
         opts["rope"] = {"cos": angles.cos().float(), "sin": angles.sin().float()}
     if case["alibi"]:
         opts["alibi_slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(hq)])
@@ -81,6 +81,8 @@ def _run_case(case, rank, world):
     q, k, v, opts = _full_inputs(case)
     if case["fn"] == "decode":
         q = q[:, :, -1:]  # the same query on every rank, the cache sharded unevenly
+        if case["error"] == "decode_q_differs" and rank == 1:
+            q = torch.cat([q, q], dim=2)
         lengths = opts.get("key_lengths")
         start = sum(case["seqs"][:rank])
         ks, vs = k.split(case["seqs"], dim=2)[rank], v.split(case["seqs"], dim=2)[rank]
@@ -261,6 +263,9 @@ CASES_2 = [
     _case("zigzag_uneven", layout="zigzag", seqs=[10, 14], error="zigzag_uneven"),
     _case("zigzag_odd", layout="zigzag", seqs=[11, 11], s=22, error="zigzag_odd"),
     _case("grad", error="grad"),
+    _case("key_lengths_too_long", key_lengths=[25, 3], error="key_lengths_too_long"),
+    _case("rope_table_too_short", rope=True, rope_rows=20, error="rope_table_too_short"),
+    _case("decode_q_differs", fn="decode", seqs=[12, 12], error="decode_q_differs"),
     _case("after_errors_still_works", causal=True, layout="zigzag", hkv=2),
 ]
 
@@ -330,6 +335,21 @@ def test_zigzag_needs_equal_even_shards(group2):
         for outcome in _errors(group2, _by_name(CASES_2, name)):
             assert outcome[:2] == ("error", "ValueError"), outcome
             assert "zigzag" in outcome[2] and "2 x world_size = 4" in outcome[2], outcome
+
+
+def test_global_ranges_are_checked_against_the_whole_sequence(group2):
+    for outcome in _errors(group2, _by_name(CASES_2, "key_lengths_too_long")):
+        assert outcome[:2] == ("error", "IndexError"), outcome
+        assert "key_lengths contains 25" in outcome[2] and "global sequence length 24" in outcome[2]
+    for outcome in _errors(group2, _by_name(CASES_2, "rope_table_too_short")):
+        assert outcome[:2] == ("error", "IndexError"), outcome
+        assert "20 rows" in outcome[2] and "go up to 23" in outcome[2], outcome
+
+
+def test_decode_queries_must_match_across_ranks(group2):
+    for outcome in _errors(group2, _by_name(CASES_2, "decode_q_differs")):
+        assert outcome[:2] == ("error", "ValueError") and "same q shape" in outcome[2], outcome
+        assert "(2, 4, 1, 8)" in outcome[2] and "(2, 4, 2, 8)" in outcome[2], outcome
 
 
 def test_backward_raises_the_no_backward_error(group2):
