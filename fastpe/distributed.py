@@ -454,8 +454,6 @@ def ring_attention(
     [B, Hq, S_r, S_s] mask per block), GQA. ``mask`` and ``relative_bias`` are refused.
     Every rank must pass the same options and shapes except S_r; a mismatch raises on all ranks.
     """
-    import torch
-
     g = _Group(group)
     plan = _Plan(
         g, q, k, v, causal=causal, causal_alignment=causal_alignment, key_lengths=key_lengths,
@@ -463,28 +461,40 @@ def ring_attention(
         relative_bias=relative_bias, layout=layout, name="ring_attention",
     )  # fmt: skip
 
-    def compute():
-        b, hq, n = q.shape[:3]
-        acc_out = torch.zeros((b, hq, n, v.shape[3]), dtype=torch.float32, device=q.device)
-        acc_lse = torch.full((b, hq, n), -math.inf, dtype=torch.float32, device=q.device)
-        kv = (k.contiguous(), v.contiguous())
-        for step in range(g.size):
-            source = (g.rank - step) % g.size
-            pending = None
-            if step < g.size - 1:  # start the next transfer before computing on this shard
-                coming = (source - 1) % g.size
-                shapes = [(*t.shape[:2], plan.seqs[coming], t.shape[3]) for t in kv]
-                pending = _start_exchange(g, kv, shapes)
-            _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
-            if pending is not None:
-                buffers, requests = pending
-                for request in requests:
-                    request.wait()
-                kv = tuple(buffers)
-        return acc_out.to(q.dtype), acc_lse
-
-    out, lse = _without_backward("ring_attention", compute, (q, k, v))
+    out, lse = _without_backward(
+        "ring_attention", lambda: _ring_loop(g, plan, q, k, v, backend), (q, k, v)
+    )
     return (out, lse) if return_lse else out
+
+
+def _ring_loop(g, plan, q, k, v, backend, *, overlap=True):
+    """N steps: at step t this rank computes with the K/V shard of rank (rank - t) mod N while
+    (``overlap=True``) the next shard is already on its way. ``overlap=False`` waits for each
+    transfer before computing (for measuring what the overlap saves)."""
+    import torch
+
+    b, hq, n = q.shape[:3]
+    acc_out = torch.zeros((b, hq, n, v.shape[3]), dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((b, hq, n), -math.inf, dtype=torch.float32, device=q.device)
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(g.size):
+        source = (g.rank - step) % g.size
+        pending = None
+        if step < g.size - 1:  # every shard still has to reach the ranks further along
+            coming = (source - 1) % g.size
+            shapes = [(*t.shape[:2], plan.seqs[coming], t.shape[3]) for t in kv]
+            pending = _start_exchange(g, kv, shapes)
+        if overlap:
+            _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
+        if pending is not None:
+            buffers, requests = pending
+            for request in requests:
+                request.wait()
+        if not overlap:
+            _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
+        if pending is not None:
+            kv = tuple(buffers)
+    return acc_out.to(q.dtype), acc_lse
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 import zlib
 from datetime import timedelta
@@ -370,6 +372,15 @@ def test_missing_process_group_is_a_clear_error():
             fn(q, q, q)
     with pytest.raises(RuntimeError, match="init_process_group"):
         fd.sharded_kv_decode_attention(q, q, q)
+
+
+def test_importing_the_module_does_not_import_torch():
+    code = (
+        "import sys, fastpe; d = fastpe.distributed; import fastpe.distributed as e; "
+        "assert d is e and d.LAYOUTS == ('contiguous', 'zigzag'); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
