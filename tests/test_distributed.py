@@ -39,7 +39,7 @@ GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 
 def _case(name, **spec):
     base = dict(fn="ring", b=2, hq=4, hkv=4, s=24, d=8, dv=8, causal=False, layout="contiguous",
-                seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None)  # fmt: skip
+                seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None, subgroups=False)  # fmt: skip
     base.update(spec)
     base["name"] = name
     return base
@@ -91,6 +91,11 @@ def _run_case(case, rank, world):
         cache_lengths = None if lengths is None else (lengths - start).clamp(0, case["seqs"][rank])
         return fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths,
                                               return_lse=True)  # fmt: skip
+    group = None
+    if case["subgroups"]:  # two groups {0, 2} and {1, 3}: group ranks differ from global ranks
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
+        group, rank, world = groups[rank % 2], rank // 2, 2
+        opts["group"] = group
     qs, ks, vs = (_split(x, case, rank, world) for x in (q, k, v))
     error = case["error"]
     if error == "heads_differ" and rank == 1:
@@ -202,9 +207,11 @@ def _check(results, cases, world):
             for _, out, lse in outcomes:
                 _assert_close(case, out, lse, ref_out, ref_lse)
             continue
-        out = _unsplit([o[1] for o in outcomes], case)
-        lse = _unsplit([o[2][..., None] for o in outcomes], case)[..., 0]
-        _assert_close(case, out, lse, ref_out, ref_lse)
+        members = [[0, 2], [1, 3]] if case["subgroups"] else [list(range(world))]
+        for ranks in members:
+            out = _unsplit([outcomes[r][1] for r in ranks], case)
+            lse = _unsplit([outcomes[r][2][..., None] for r in ranks], case)[..., 0]
+            _assert_close(case, out, lse, ref_out, ref_lse)
 
 
 def _assert_close(case, out, lse, ref_out, ref_lse):
@@ -245,6 +252,7 @@ CASES_2 = [
     ),  # fmt: skip
     _case("causal_padding_rope", causal=True, key_lengths=[10, 24], rope=True, seqs=[9, 15]),
     _case("alibi_noncausal", alibi=True, seqs=[13, 11]),
+    _case("zigzag_noncausal", layout="zigzag", alibi=True, rope=True, key_lengths=[20, 9]),
     _case(
         "all_gather_zigzag",
         fn="all_gather",
@@ -286,6 +294,7 @@ CASES_4 = [
     ),  # fmt: skip
     _case("noncausal4", s=23, rope=True, key_lengths=[23, 12]),
     _case("all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1),
+    _case("subgroups4", causal=True, layout="zigzag", subgroups=True, hkv=2),
     _case("decode4", fn="decode", seqs=[5, 9, 1, 6], s=21, key_lengths=[21, 7]),
     _case("heads_differ4", error="heads_differ"),
 ]
