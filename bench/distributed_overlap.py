@@ -30,8 +30,11 @@ def _median_times(fns: dict, repeats: int) -> dict:
     """Median wall time of each callable; the callables take turns in every round, so a busy
     spell on this shared machine falls on all of them rather than on one."""
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_ in range(repeats):
+        # a different one goes first in each round (the first after a pause runs slower here)
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            fn = fns[name]
             dist.barrier()
             start = time.perf_counter()
             fn()
@@ -47,7 +50,7 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
