@@ -106,6 +106,12 @@ def _run_case(case, rank, world):
         opts["causal"] = not opts["causal"]
     if error == "numpy_on_one_rank" and rank == 1:
         qs = qs.numpy()
+    if error == "mask_refused":
+        opts["mask"] = torch.ones(qs.shape[2], ks.shape[2], dtype=torch.bool)
+    if error == "relative_bias_refused":
+        opts["relative_bias"] = {"table": torch.zeros(32, case["hq"])}
+    if error == "rope_positions_refused":
+        opts["rope"]["k_positions"] = 0
     if error == "grad":
         qs.requires_grad_(True)
         out = fd.ring_attention(qs, ks, vs, layout=case["layout"], **opts)
@@ -289,6 +295,9 @@ CASES_2 = [
     _case("zigzag_uneven", layout="zigzag", seqs=[10, 14], error="zigzag_uneven"),
     _case("zigzag_odd", layout="zigzag", seqs=[11, 11], s=22, error="zigzag_odd"),
     _case("grad", error="grad"),
+    _case("mask_refused", error="mask_refused"),
+    _case("relative_bias_refused", error="relative_bias_refused"),
+    _case("rope_positions_refused", rope=True, error="rope_positions_refused"),
     _case("key_lengths_too_long", key_lengths=[25, 3], error="key_lengths_too_long"),
     _case("rope_table_too_short", rope=True, rope_rows=20, error="rope_table_too_short"),
     _case("decode_q_differs", fn="decode", seqs=[12, 12], error="decode_q_differs"),
@@ -377,6 +386,17 @@ def test_decode_queries_must_match_across_ranks(group2):
     for outcome in _errors(group2, _by_name(CASES_2, "decode_q_differs")):
         assert outcome[:2] == ("error", "ValueError") and "same q shape" in outcome[2], outcome
         assert "(2, 4, 1, 8)" in outcome[2] and "(2, 4, 2, 8)" in outcome[2], outcome
+
+
+def test_options_without_a_global_meaning_are_refused(group2):
+    expected = {
+        "mask_refused": "does not take mask",
+        "relative_bias_refused": "does not support relative_bias (T5)",
+        "rope_positions_refused": "rope['k_positions'] cannot be given to ring_attention",
+    }
+    for name, message in expected.items():
+        for outcome in _errors(group2, _by_name(CASES_2, name)):
+            assert outcome[:2] == ("error", "ValueError") and message in outcome[2], outcome
 
 
 def test_backward_raises_the_no_backward_error(group2):
