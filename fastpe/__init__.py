@@ -1,7 +1,8 @@
 """fastpe: fused kernels for positional encodings and attention.
 
 ``import fastpe`` imports NumPy only: numba, triton and torch are imported by the backends on
-first use, and no device is queried until a call needs one.
+first use, and no device is queried until a call needs one. ``fastpe.distributed`` (attention
+over a sequence sharded across torch.distributed ranks) is a submodule loaded on first access.
 """
 
 from fastpe import backends  # the registry; calling it, fastpe.backends(), reports status
@@ -19,6 +20,16 @@ from fastpe.dispatch import BackendNotSupportedError, use_backend
 from fastpe.rope_scaling import rope_inv_freq
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # fastpe.distributed on first access, so that `import fastpe` stays light
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("fastpe.distributed")
+    raise AttributeError(f"module 'fastpe' has no attribute {name!r}")
+
 
 __all__ = [
     "BackendNotSupportedError",

@@ -1,0 +1,654 @@
+"""Context-parallel attention over ``torch.distributed``: a sequence sharded over the ranks of a
+process group (gloo on CPU, NCCL on GPU), attended exactly as if it were on one device.
+
+- ``ring_attention``: every rank keeps its query shard; key/value shards travel around the ring
+  with point-to-point ops, the next transfer overlapping the current block's compute, and the
+  partial results merge in float32 with ``merge_attention``'s log-sum-exp rule.
+- ``all_gather_attention``: all-gather K/V, then attend locally (small K/V: few kv heads).
+- ``sharded_kv_decode_attention``: decoding against a KV cache sharded over the ranks.
+- ``shard_sequence`` / ``unshard_sequence`` / ``shard_positions``: the two layouts, contiguous
+  (rank r holds the r-th chunk) and zigzag (rank r holds chunks r and 2N-1-r of 2N, which
+  balances causal work).
+
+Cost model, layouts and a ``torchrun`` example: docs/distributed.md. Importing this module does
+not import torch; calling any function does. No backward: fastpe's kernels are inference kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fastpe._validate import check_choice
+
+LAYOUTS = ("contiguous", "zigzag")
+
+__all__ = [
+    "LAYOUTS",
+    "all_gather_attention",
+    "ring_attention",
+    "shard_positions",
+    "shard_sequence",
+    "sharded_kv_decode_attention",
+    "unshard_sequence",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+
+
+def _check_world(rank, world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size = {world_size}); got {rank!r}")
+
+
+def _zigzag_chunk(seq_len: int, world_size: int, what: str) -> int:
+    if seq_len % (2 * world_size):
+        raise ValueError(
+            f"layout='zigzag' cuts the sequence into 2 x world_size = {2 * world_size} equal "
+            f"chunks; {what} {seq_len} is not divisible by {2 * world_size} (pad the sequence, or "
+            "use layout='contiguous', which allows uneven shards)"
+        )
+    return seq_len // (2 * world_size)
+
+
+def shard_positions(seq_len, rank, world_size, *, layout="contiguous", device=None):
+    """Global positions (int64 tensor ``[S_local]``, increasing) of the tokens that ``rank`` holds
+    when a sequence of ``seq_len`` is sharded by ``shard_sequence``.
+
+    ``"contiguous"``: rank r holds ``torch.tensor_split``'s r-th chunk (the first ``seq_len % N``
+    ranks hold one token more). ``"zigzag"``: the sequence is cut into 2N equal chunks and rank r
+    holds chunks r and 2N-1-r; ``seq_len`` must be divisible by 2N.
+    """
+    import torch
+
+    _check_world(rank, world_size)
+    layout = check_choice("layout", layout, LAYOUTS)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+    if layout == "zigzag":
+        c = _zigzag_chunk(seq_len, world_size, "seq_len")
+        late = 2 * world_size - 1 - rank
+        return torch.cat(
+            [torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)]
+        ).to(device)
+    base, extra = divmod(seq_len, world_size)
+    start = rank * base + min(rank, extra)
+    return torch.arange(start, start + base + (rank < extra), device=device)
+
+
+def shard_sequence(x, rank, world_size, *, layout="contiguous", dim=2):
+    """The shard of ``x`` (a tensor, sequence along ``dim``; 2 for ``[B, H, S, D]``) that ``rank``
+    holds in ``layout``: the tokens at ``shard_positions(x.shape[dim], rank, world_size)``."""
+    _check_world(rank, world_size)
+    layout = check_choice("layout", layout, LAYOUTS)
+    seq_len = x.shape[dim]
+    if layout == "contiguous":
+        return x.tensor_split(world_size, dim=dim)[rank]
+    c = _zigzag_chunk(seq_len, world_size, f"x.shape[{dim}] =")
+    import torch
+
+    late = 2 * world_size - 1 - rank
+    return torch.cat(
+        [x.narrow(dim, rank * c, c), x.narrow(dim, late * c, c)],
+        dim=dim,
+    )
+
+
+def unshard_sequence(shards, *, layout="contiguous", dim=2):
+    """Inverse of ``shard_sequence``: the full sequence from the list of every rank's shard (in
+    rank order). Contiguous shards may be uneven; zigzag shards must have equal, even lengths."""
+    import torch
+
+    layout = check_choice("layout", layout, LAYOUTS)
+    shards = list(shards)
+    if not shards:
+        raise ValueError("shards must be a non-empty list of tensors, one per rank")
+    if layout == "contiguous":
+        return torch.cat(shards, dim=dim)
+    lengths = {s.shape[dim] for s in shards}
+    if len(lengths) != 1 or next(iter(lengths)) % 2:
+        raise ValueError(
+            f"zigzag shards must all have one even length along dim {dim}; got "
+            f"{[s.shape[dim] for s in shards]}"
+        )
+    c = next(iter(lengths)) // 2
+    early = [s.narrow(dim, 0, c) for s in shards]
+    late = [s.narrow(dim, c, c) for s in reversed(shards)]
+    return torch.cat(early + late, dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement across ranks: every check whose failure could leave other ranks waiting in a
+# collective is decided from gathered data, so all ranks raise together instead of hanging.
+
+
+class _Group:
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise RuntimeError("fastpe.distributed needs torch.distributed, which this torch lacks")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "fastpe.distributed needs an initialised process group: call "
+                "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets "
+                "the environment for it)"
+            )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"group must be None (the default group) or a torch.distributed.ProcessGroup; got "
+                f"{type(group).__name__}"
+            )
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def global_rank(self, rank: int) -> int:
+        if self.group is None:
+            return rank
+        return self.dist.get_global_rank(self.group, rank)
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def agree(self, check) -> list:
+        """Run ``check()`` here and gather every rank's result in one round; if it failed on any
+        rank, raise on every rank (the failing one re-raises its own error)."""
+        try:
+            result, error = check(), None
+        except Exception as exc:  # any failure here must reach the other ranks, or they hang
+            result, error = None, exc
+        reports = self.gather_objects(
+            (result, None if error is None else (type(error).__name__, str(error)))
+        )
+        if error is not None:
+            raise error
+        for rank, (_, report) in enumerate(reports):
+            if report is not None:
+                kind = {"TypeError": TypeError, "IndexError": IndexError}.get(report[0], ValueError)
+                raise kind(f"rank {rank} of the process group rejected its inputs: {report[1]}")
+        return [r for r, _ in reports]
+
+
+def _requires_grad(*tensors) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def _without_backward(name, compute, inputs):
+    """Run ``compute()`` without recording; if autograd would record an input, the outputs get a
+    backward that raises fastpe's no-backward error (forward still runs, as for every op)."""
+    import torch
+
+    with torch.no_grad():
+        outputs = compute()
+    if not _requires_grad(*inputs):
+        return outputs
+    from fastpe.torch_ops import _no_backward
+
+    class _NoBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            return tuple(o.clone() for o in outputs)
+
+        backward = staticmethod(_no_backward(f"distributed.{name}"))
+
+    return _NoBackward.apply(*[t for t in inputs if isinstance(t, torch.Tensor)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared by ring_attention and all_gather_attention
+
+
+class _Plan:
+    """What every rank agreed on: lengths and positions of every shard, and the options.
+
+    One ``all_gather_object`` round: each rank validates its own arguments and sends a summary
+    (or its error); every later check reads only the gathered summaries, so all ranks reach the
+    same verdict without further communication.
+    """
+
+    def __init__(self, g, q, k, v, *, causal, causal_alignment, key_lengths, scale, rope,
+                 alibi_slopes, mask, relative_bias, layout, name):  # fmt: skip
+        import torch
+
+        from fastpe._inputs import AttentionInputs, _check_key_lengths
+
+        self.g = g
+
+        def local():
+            if mask is not None:
+                raise ValueError(
+                    f"{name} does not take mask: an arbitrary [Sq, Sk] mask does not shard with "
+                    "the sequence. Use causal=True and key_lengths (global lengths), which it "
+                    "supports across shards"
+                )
+            if relative_bias is not None:
+                raise ValueError(
+                    f"{name} does not support relative_bias (T5): use fastpe.attention on one "
+                    "device; supported across shards are GQA, causal, key_lengths, rope and "
+                    "alibi_slopes"
+                )
+            for arg, t in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} takes torch tensors; got {arg}: {type(t).__name__}")
+            check_choice("layout", layout, LAYOUTS)
+            if rope is not None:
+                from fastpe._options import Rope
+
+                Rope.check_keys(rope)
+                given = sorted({"q_positions", "k_positions"} & set(rope))
+                if given:
+                    raise ValueError(
+                        f"rope[{given[0]!r}] cannot be given to {name}: each shard's global "
+                        "positions come from the layout (see shard_positions)"
+                    )
+            inputs = AttentionInputs.build(
+                q, k, v, causal=causal, causal_alignment=causal_alignment, mask=None,
+                key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
+                relative_bias=None, return_lse=True,
+            )  # fmt: skip
+            if q.shape[2] != k.shape[2]:
+                raise ValueError(
+                    f"{name} shards one sequence: q and k/v must hold the same tokens on each "
+                    f"rank; got q with {q.shape[2]} and k/v with {k.shape[2]} positions"
+                )
+            if q.shape[2] == 0:
+                raise ValueError(f"{name}: every rank must hold at least one token; got 0")
+            kl = None
+            if key_lengths is not None:  # the range against the global length is checked below
+                kl = _check_key_lengths(key_lengths, q.shape[0], 2**62).tolist()
+            slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).tolist()
+            table = None if rope is None else tuple(inputs.rope.cos.shape)
+            return {
+                "shape": (
+                    tuple(q.shape[:2]) + tuple(q.shape[3:]),
+                    tuple(k.shape[:2]) + tuple(k.shape[3:]),
+                    tuple(v.shape[3:]),
+                ),  # fmt: skip
+                "seq": q.shape[2],
+                "dtype": str(q.dtype),
+                "device": q.device.type,
+                "options": (bool(causal), layout, inputs.scale, table, kl, slopes),
+            }
+
+        reports = g.agree(local)
+        for key in ("shape", "dtype", "device", "options"):
+            for rank, report in enumerate(reports):
+                if report[key] != reports[0][key]:
+                    what = {
+                        "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
+                        "options": "options (causal, layout, scale, rope table shape, "
+                        "key_lengths, alibi_slopes)",
+                    }.get(key, key)
+                    raise ValueError(
+                        f"{name}: every rank must pass the same {what} except the sequence "
+                        f"length; rank 0 has {reports[0][key]}, rank {rank} has {report[key]}"
+                    )
+        self.seqs = [r["seq"] for r in reports]
+        if layout == "zigzag" and (len(set(self.seqs)) != 1 or self.seqs[0] % 2):
+            raise ValueError(
+                f"{name} with layout='zigzag' needs one even shard length on every rank (a "
+                f"sequence divisible by 2 x world_size = {2 * g.size}); got shard lengths "
+                f"{self.seqs}"
+            )
+        self.total = total = sum(self.seqs)
+        _, _, self.scale, table, kl, _ = reports[0]["options"]
+        if kl is not None and max(kl) > total:
+            raise IndexError(
+                f"key_lengths contains {max(kl)}, more than the global sequence length {total} "
+                f"(the sum of the ranks' shards {self.seqs})"
+            )
+        if table is not None and table[0] < total:
+            raise IndexError(
+                f"rope['cos'] has {table[0]} rows, but the global positions of the sharded "
+                f"sequence go up to {total - 1}: the table must cover the whole sequence"
+            )
+        self.layout = layout
+        self.causal = bool(causal)
+        if layout == "zigzag":
+            self.positions = [
+                shard_positions(total, r, g.size, layout="zigzag", device=q.device)
+                for r in range(g.size)
+            ]
+        else:
+            starts = [sum(self.seqs[:r]) for r in range(g.size)]
+            self.positions = [
+                torch.arange(s, s + n, device=q.device)
+                for s, n in zip(starts, self.seqs, strict=True)
+            ]
+        self.key_lengths = None if kl is None else torch.tensor(kl, device=q.device)
+        self.rope = rope
+        self.alibi = (
+            None
+            if alibi_slopes is None
+            else torch.as_tensor(alibi_slopes, device=q.device, dtype=torch.float32)
+        )
+
+
+def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
+    """One block: queries at global positions ``qpos`` against keys at ``kpos`` (both
+    increasing). Returns (out, lse), or None when no key of the block is allowed.
+
+    ``causal`` uses the local bottom-right rule, which the callers only ask for where it equals
+    the global rule (kpos[j] <= qpos[i] iff j <= i + Sk - Sq).
+    """
+    import torch
+
+    import fastpe
+
+    key_lengths = None
+    if plan.key_lengths is not None:
+        # keys are at increasing positions, so those before the global length form a prefix
+        key_lengths = (kpos[None, :] < plan.key_lengths[:, None]).sum(1)
+        if int(key_lengths.max()) == 0:
+            return None
+    rope = None
+    if plan.rope is not None:
+        rope = {**plan.rope, "q_positions": qpos, "k_positions": kpos}
+    mask = None
+    if plan.alibi is not None:
+        # ALiBi needs the global distance |qpos - kpos|, which a block's local indices do not
+        # carry: an additive mask [B or 1, Hq, Sq_block, Sk_block] holds it
+        distance = (qpos[:, None] - kpos[None, :]).abs().to(torch.float32)
+        slopes = plan.alibi if plan.alibi.ndim == 2 else plan.alibi[None]
+        mask = -slopes[:, :, None, None] * distance
+    return fastpe.attention(
+        q, k, v, causal=causal, key_lengths=key_lengths, scale=plan.scale, rope=rope, mask=mask,
+        return_lse=True, backend=backend,
+    )  # fmt: skip
+
+
+def _merge_into(acc_out, acc_lse, out, lse):
+    """merge_attention's rule in place, in float32: lse = logaddexp(lse_acc, lse_part) and
+    out = out_acc·exp(lse_acc - lse) + out_part·exp(lse_part - lse); rows empty on both sides
+    (lse = -inf) keep out = 0 instead of 0·exp(nan)."""
+    import torch
+
+    lse = lse.to(torch.float32)
+    new = torch.logaddexp(acc_lse, lse)
+    empty = torch.isneginf(new)
+    w_acc = torch.where(empty, 0.0, torch.exp(acc_lse - new))
+    w_part = torch.where(empty, 0.0, torch.exp(lse - new))
+    acc_out.mul_(w_acc[..., None]).add_(out.to(torch.float32) * w_part[..., None])
+    acc_lse.copy_(new)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention
+
+
+def _ring_blocks(plan, rank, source):
+    """The blocks rank ``rank`` computes with the K/V shard of ``source``: a list of
+    (query slice, key slice, causal). Causal blocks entirely in the future are left out."""
+    n = plan.seqs[rank]
+    if not plan.causal:
+        return [(slice(0, n), slice(0, plan.seqs[source]), False)]
+    if source == rank:  # the same positions on both sides: the local causal rule is exact
+        return [(slice(0, n), slice(0, n), True)]
+    if plan.layout == "contiguous":
+        return [(slice(0, n), slice(0, plan.seqs[source]), False)] if source < rank else []
+    c = n // 2
+    # zigzag: rank r holds chunks (r, 2N-1-r). An earlier source's first chunk precedes both of
+    # ours and its second follows both; a later source's chunks both lie between ours.
+    if source < rank:
+        return [(slice(0, n), slice(0, c), False)]
+    return [(slice(c, n), slice(0, n), False)]
+
+
+def _ring_compute(plan, q, k, v, acc_out, acc_lse, source, backend):
+    qpos, kpos = plan.positions[plan.g.rank], plan.positions[source]
+    for rows, keys, causal in _ring_blocks(plan, plan.g.rank, source):
+        part = _attend(
+            plan, q[:, :, rows], k[:, :, keys], v[:, :, keys], qpos[rows], kpos[keys],
+            causal=causal, backend=backend,
+        )  # fmt: skip
+        if part is not None:
+            _merge_into(acc_out[:, :, rows], acc_lse[:, :, rows], *part)
+
+
+def _start_exchange(g, tensors, recv_shapes):
+    """Send ``tensors`` to the next rank and receive the previous rank's into new buffers;
+    returns (buffers, requests) without waiting."""
+    import torch
+
+    dist = g.dist
+    nxt, prev = g.global_rank((g.rank + 1) % g.size), g.global_rank((g.rank - 1) % g.size)
+    buffers = [
+        torch.empty(s, dtype=t.dtype, device=t.device)
+        for t, s in zip(tensors, recv_shapes, strict=True)
+    ]
+    ops = [dist.P2POp(dist.isend, t, nxt, g.group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, prev, g.group) for b in buffers]
+    return buffers, dist.batch_isend_irecv(ops)
+
+
+def ring_attention(
+    q, k, v, *, group=None, causal=False, causal_alignment="bottom_right", key_lengths=None,
+    scale=None, rope=None, alibi_slopes=None, mask=None, relative_bias=None, return_lse=False,
+    layout="contiguous", backend=None,
+):  # fmt: skip
+    """Exact attention over a sequence sharded across the ranks of ``group``; each rank passes
+    its shard and gets the shard of the full result (docs/distributed.md).
+
+    ``q`` [B, Hq, S_r, D], ``k`` [B, Hkv, S_r, D], ``v`` [B, Hkv, S_r, Dv]: rank r's tokens of one
+    sequence (self-attention: q and k/v hold the same positions). ``layout="contiguous"``: rank r
+    holds the r-th chunk, chunks may be uneven (S_r >= 1 each); ``"zigzag"``: chunks r and
+    2N-1-r of 2N equal chunks (``shard_sequence``), which evens out causal work. Returns
+    ``out`` [B, Hq, S_r, Dv] in q's dtype (and ``lse`` [B, Hq, S_r] float32 with
+    ``return_lse=True``) equal to ``fastpe.attention`` on the unsharded tensors, sharded alike.
+
+    Options, all with their global meaning: ``causal`` (globally Sq == Sk, so both
+    ``causal_alignment`` values agree), ``key_lengths`` [B] (global lengths), ``scale``,
+    ``rope=dict(cos=, sin=, interleaved=)`` (the table must cover the global positions, which
+    come from the layout), ``alibi_slopes`` [Hq] or [B, Hq] (applied through an additive
+    [B, Hq, S_r, S_s] mask per block), GQA. ``mask`` and ``relative_bias`` are refused.
+    Every rank must pass the same options and shapes except S_r; a mismatch raises on all ranks.
+    """
+    g = _Group(group)
+    plan = _Plan(
+        g, q, k, v, causal=causal, causal_alignment=causal_alignment, key_lengths=key_lengths,
+        scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
+        relative_bias=relative_bias, layout=layout, name="ring_attention",
+    )  # fmt: skip
+
+    out, lse = _without_backward(
+        "ring_attention", lambda: _ring_loop(g, plan, q, k, v, backend), (q, k, v)
+    )
+    return (out, lse) if return_lse else out
+
+
+def _ring_loop(g, plan, q, k, v, backend, *, overlap=True):
+    """N steps: at step t this rank computes with the K/V shard of rank (rank - t) mod N while
+    (``overlap=True``) the next shard is already on its way. ``overlap=False`` waits for each
+    transfer before computing (for measuring what the overlap saves)."""
+    import torch
+
+    b, hq, n = q.shape[:3]
+    acc_out = torch.zeros((b, hq, n, v.shape[3]), dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((b, hq, n), -math.inf, dtype=torch.float32, device=q.device)
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(g.size):
+        source = (g.rank - step) % g.size
+        pending = None
+        if step < g.size - 1:  # every shard still has to reach the ranks further along
+            coming = (source - 1) % g.size
+            shapes = [(*t.shape[:2], plan.seqs[coming], t.shape[3]) for t in kv]
+            pending = _start_exchange(g, kv, shapes)
+        if overlap:
+            _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
+        if pending is not None:
+            buffers, requests = pending
+            for request in requests:
+                request.wait()
+        if not overlap:
+            _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
+        if pending is not None:
+            kv = tuple(buffers)
+    return acc_out.to(q.dtype), acc_lse
+
+
+# ---------------------------------------------------------------------------------------------
+# All-gather attention
+
+
+def _all_gather_seq(g, plan, x):
+    """Every rank's shard of ``x`` (sequence on dim 2; uneven shards are padded for the
+    collective and cut back), in rank order."""
+    import torch
+
+    longest = max(plan.seqs)
+    x = x.contiguous()
+    if x.shape[2] < longest:
+        pad = x.new_zeros((*x.shape[:2], longest - x.shape[2], x.shape[3]))
+        x = torch.cat([x, pad], dim=2)
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    g.dist.all_gather(parts, x, group=g.group)
+    return [p[:, :, :n] for p, n in zip(parts, plan.seqs, strict=True)]
+
+
+def all_gather_attention(
+    q, k, v, *, group=None, causal=False, causal_alignment="bottom_right", key_lengths=None,
+    scale=None, rope=None, alibi_slopes=None, mask=None, relative_bias=None, return_lse=False,
+    layout="contiguous", backend=None,
+):  # fmt: skip
+    """``ring_attention``'s contract (same arguments, same result) computed by all-gathering K
+    and V first and attending locally: one collective instead of N-1 ring steps, at the memory
+    cost of the whole K/V on every rank. For small K/V (few kv heads, short sequences)."""
+    import torch
+
+    g = _Group(group)
+    plan = _Plan(
+        g, q, k, v, causal=causal, causal_alignment=causal_alignment, key_lengths=key_lengths,
+        scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
+        relative_bias=relative_bias, layout=layout, name="all_gather_attention",
+    )  # fmt: skip
+
+    def compute():
+        ks, vs = _all_gather_seq(g, plan, k), _all_gather_seq(g, plan, v)
+        key_all = unshard_sequence(ks, layout=plan.layout)  # global order
+        value_all = unshard_sequence(vs, layout=plan.layout)
+        everything = torch.arange(plan.total, device=q.device)
+        qpos = plan.positions[g.rank]
+        n = q.shape[2]
+        if not plan.causal:
+            pieces = [slice(0, n)]
+        elif plan.layout == "contiguous":
+            pieces = [slice(0, n)]
+        else:
+            pieces = [slice(0, n // 2), slice(n // 2, n)]
+        outs, lses = [], []
+        for rows in pieces:
+            # causal: the keys up to the piece's last position, bottom-right aligned, put query
+            # i of the piece at its global position (its positions are consecutive)
+            end = int(qpos[rows][-1]) + 1 if plan.causal else plan.total
+            part = _attend(
+                plan, q[:, :, rows], key_all[:, :, :end], value_all[:, :, :end], qpos[rows],
+                everything[:end], causal=plan.causal, backend=backend,
+            )  # fmt: skip
+            if part is None:  # every key is padding
+                b, hq, m = q[:, :, rows].shape[:3]
+                part = (q.new_zeros((b, hq, m, v.shape[3])),
+                        torch.full((b, hq, m), -math.inf, device=q.device))  # fmt: skip
+            outs.append(part[0])
+            lses.append(part[1].to(torch.float32))
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    out, lse = _without_backward("all_gather_attention", compute, (q, k, v))
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding against a sharded KV cache
+
+
+def sharded_kv_decode_attention(
+    q, k_cache_shard, v_cache_shard, *, group=None, cache_lengths=None, scale=None,
+    return_lse=False, backend=None,
+):  # fmt: skip
+    """Queries that see a whole KV cache sharded over the ranks (decoding): each rank attends to
+    its shard, and the partial results are combined with the lse rule over one ``all_gather``.
+
+    ``q`` [B, Hq, Sq, D], the same on every rank (usually Sq = 1); ``k_cache_shard``
+    [B, Hkv, S_r, D] and ``v_cache_shard`` [B, Hkv, S_r, Dv], this rank's part of the cache
+    (lengths may differ between ranks); ``cache_lengths`` [B] (optional): how many of this
+    rank's S_r slots hold keys, per sequence (the rest is padding, never read). Every query
+    attends to every valid key of every shard, with no causal rule and no position bias: keys
+    are cached already rotated (RoPE). Returns ``out`` [B, Hq, Sq, Dv] in q's dtype on every rank
+    (and ``lse`` float32 [B, Hq, Sq]); equal to ``fastpe.attention`` on the concatenated valid
+    cache.
+    """
+    import torch
+
+    from fastpe._inputs import AttentionInputs
+
+    g = _Group(group)
+
+    def local():
+        for arg, t in (
+            ("q", q),
+            ("k_cache_shard", k_cache_shard),
+            ("v_cache_shard", v_cache_shard),
+        ):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"sharded_kv_decode_attention takes torch tensors; got {arg}: "
+                    f"{type(t).__name__}"
+                )
+        inputs = AttentionInputs.build(
+            q, k_cache_shard, v_cache_shard, causal=False, causal_alignment="bottom_right",
+            mask=None, key_lengths=cache_lengths, scale=scale, rope=None, alibi_slopes=None,
+            relative_bias=None, return_lse=True,
+        )  # fmt: skip
+        return {
+            "q": tuple(q.shape),
+            "kv": (
+                k_cache_shard.shape[0],
+                k_cache_shard.shape[1],
+                k_cache_shard.shape[3],
+                v_cache_shard.shape[3],
+            ),  # fmt: skip
+            "dtype": str(q.dtype),
+            "scale": inputs.scale,
+        }
+
+    reports = g.agree(local)
+    for key, what in (("q", "q shape"), ("kv", "cache shape (B, Hkv, D, Dv)"),
+                      ("dtype", "dtype"), ("scale", "scale")):  # fmt: skip
+        for rank, r in enumerate(reports):
+            if r[key] != reports[0][key]:
+                raise ValueError(
+                    f"sharded_kv_decode_attention: every rank must pass the same {what}; "
+                    f"rank 0 has {reports[0][key]}, rank {rank} has {r[key]}"
+                )
+
+    def compute():
+        import fastpe
+
+        out, lse = fastpe.attention(
+            q, k_cache_shard, v_cache_shard, key_lengths=cache_lengths, scale=scale,
+            return_lse=True, backend=backend,
+        )  # fmt: skip
+        # one collective carries both: [out | lse] in float32
+        packed = torch.cat([out.to(torch.float32), lse.to(torch.float32)[..., None]], dim=-1)
+        parts = [torch.empty_like(packed) for _ in range(g.size)]
+        g.dist.all_gather(parts, packed.contiguous(), group=g.group)
+        acc_out = torch.zeros_like(packed[..., :-1])
+        acc_lse = torch.full_like(packed[..., -1], -math.inf)
+        for part in parts:
+            _merge_into(acc_out, acc_lse, part[..., :-1], part[..., -1])
+        return acc_out.to(q.dtype), acc_lse
+
+    out, lse = _without_backward(
+        "sharded_kv_decode_attention", compute, (q, k_cache_shard, v_cache_shard)
+    )
+    return (out, lse) if return_lse else out
