@@ -217,7 +217,7 @@ class _Plan:
     same verdict without further communication.
     """
 
-    def __init__(self, g, q, k, v, *, causal, causal_alignment, key_lengths, scale, rope,
+    def __init__(self, g, q, k, v, *, causal, key_lengths, scale, rope,
                  alibi_slopes, mask, relative_bias, layout, name):  # fmt: skip
         import torch
 
@@ -253,7 +253,7 @@ class _Plan:
                         "positions come from the layout (see shard_positions)"
                     )
             inputs = AttentionInputs.build(
-                q, k, v, causal=causal, causal_alignment=causal_alignment, mask=None,
+                q, k, v, causal=causal, causal_alignment="top_left", mask=None,
                 key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
                 relative_bias=None, return_lse=True,
             )  # fmt: skip
@@ -339,8 +339,8 @@ def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
     """One block: queries at global positions ``qpos`` against keys at ``kpos`` (both
     increasing). Returns (out, lse), or None when no key of the block is allowed.
 
-    ``causal`` uses the local bottom-right rule, which the callers only ask for where it equals
-    the global rule (kpos[j] <= qpos[i] iff j <= i + Sk - Sq).
+    ``causal`` is the global rule kpos[j] <= qpos[i]: the kernel's own causal rule (top-left)
+    for a block of the same tokens as its queries, a boolean mask otherwise.
     """
     import torch
 
@@ -362,9 +362,13 @@ def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
         distance = (qpos[:, None] - kpos[None, :]).abs().to(torch.float32)
         slopes = plan.alibi if plan.alibi.ndim == 2 else plan.alibi[None]
         mask = -slopes[:, :, None, None] * distance
+    if causal and not (qpos.shape == kpos.shape and torch.equal(qpos, kpos)):
+        allowed = kpos[None, :] <= qpos[:, None]
+        mask = allowed[None, None] if mask is None else mask.masked_fill(~allowed, -math.inf)
+        causal = False
     return fastpe.attention(
-        q, k, v, causal=causal, key_lengths=key_lengths, scale=plan.scale, rope=rope, mask=mask,
-        return_lse=True, backend=backend,
+        q, k, v, causal=causal, causal_alignment="top_left", key_lengths=key_lengths,
+        scale=plan.scale, rope=rope, mask=mask, return_lse=True, backend=backend,
     )  # fmt: skip
 
 
@@ -433,7 +437,7 @@ def _start_exchange(g, tensors, recv_shapes):
 
 
 def ring_attention(
-    q, k, v, *, group=None, causal=False, causal_alignment="bottom_right", key_lengths=None,
+    q, k, v, *, group=None, causal=False, key_lengths=None,
     scale=None, rope=None, alibi_slopes=None, mask=None, relative_bias=None, return_lse=False,
     layout="contiguous", backend=None,
 ):  # fmt: skip
@@ -447,8 +451,10 @@ def ring_attention(
     ``out`` [B, Hq, S_r, Dv] in q's dtype (and ``lse`` [B, Hq, S_r] float32 with
     ``return_lse=True``) equal to ``fastpe.attention`` on the unsharded tensors, sharded alike.
 
-    Options, all with their global meaning: ``causal`` (globally Sq == Sk, so both
-    ``causal_alignment`` values agree), ``key_lengths`` [B] (global lengths), ``scale``,
+    Options, all with their global meaning: ``causal`` (each query at its global position, as
+    ``fastpe.attention(..., causal_alignment="top_left")`` on the whole sequence; with right
+    padding by ``key_lengths`` that is the prefill rule), ``key_lengths`` [B] (global lengths),
+    ``scale``,
     ``rope=dict(cos=, sin=, interleaved=)`` (the table must cover the global positions, which
     come from the layout), ``alibi_slopes`` [Hq] or [B, Hq] (applied through an additive
     [B, Hq, S_r, S_s] mask per block), GQA. ``mask`` and ``relative_bias`` are refused.
@@ -456,7 +462,7 @@ def ring_attention(
     """
     g = _Group(group)
     plan = _Plan(
-        g, q, k, v, causal=causal, causal_alignment=causal_alignment, key_lengths=key_lengths,
+        g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
         relative_bias=relative_bias, layout=layout, name="ring_attention",
     )  # fmt: skip
@@ -517,7 +523,7 @@ def _all_gather_seq(g, plan, x):
 
 
 def all_gather_attention(
-    q, k, v, *, group=None, causal=False, causal_alignment="bottom_right", key_lengths=None,
+    q, k, v, *, group=None, causal=False, key_lengths=None,
     scale=None, rope=None, alibi_slopes=None, mask=None, relative_bias=None, return_lse=False,
     layout="contiguous", backend=None,
 ):  # fmt: skip
@@ -528,7 +534,7 @@ def all_gather_attention(
 
     g = _Group(group)
     plan = _Plan(
-        g, q, k, v, causal=causal, causal_alignment=causal_alignment, key_lengths=key_lengths,
+        g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
         relative_bias=relative_bias, layout=layout, name="all_gather_attention",
     )  # fmt: skip
@@ -548,8 +554,7 @@ def all_gather_attention(
             pieces = [slice(0, n // 2), slice(n // 2, n)]
         outs, lses = [], []
         for rows in pieces:
-            # causal: the keys up to the piece's last position, bottom-right aligned, put query
-            # i of the piece at its global position (its positions are consecutive)
+            # causal: only the keys up to the piece's last position can be visible
             end = int(qpos[rows][-1]) + 1 if plan.causal else plan.total
             part = _attend(
                 plan, q[:, :, rows], key_all[:, :, :end], value_all[:, :, :end], qpos[rows],
