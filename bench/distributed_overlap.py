@@ -67,7 +67,7 @@ def main():
     for layout in fd.LAYOUTS:
         qs, ks, vs = (fd.shard_sequence(x, rank, world, layout=layout) for x in (q, k, v))
         plan = fd._Plan(
-            fd._Group(None), qs, ks, vs, causal=args.causal, causal_alignment="bottom_right",
+            fd._Group(None), qs, ks, vs, causal=args.causal,
             key_lengths=None, scale=None, rope=None, alibi_slopes=None, mask=None,
             relative_bias=None, layout=layout, name="bench",
         )  # fmt: skip
