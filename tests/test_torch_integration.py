@@ -38,7 +38,8 @@ def test_opcheck_every_tensor_op(qkv):
     ops = torch.ops.fastpe
     cases = [
         (ops.attention.default, (q, k, v, True, "bottom_right", mask, torch.tensor([11, 7]), None, cos, sin, True,
-                                 None, None, None, 0, torch.ones(4), None, 32, 128, True, "")),
+                                 None, None, None, 0, torch.ones(4), None, 32, 128, True, 3, 0, 5.0,
+                                 torch.linspace(-1, 1, 4), "")),
         (ops.apply_rope.default, (q, cos, sin, torch.arange(9), 0, False, "bhsd", "")),
         (ops.embed.default, (ids, weight, None, 3, "sinusoidal", None, 4.0, 10000.0, "concat", "paper", None, None, "")),
         (ops.merge_attention.default, (q, lse, q, lse, "")),

@@ -113,6 +113,7 @@ class Embed(_Numba):
 
 class Attention(_Numba):
     op = "attention"
+    unsupported_features = frozenset({"window", "softcap", "sinks"})
 
     def run(self, inp):
         from fastpe.kernels.numba.apply_rope import apply_rope_numba

@@ -123,6 +123,7 @@ class Embed(_Triton):
 
 class Attention(_Triton):
     op = "attention"
+    unsupported_features = frozenset({"window", "softcap", "sinks"})
     max_head_dim = 256  # a 128 x 256 q tile and 64 x 256 k/v tiles still fit in shared memory
 
     def extra_reasons(self, inp):
