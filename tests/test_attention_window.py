@@ -301,3 +301,25 @@ def test_custom_op_passes_the_new_options(rng):
         fastpe.attention(q.clone().requires_grad_(), k, v, window=(2, -3), **O)
     with pytest.raises(ValueError, match="softcap must be > 0"):
         fastpe.attention(q.clone().requires_grad_(), k, v, softcap=0.0, **O)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("how", ["no_keys", "all_padding", "window_past_the_keys"])
+def test_rows_with_only_the_sink(backend, fw, how, rng):
+    """A row that sees no key but the sink: out = 0 and lse = the sink."""
+    if backend == "triton" and fw == "numpy":
+        pytest.skip("triton takes torch tensors")
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 50, (0 if how == "no_keys" else 40), 8
+    q, k, v = (to_fw(a, fw) for a in _qkv(rng, b, hq, hkv, sq, sk, d))
+    sinks = np.array([-3.0, 0.0, 0.25, 7.5], np.float32)
+    kw = dict(sinks=to_fw(sinks, fw), return_lse=True, backend=backend)
+    empty = slice(None)
+    if how == "all_padding":
+        kw["key_lengths"] = to_fw(np.zeros(b, np.int64), fw)
+    elif how == "window_past_the_keys":  # top-left: queries 40 … 49 sit past the last key
+        kw.update(window=(0, 0), causal_alignment="top_left")
+        empty = slice(sk, None)
+    out, lse = fastpe.attention(q, k, v, **kw)
+    np.testing.assert_array_equal(to_np(out)[:, :, empty], 0.0)
+    want = np.broadcast_to(sinks[None, :, None], (b, hq, sq))[:, :, empty]
+    np.testing.assert_array_equal(to_np(lse)[:, :, empty], want)
