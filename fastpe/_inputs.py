@@ -324,6 +324,9 @@ class AttentionInputs(_Inputs):
     rope: Rope | None
     alibi_slopes: Any  # float broadcast to [B, Hq], or None
     relative_bias: RelativeBias | None
+    window: tuple[int, int] | None  # (left, right), -1 = unbounded; None when both are
+    softcap: float | None
+    sinks: Any  # float [Hq] or None
     return_lse: bool
     dtype: str
     placement: Placement
@@ -350,6 +353,9 @@ class AttentionInputs(_Inputs):
             rope=self.rope is not None,
             alibi=self.alibi_slopes is not None,
             relative_bias=self.relative_bias is not None,
+            window=self.window is not None,
+            softcap=self.softcap is not None,
+            sinks=self.sinks is not None,
             lse=self.return_lse,
             value_dim_differs=d != dv,
         )
@@ -357,7 +363,7 @@ class AttentionInputs(_Inputs):
     @classmethod
     def build(
         cls, q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope, alibi_slopes,
-        relative_bias, return_lse,
+        relative_bias, return_lse, window=None, softcap=None, sinks=None,
     ):  # fmt: skip
         q, k, v = _check_qkv(q, k, v)
         b, hq, sq, d = q.shape
@@ -374,6 +380,7 @@ class AttentionInputs(_Inputs):
         )
         mask = None if mask is None else _check_mask(mask, (b, hq, sq, sk))
         alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, b, hq)
+        sinks = None if sinks is None else _check_sinks(sinks, hq)
         placement = check_same_placement(
             {
                 "q": q,
@@ -384,6 +391,7 @@ class AttentionInputs(_Inputs):
                 **(rope.arrays() if rope else {}),
                 "alibi_slopes": alibi_slopes,
                 "relative_bias['table']": None if relative_bias is None else relative_bias.table,
+                "sinks": sinks,
             }
         )
         return cls(
@@ -398,6 +406,9 @@ class AttentionInputs(_Inputs):
             rope=rope,
             alibi_slopes=alibi_slopes,
             relative_bias=relative_bias,
+            window=check_window(window),
+            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
+            sinks=sinks,
             return_lse=check_bool("return_lse", return_lse),
             dtype=_arrays.dtype_name(q),
             placement=placement,
@@ -481,6 +492,30 @@ def _check_key_lengths(key_lengths, batch: int, sk: int):
         )
     check_range("key_lengths", key_lengths, 0, sk + 1, what=f"(Sk = {sk})")
     return key_lengths
+
+
+def check_window(window) -> tuple[int, int] | None:
+    """None or (left, right) of integers >= -1 (-1 = unbounded); None when both are
+    unbounded. Also used by fastpe.torch_ops before the window enters the op schema."""
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(
+            f"window must be None or a pair (left, right) of integers >= -1; got {window!r}"
+        )
+    left, right = (
+        check_int(f"window[{index}]", value, minimum=-1) for index, value in enumerate(window)
+    )
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _check_sinks(sinks, heads: int):
+    """[Hq] float, finite."""
+    sinks = check_float_array("sinks", sinks)
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape [Hq] = [{heads}]; got {tuple(sinks.shape)}")
+    check_finite("sinks", sinks)
+    return sinks
 
 
 def _check_alibi(alibi_slopes, batch: int, heads: int):

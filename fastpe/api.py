@@ -201,7 +201,8 @@ def embed(
 
 def attention(
     q, k, v, *, causal=False, causal_alignment="bottom_right", mask=None, key_lengths=None,
-    scale=None, rope=None, alibi_slopes=None, relative_bias=None, return_lse=False, backend=None,
+    scale=None, rope=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
+    sinks=None, return_lse=False, backend=None,
 ):  # fmt: skip
     """Masked scaled dot-product attention, flash-style, in q's dtype (docs/math.md#attention).
 
@@ -225,22 +226,33 @@ def attention(
     - ``alibi_slopes`` [Hq] or [B, Hq]: adds ``-slope · |query position - j|`` (FlashAttention).
     - ``relative_bias``: dict(table=[num_buckets, Hq], num_buckets=32, max_distance=128,
       bidirectional=True) adds ``table[bucket(j - query position), h]`` with T5's bucketing.
+    - ``window=(left, right)``: keys ``p - left <= j <= p + right`` for a query at position p;
+      -1 = unbounded on that side (FlashAttention's convention). With ``causal=True``,
+      ``window=(W - 1, 0)`` is "the last W keys" (transformers' ``sliding_window=W``). Key tiles
+      outside the window are never visited: cost grows with Sq·W, not Sq·Sk.
+    - ``softcap=c > 0``: scores become ``c·tanh(score / c)`` after scaling, before biases and
+      masks (Gemma 2).
+    - ``sinks`` float [Hq]: one extra logit per head in the softmax denominator, with no value
+      (gpt-oss). ``lse`` includes it; when splitting keys for ``merge_attention``, pass
+      ``sinks`` to exactly one part (docs/math.md#lse-and-merging).
 
-    A query row with no key to attend returns zeros (and lse = -inf), never NaN. With
-    ``return_lse=True`` returns ``(out, lse)``, lse [B, Hq, Sq] float32 natural-log
+    A query row with no key to attend returns zeros (and lse = -inf, or the sink), never NaN.
+    With ``return_lse=True`` returns ``(out, lse)``, lse [B, Hq, Sq] float32 natural-log
     log-sum-exp of the scores, for ``merge_attention``.
     """
-    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes):
+    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks):
         from fastpe import torch_ops
 
         return torch_ops.call_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
                                         key_lengths=key_lengths, scale=scale, rope=rope,
                                         alibi_slopes=alibi_slopes, relative_bias=relative_bias,
+                                        window=window, softcap=softcap, sinks=sinks,
                                         return_lse=return_lse, backend=backend)  # fmt: skip
     inputs = AttentionInputs.build(
         q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
         key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias, return_lse=return_lse,
+        relative_bias=relative_bias, return_lse=return_lse, window=window, softcap=softcap,
+        sinks=sinks,
     )  # fmt: skip
     return dispatch.run(inputs, backend)
 

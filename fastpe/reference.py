@@ -171,6 +171,9 @@ def attention(
     key_lengths=None,
     alibi_slopes=None,
     relative_bias=None,
+    window=None,
+    softcap=None,
+    sinks=None,
 ):
     """Materialised softmax attention on float64 arrays.
 
@@ -181,7 +184,10 @@ def attention(
     distance. ``mask`` is a bool array (True = attend) or a float array to add (any finite value
     is a score, however large), already broadcast to [B, Hq, Sq, Sk]; ``alibi_slopes`` is
     [B, Hq]; ``relative_bias`` is None or (table [num_buckets, Hq], num_buckets, max_distance,
-    bidirectional), T5's bucketed bias.
+    bidirectional), T5's bucketed bias; ``window`` None or (left, right), keys j with
+    qpos - left <= j <= qpos + right (-1: unbounded on that side); ``softcap`` None or c > 0,
+    scores c·tanh(score / c) after scaling, before biases and masks; ``sinks`` None or [Hq], one
+    extra logit per head in the softmax denominator carrying no value (lse includes it).
     Returns out [B, Hq, Sq, Dv] and lse [B, Hq, Sq]. A row with no visible key (every key
     -inf, False, beyond its length or after it under the causal rule; or Sk = 0) has out = 0
     and lse = -inf: the empty sum.
@@ -192,6 +198,8 @@ def attention(
     k_full = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
     v_full = np.repeat(v, group, axis=1)
     scores = scale * np.einsum("bhid,bhjd->bhij", q, k_full)
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
 
     lengths = np.full(batch, sk, np.int64) if key_lengths is None else np.asarray(key_lengths)
     query_shift = lengths - sq if bottom_right else np.zeros(batch, np.int64)
@@ -200,6 +208,12 @@ def attention(
     allowed = np.ones((batch, hq, sq, sk), dtype=bool)
     if causal:
         allowed &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= j >= i - left
+        if right >= 0:
+            allowed &= j <= i + right
     if key_lengths is not None:
         is_key = j[0, 0] < lengths[:, None]  # [B, Sk]
         allowed &= is_key[:, None, None, :]
@@ -226,6 +240,10 @@ def attention(
     out = np.where(seen, out, 0.0)
     with np.errstate(divide="ignore"):
         lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
+    if sinks is not None:
+        # the sink is one more key of score sinks[h] and value 0: merged in as a part of its own
+        sink_lse = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], lse.shape)
+        out, lse = merge_attention(out, lse, np.zeros_like(out), sink_lse)
     return out, lse
 
 

@@ -26,8 +26,10 @@ from fastpe._inputs import (
     MergeAttentionInputs,
     RopeTableInputs,
     SinusoidalTableInputs,
+    check_window,
 )
 from fastpe._options import RelativeBias, Rope
+from fastpe._validate import check_float
 
 
 def _no_backward(op_name: str):
@@ -168,7 +170,8 @@ def attention_op(
     rope_q_offset: int | None, rope_k_positions: Tensor | None, rope_k_offset: int | None,
     alibi_slopes: Tensor | None, relative_bias_table: Tensor | None,
     relative_bias_num_buckets: int, relative_bias_max_distance: int,
-    relative_bias_bidirectional: bool, backend: str,
+    relative_bias_bidirectional: bool, window_left: int, window_right: int,
+    softcap: float | None, sinks: Tensor | None, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
                              rope_q_offset, rope_k_positions, rope_k_offset)  # fmt: skip
@@ -179,7 +182,8 @@ def attention_op(
     inputs = AttentionInputs.build(
         q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
         key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias, return_lse=True,
+        relative_bias=relative_bias, return_lse=True, window=(window_left, window_right),
+        softcap=softcap, sinks=sinks,
     )  # fmt: skip
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
@@ -293,11 +297,15 @@ def call_embed(ids, weight, *, positions, pe, pe_table, scale, base, layout, fre
 
 
 def call_attention(q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope,
-                   alibi_slopes, relative_bias, return_lse, backend):  # fmt: skip
+                   alibi_slopes, relative_bias, return_lse, backend, window=None, softcap=None,
+                   sinks=None):  # fmt: skip
+    # checked here too: the schema's types would turn bad values into torch's own errors
+    window = check_window(window) or (-1, -1)
+    softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
     out, lse = attention_op(
         q, k, v, causal, causal_alignment, mask, key_lengths, None if scale is None else float(scale),
         *_rope_to_schema(rope, q.device), alibi_slopes, *_relative_bias_to_schema(relative_bias),
-        backend or "",
+        *window, softcap, sinks, backend or "",
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

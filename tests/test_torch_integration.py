@@ -38,7 +38,8 @@ def test_opcheck_every_tensor_op(qkv):
     ops = torch.ops.fastpe
     cases = [
         (ops.attention.default, (q, k, v, True, "bottom_right", mask, torch.tensor([11, 7]), None, cos, sin, True,
-                                 None, None, None, 0, torch.ones(4), None, 32, 128, True, "")),
+                                 None, None, None, 0, torch.ones(4), None, 32, 128, True, 3, 0, 5.0,
+                                 torch.linspace(-1, 1, 4), "")),
         (ops.apply_rope.default, (q, cos, sin, torch.arange(9), 0, False, "bhsd", "")),
         (ops.embed.default, (ids, weight, None, 3, "sinusoidal", None, 4.0, 10000.0, "concat", "paper", None, None, "")),
         (ops.merge_attention.default, (q, lse, q, lse, "")),
@@ -286,10 +287,8 @@ def test_unsupported_kwargs_raise(qkv):
 
     q, k, v = qkv
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="soft-capping"):
-        fastpe_attention_forward(module, q, k, v, None, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        fastpe_attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="s_aux="):
+        fastpe_attention_forward(module, q, k, v, None, sinks=torch.zeros(4))
     with pytest.raises(NotImplementedError, match="output_attentions"):
         fastpe_attention_forward(module, q, k, v, None, output_attentions=True)
     module.train()
@@ -300,8 +299,9 @@ def test_unsupported_kwargs_raise(qkv):
         module, q, k, v, None, dropout=0.1
     )  # dropout is off in eval
     assert out.shape == (2, 9, 4, 16) and weights is None
+    # no mask: fastpe_mask built none, so the keys end at the last query (bottom-right)
     np.testing.assert_allclose(
         out.transpose(1, 2).numpy(),
-        fastpe.attention(q, k, v, causal=True, causal_alignment="top_left", **O).numpy(),
+        fastpe.attention(q, k, v, causal=True, causal_alignment="bottom_right", **O).numpy(),
         atol=2e-6,
     )

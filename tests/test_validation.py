@@ -363,3 +363,53 @@ def test_inputs_never_modified(fw):
                      rope={"cos": to_fw(cos, fw), "sin": to_fw(sin, fw)}, **O)  # fmt: skip
     for name, a in arrays.items():
         np.testing.assert_array_equal(np.asarray(given[name]), a, err_msg=name)
+
+
+def test_attention_window_softcap_sinks_errors(fw):
+    q, k, v = (to_fw(a, fw) for a in _qkv())
+    at = fastpe.attention
+    raises(ValueError, "window\\[0\\] must be >= -1; got -2", at, q, k, v, window=(-2, 0), **O)
+    raises(ValueError, "window\\[1\\] must be >= -1; got -5", at, q, k, v, window=[3, -5], **O)
+    raises(
+        TypeError, "window\\[0\\] must be an integer; got 1.5", at, q, k, v, window=(1.5, 0), **O
+    )
+    raises(
+        TypeError, "window\\[1\\] must be an integer; got True", at, q, k, v, window=(1, True), **O
+    )
+    raises(TypeError, "window must be None or a pair", at, q, k, v, window=4, **O)
+    raises(TypeError, "window must be None or a pair", at, q, k, v, window=(1, 2, 3), **O)
+    raises(TypeError, "window must be None or a pair", at, q, k, v, window="12", **O)
+    raises(ValueError, "softcap must be > 0; got 0.0", at, q, k, v, softcap=0.0, **O)
+    raises(ValueError, "softcap must be > 0; got -1.0", at, q, k, v, softcap=-1, **O)
+    raises(
+        ValueError,
+        "softcap must be finite and > 0; got nan",
+        at,
+        q,
+        k,
+        v,
+        softcap=float("nan"),
+        **O,
+    )
+    raises(
+        ValueError,
+        "softcap must be finite and > 0; got inf",
+        at,
+        q,
+        k,
+        v,
+        softcap=float("inf"),
+        **O,
+    )
+    raises(TypeError, "softcap must be a real number", at, q, k, v, softcap="30", **O)
+    raises(ValueError, "sinks must have shape \\[Hq\\] = \\[2\\]; got \\(3,\\)", at, q, k, v,
+           sinks=to_fw(np.zeros(3, f32), fw), **O)  # fmt: skip
+    raises(ValueError, "sinks must have shape \\[Hq\\] = \\[2\\]; got \\(1, 2\\)", at, q, k, v,
+           sinks=to_fw(np.zeros((1, 2), f32), fw), **O)  # fmt: skip
+    raises(TypeError, "sinks must have a float dtype", at, q, k, v,
+           sinks=to_fw(np.zeros(2, np.int64), fw), **O)  # fmt: skip
+    for bad in (np.nan, np.inf, -np.inf):
+        raises(ValueError, "sinks must be finite", at, q, k, v,
+               sinks=to_fw(np.array([0.0, bad], f32), fw), **O)  # fmt: skip
+    # np.int64 entries are integers too
+    at(q, k, v, window=(np.int64(1), np.int32(-1)), **O)

@@ -139,6 +139,8 @@ class Attention(_Numba):
             key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
             alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
             relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, dtype)),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
         )  # fmt: skip
         out = from_host(out, inp.placement, inp.dtype)
         return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out

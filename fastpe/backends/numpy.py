@@ -114,6 +114,8 @@ class Attention(_Numpy):
             key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
             alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
             relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else to_float64(inp.sinks),
         )  # fmt: skip
         out = from_float64(out, inp.placement, inp.dtype)
         if inp.return_lse:

@@ -154,7 +154,8 @@ class Attention(_Triton):
             inp.q, inp.k, inp.v, scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right,
             mask=inp.mask, key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
             alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
-            relative_bias=inp.relative_bias, rope=rope, num_sms=sms,
+            relative_bias=inp.relative_bias, rope=rope, window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(), num_sms=sms,
         )  # fmt: skip
         return (out, lse) if inp.return_lse else out
 

@@ -25,6 +25,8 @@ class Baseline:
     build: Callable[[Case, dict], Callable]  # (case, inputs) -> zero-argument callable
     devices: frozenset[str] | None = None  # device types it runs on (None: any)
     dtypes: frozenset[str] | None = None  # input dtypes it takes (None: any)
+    # (case) -> why it cannot compute this case (an option it lacks), or None
+    cannot_run: Callable[[Case], str | None] = lambda case: None
 
     def cannot_take(self, dtype: str) -> str | None:
         """Why this baseline cannot be timed with ``dtype`` inputs, or None."""
@@ -115,15 +117,29 @@ def _transformers_rope(case: Case, x: dict):
 
 
 def _torch_sdpa(case: Case, x: dict):
+    import torch
     import torch.nn.functional as F
 
     b, hq, hkv, sq, sk, d = case.params["shape"]
+    window = case.params.get("window")
+    if window:  # the equivalent boolean mask, built once outside the timing (bottom-right)
+        qpos = torch.arange(sq, device=x["q"].device)[:, None] + (sk - sq)
+        j = torch.arange(sk, device=x["q"].device)[None, :]
+        mask = (j > qpos - window) & (j <= qpos)  # the last `window` keys
+        return lambda: F.scaled_dot_product_attention(
+            x["q"], x["k"], x["v"], attn_mask=mask, enable_gqa=hq != hkv
+        )
     # SDPA's is_causal is top-left aligned: equal to fastpe's bottom-right when Sq == Sk; for one
     # decoding query every key is visible, i.e. no mask.
     causal = case.params["causal"] and sq == sk
     return lambda: F.scaled_dot_product_attention(
         x["q"], x["k"], x["v"], is_causal=causal, enable_gqa=hq != hkv
     )
+
+
+def _sdpa_cannot_run(case: Case) -> str | None:
+    missing = [name for name in ("softcap", "sinks") if case.params.get(name)]
+    return f"SDPA has no {' or '.join(missing)}" if missing else None
 
 
 def _flash_attn(case: Case, x: dict):
@@ -161,7 +177,7 @@ BASELINES: dict[str, tuple[Baseline, ...]] = {
         Baseline("torch eager", "torch", _torch_embed),
     ),
     "attention": (
-        Baseline("torch SDPA", "torch", _torch_sdpa),
+        Baseline("torch SDPA", "torch", _torch_sdpa, cannot_run=_sdpa_cannot_run),
         Baseline("flash-attn", "flash_attn", _flash_attn, devices=_CUDA, dtypes=_HALF),
     ),
 }

@@ -29,13 +29,20 @@ class Case:
         return f"{self.op} {self.label}"
 
 
-def _attn(b, hq, hkv, sq, sk, d, causal):
-    label = f"B{b} H{hq}/{hkv} Sq{sq} Sk{sk} D{d}" + (" causal" if causal else "")
-    kind = "decode" if sq == 1 else "causal" if causal else "non-causal"
-    series = f"{kind} B{b} H{hq}/{hkv} D{d}"
-    return Case(
-        "attention", label, sk, {"shape": (b, hq, hkv, sq, sk, d), "causal": causal}, series
+def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False):
+    """``window=W``: the last W keys up to each query (``window=(W - 1, 0)``, transformers'
+    sliding_window=W)."""
+    options = (
+        (f" window{window}" if window else "")
+        + (f" softcap{softcap:g}" if softcap else "")
+        + (" sinks" if sinks else "")
     )
+    label = f"B{b} H{hq}/{hkv} Sq{sq} Sk{sk} D{d}" + (" causal" if causal else "") + options
+    kind = "decode" if sq == 1 else "causal" if causal else "non-causal"
+    series = f"{kind}{options} B{b} H{hq}/{hkv} D{d}"
+    params = {"shape": (b, hq, hkv, sq, sk, d), "causal": causal, "window": window,
+              "softcap": softcap, "sinks": sinks}  # fmt: skip
+    return Case("attention", label, sk, params, series)
 
 
 # The issue's target cases (full grid) and a sequence-length sweep for the plot.
@@ -52,6 +59,12 @@ FULL_GRID = [
     _attn(1, 8, 8, 4096, 4096, 128, True),
     _attn(4, 16, 16, 512, 512, 64, True),
     _attn(8, 32, 8, 1, 4096, 128, True),
+    # issue 13: a sliding window costs S·W (compare with the full-causal row at S8192), and
+    # soft-capping / sinks cost little over the same call without them
+    _attn(1, 16, 16, 8192, 8192, 64, True),
+    _attn(1, 16, 16, 8192, 8192, 64, True, window=1024),
+    _attn(1, 16, 16, 8192, 8192, 64, True, window=1024, softcap=50.0),
+    _attn(1, 16, 16, 8192, 8192, 64, True, window=1024, sinks=True),
 ]  # fmt: skip
 
 QUICK_GRID = [
@@ -62,6 +75,7 @@ QUICK_GRID = [
     _attn(1, 8, 8, 512, 512, 64, False),
     _attn(1, 8, 8, 512, 512, 64, True),
     _attn(4, 32, 8, 1, 2048, 128, True),
+    _attn(1, 8, 8, 2048, 2048, 64, True, window=256),
 ]  # fmt: skip
 
 # Tiny shapes for `pytest bench --benchmark-disable` (the CI smoke run): every op, every impl.
@@ -72,6 +86,7 @@ SMOKE_GRID = [
     Case("embed", "2x16 vocab 100 d32", 16, {"batch": 2, "seq": 16, "vocab": 100, "dim": 32}),
     _attn(1, 4, 2, 32, 32, 16, True),
     _attn(2, 4, 2, 1, 64, 16, True),
+    _attn(1, 4, 2, 48, 48, 16, True, window=8, softcap=5.0, sinks=True),
 ]  # fmt: skip
 
 
@@ -118,14 +133,40 @@ def _attention_arrays(p, rng):
     b, hq, hkv, sq, sk, d = p["shape"]
     q = rng.standard_normal((b, hq, sq, d))
     k = rng.standard_normal((b, hkv, sk, d))
-    return {"q": q, "k": k, "v": rng.standard_normal((b, hkv, sk, d))}
+    arrays = {"q": q, "k": k, "v": rng.standard_normal((b, hkv, sk, d))}
+    if p.get("sinks"):
+        arrays["sinks"] = rng.standard_normal(hq)
+    return arrays
 
 
 def _attention_flops(p, itemsize):
     b, hq, _, sq, sk, d = p["shape"]
-    # 4·B·H·D per visible (query, key) pair: Sq·Sk, or the bottom-right causal triangle
-    pairs = sum(min(sk, i + 1 + sk - sq) for i in range(sq)) if p["causal"] else sq * sk
+    # 4·B·H·D per visible (query, key) pair, bottom-right aligned: query i sits at i + Sk - Sq
+    left = p.get("window") - 1 if p.get("window") else sk
+    right = 0 if p["causal"] or p.get("window") else sk
+    pairs = sum(
+        max(min(sk - 1, i + sk - sq + right) - max(0, i + sk - sq - left) + 1, 0) for i in range(sq)
+    )
     return 4.0 * b * hq * d * pairs, "GFLOP/s"
+
+
+def _attention_options(p, x, heads=None):
+    """fastpe's keywords for the case's window / softcap / sinks (sinks of the first ``heads``)."""
+    window = p.get("window")
+    sinks = x.get("sinks")
+    return {
+        "window": None if window is None else (window - 1, 0),
+        "softcap": p.get("softcap"),
+        "sinks": None if sinks is None else sinks[:heads],
+    }
+
+
+def _attention_reference(p, x):
+    heads = p["shape"][1] // p["shape"][2]
+    return fastpe.attention(
+        _first_group(p, x["q"]), x["k"][:1, :1], x["v"][:1, :1], causal=p["causal"],
+        **_attention_options(p, x, heads), **_ORACLE,
+    )  # fmt: skip
 
 
 def _apply_rope_call(p, x, backend, device):
@@ -194,11 +235,16 @@ OPS: dict[str, OpSpec] = {
     "attention": OpSpec(
         arrays=_attention_arrays,
         work=_attention_flops,
-        reference=lambda p, x: fastpe.attention(
-            _first_group(p, x["q"]), x["k"][:1, :1], x["v"][:1, :1], causal=p["causal"], **_ORACLE
-        ),
+        reference=_attention_reference,
         fastpe=lambda p, x, backend, device: (
-            lambda: fastpe.attention(x["q"], x["k"], x["v"], causal=p["causal"], backend=backend)
+            lambda: fastpe.attention(
+                x["q"],
+                x["k"],
+                x["v"],
+                causal=p["causal"],
+                backend=backend,
+                **_attention_options(p, x),
+            )  # fmt: skip
         ),
         compared=_first_group,
     ),

@@ -59,7 +59,8 @@ def implementations(
         if reason is None:
             found[f"fastpe[{backend}]"] = OPS[case.op].fastpe(case.params, inputs, backend, device)
     for baseline in baselines_for(case.op, device, dtype)[0]:
-        found[baseline.name] = baseline.build(case, inputs)
+        if baseline.cannot_run(case) is None:
+            found[baseline.name] = baseline.build(case, inputs)
     return found
 
 
@@ -209,7 +210,11 @@ def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=p
         inputs = make_inputs(case, device, dtype)
         expected = reference(case, inputs)
         amount, unit = work(case, itemsize=itemsize)
-        for name, reason in baselines_for(case.op, device, dtype)[1].items():
+        runnable, refused = baselines_for(case.op, device, dtype)
+        for baseline in runnable:
+            if (reason := baseline.cannot_run(case)) is not None:
+                refused[baseline.name] = reason
+        for name, reason in refused.items():
             skipped.append({"op": case.op, "case": case.label, "impl": name, "reason": reason})
         case_rows = []
         for name, fn in implementations(case, inputs, device, dtype).items():

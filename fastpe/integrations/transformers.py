@@ -4,34 +4,33 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=register())
     # or: model.set_attn_implementation(register())
 
-``register`` adds fastpe's attention function to ``AttentionInterface`` and SDPA's mask
-function to ``AttentionMaskInterface`` under the same name (without the mask function,
-transformers would build no padding mask for an unknown implementation and padding would be
-silently ignored). The masks are therefore SDPA's: boolean, True = attend, or None when the
-pattern is plain causal — which is then SDPA's top-left causal rule.
+``register`` adds fastpe's attention function to ``AttentionInterface`` and a mask function to
+``AttentionMaskInterface`` under the same name (without a mask function, transformers would
+build no padding mask for an unknown implementation and padding would be silently ignored).
+
+The mask function builds SDPA's boolean masks (True = attend) only when the kernel cannot do the
+masking itself: when the only masking is causal, or causal plus a sliding window, with no padding
+and the keys ending at the last query, it builds nothing, and the attention function runs the
+causal rule and the window (``sliding_window=W`` is ``window=(W - 1, 0)``, docs/math.md) in the
+kernel, which then never visits keys outside the window. Gemma 2's ``softcap`` and gpt-oss's
+``s_aux`` sinks are passed to the kernel.
 """
 
 from __future__ import annotations
 
 import fastpe
 
-UNSUPPORTED = {
-    "softcap": "logit soft-capping (Gemma 2)",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-}
-
 
 def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                             is_causal=None, **kwargs):  # fmt: skip
+                             is_causal=None, sliding_window=None, softcap=None, s_aux=None,
+                             **kwargs):  # fmt: skip
     """transformers' attention-function protocol: query [B, Hq, S, D], key/value [B, Hkv, Sk, D]
     (strided views are fine; GQA is read in place, no repeat_kv), returns ([B, S, Hq, Dv], None).
     """
-    for name, what in UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"fastpe attention does not support {what} ({name}=); use 'eager' or 'sdpa'"
-            )
+    if kwargs.get("sinks") is not None:
+        raise NotImplementedError(
+            "fastpe attention takes attention sinks as s_aux= (gpt-oss's name), not sinks="
+        )
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "fastpe attention never materialises attention weights (output_attentions=True); use 'eager'"
@@ -41,15 +40,15 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
             f"fastpe attention has no dropout (got dropout={dropout} in training mode)"
         )
     position_bias = kwargs.get("position_bias")
-    q_len = query.shape[2]
     causal = False
+    window = None
     mask = attention_mask
     if mask is None:
-        # SDPA's rule when transformers skipped the mask: causal, top-left aligned, for q_len > 1
-        causal = (
-            bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-            and q_len > 1
-        )
+        # fastpe_mask built nothing: plain causal (or sliding-window causal) with the keys ending
+        # at the last query, i.e. bottom-right alignment; the window is left to the kernel
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if causal and sliding_window is not None:
+            window = (int(sliding_window) - 1, 0)  # kv > q - W  <=>  kv >= q - (W - 1)
     if position_bias is not None:  # T5-style additive bias, combined with the boolean mask
         bias = position_bias
         if mask is not None and mask.dtype == bool:
@@ -58,17 +57,58 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
             bias = bias + mask
         mask = bias
     out = fastpe.attention(
-        query, key, value, causal=causal, causal_alignment="top_left", mask=mask, scale=scaling
-    )
+        query, key, value, causal=causal, causal_alignment="bottom_right", mask=mask,
+        scale=scaling, window=window, softcap=softcap, sinks=s_aux,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
+def fastpe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
+                local_size=None, allow_is_causal_skip=True, config=None, **kwargs):  # fmt: skip
+    """transformers' mask-function protocol: None when the kernel can apply the masking itself
+    (see the module docstring), else SDPA's boolean mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if allow_is_causal_skip and _kernel_can_mask(
+        q_length, kv_length, q_offset, kv_offset, attention_mask, local_size, config
+    ):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
+        allow_is_causal_skip=False, config=config, **kwargs,
+    )  # fmt: skip
+
+
+def _kernel_can_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, local_size, config):
+    import torch
+
+    # transformers allows the skip only for a causal mask function, with local_size set for
+    # sliding windows and for chunked attention alike: only the sliding window is the kernel's
+    if local_size is not None and local_size != getattr(config, "sliding_window", None):
+        return False
+    if local_size is not None and local_size == getattr(config, "attention_chunk_size", None):
+        return False
+    # a static cache's tensor offset (reading it would break a compiled graph), or keys that do
+    # not end at the last query (a static cache's empty slots): bottom-right alignment fails
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+        return False
+    if kv_offset + kv_length != q_offset + q_length:
+        return False
+    if attention_mask is None:
+        return True
+    if torch.compiler.is_compiling():  # reading the padding mask would break the graph
+        return False
+    seen = attention_mask[:, kv_offset : kv_offset + kv_length]
+    return seen.shape[-1] == kv_length and bool(seen.all())
+
+
 def register(name: str = "fastpe") -> str:
-    """Register fastpe's attention (and SDPA's mask function) under ``name``; returns ``name``
-    for ``attn_implementation=`` / ``model.set_attn_implementation``."""
+    """Register fastpe's attention and mask functions under ``name``; returns ``name`` for
+    ``attn_implementation=`` / ``model.set_attn_implementation``."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, fastpe_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, fastpe_mask)
     return name

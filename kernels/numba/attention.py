@@ -9,10 +9,12 @@ read once per kv head (GQA without copying), and walks its keys in tiles: S = Q�
 (``np.dot`` into a preallocated tile), masks/biases on S, an online softmax with a
 vectorisable exp2, then O += P·V through BLAS. Scores are in log2 units (log2 e folded into the
 query scale), or in natural units when a float mask holds values too large to be multiplied by
-log2 e (transformers' finfo.min masks): every finite mask value stays a finite score. Tiles
-above the causal diagonal are never visited; only tiles crossing it are masked. When B·Hkv·(query
-blocks) leaves cores idle (decoding), keys are split across items and the partial results are
-merged with the log-sum-exp rule of ``merge_attention``.
+log2 e (transformers' finfo.min masks): every finite mask value stays a finite score. The causal
+rule is the window's right edge at 0: key tiles outside a block's window (above the causal
+diagonal, or before a sliding window) are never visited; only tiles crossing an edge are masked.
+When B·Hkv·(query blocks) leaves cores idle (decoding), keys are split across items and the
+partial results are merged with the log-sum-exp rule of ``merge_attention``; an attention sink
+joins the first split's result only, so that it counts once.
 """
 
 from __future__ import annotations
@@ -62,6 +64,40 @@ def _exp2(x):
     return poly * np.int32((np.int32(k) + 127) << 23).view(np.float32)
 
 
+@njit(cache=True, fastmath=_FLAGS, inline="always")
+def _tanh32(x):
+    """tanh in float32 from the vectorisable _exp2: (1 - e)/(1 + e) with e = exp(-2|x|), which
+    cancels near 0, so below |x| = 1/4 the odd Taylor series to x^9 (next term < 3e-9)."""
+    ax = abs(x)
+    e = _exp2(np.float32(-2.0 * LOG2E) * ax)
+    big = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+    x2 = ax * ax
+    small = np.float32(62.0 / 2835.0)
+    small = small * x2 - np.float32(17.0 / 315.0)
+    small = small * x2 + np.float32(2.0 / 15.0)
+    small = small * x2 - np.float32(1.0 / 3.0)
+    small = ax + ax * x2 * small
+    t = small if ax < 0.25 else big
+    return t if x >= 0 else -t
+
+
+# error_model="numpy": Python's error model guards every division against zero with a branch,
+# which stops LLVM vectorising the loop (20x slower); here the divisor 1 + e is >= 1.
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
+def _softcap(s, cap, is_f32):
+    """s = cap·tanh(s / cap) on a tile (cap in the scores' units)."""
+    inv = 1.0 / cap
+    if is_f32:
+        cap32, inv32 = np.float32(cap), np.float32(inv)
+        for r in range(s.shape[0]):
+            for c in range(s.shape[1]):
+                s[r, c] = cap32 * _tanh32(s[r, c] * inv32)
+    else:
+        for r in range(s.shape[0]):
+            for c in range(s.shape[1]):
+                s[r, c] = cap * math.tanh(s[r, c] * inv)
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _exp_shifted(s, row_max, p, r0, r1, n, totals, to_log2):
     """p[r, c] = 2 ** ((s[r, c] - row_max[r])·to_log2) for rows r0 … r1-1; totals[r] =
@@ -109,14 +145,15 @@ def _nearest_key_distance(qpos, length):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _apply_tile_masks(
-    s, b, hk, group, i0, npos, j0, n, query_shift, causal, has_mask, mask_bool, mask,
+    s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,
     mask_is_bool, mask_limit, unit, has_alibi, alibi, length, has_bias, bias, bias_offset,
 ):  # fmt: skip
     """Add biases and set -inf where a row may not attend, on one (group·npos, n) tile.
 
     Row r is query head hk·group + r // npos at position i0 + r % npos; column c is key j0 + c.
-    Query i sits at key position i + query_shift. Scores are in units of ``unit`` per natural
-    unit (log2 e or 1); the alibi and bias arrays come already multiplied by it.
+    Query i sits at key position p = i + query_shift and may see keys p - win_left … p +
+    win_right (causal: win_right = 0). Scores are in units of ``unit`` per natural unit (log2 e
+    or 1); the alibi and bias arrays come already multiplied by it.
     """
     m = group * npos
     if has_alibi or has_bias or has_mask:
@@ -149,13 +186,16 @@ def _apply_tile_masks(
                         x = mask_limit if x > mask_limit else x
                         x = -mask_limit if -mask_limit > x > -np.inf else x
                         s[r, c] += x
-    # Causal: only tiles crossing the diagonal need masking (the caller never visits tiles
-    # wholly above it; key lengths already bound the key range).
-    if causal and j0 + n - 1 > i0 + query_shift:
+    # Window (and causal rule): only tiles crossing an edge need masking (the caller never
+    # visits tiles wholly outside; key lengths already bound the key range).
+    first_pos = i0 + query_shift
+    if j0 < first_pos + npos - 1 - win_left or j0 + n - 1 > first_pos + win_right:
         for r in range(m):
-            i = i0 + r % npos
-            first_blocked = i + query_shift + 1 - j0
-            for c in range(max(first_blocked, 0), n):
+            qpos = first_pos + r % npos
+            first_seen = min(max(qpos - win_left - j0, 0), n)
+            for c in range(first_seen):
+                s[r, c] = -np.inf
+            for c in range(max(qpos + win_right + 1 - j0, first_seen), n):
                 s[r, c] = -np.inf
 
 
@@ -204,15 +244,18 @@ def _row_max(s, r, n):
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
     qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
-    query_shift, causal, has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, length,
-    has_bias, bias, bias_offset, is_f32,
+    query_shift, win_left, win_right, softcap, has_mask, mask_bool, mask, mask_is_bool, unit,
+    has_alibi, alibi, length, has_bias, bias, bias_offset, is_f32,
 ):  # fmt: skip
-    """One key tile for one row tile: S = Q·Kᵀ, masks, online-softmax update, O += P·V."""
+    """One key tile for one row tile: S = Q·Kᵀ, soft-cap, masks, online-softmax update,
+    O += P·V."""
     m, n = s.shape
     np.dot(qt, kt.T, s)
+    if softcap > 0.0:
+        _softcap(s, softcap * unit, is_f32)
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
     _apply_tile_masks(
-        s, b, hk, group, i0, npos, j0, n, query_shift, causal, has_mask, mask_bool, mask,
+        s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,
         mask_is_bool, mask_limit, unit, has_alibi, alibi, length, has_bias, bias, bias_offset,
     )  # fmt: skip
     # Online softmax with a lazy reference: each row's scores are exponentiated against its
@@ -261,9 +304,9 @@ def _attend_tile(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
-    q, k, v, part_out, part_lse, scale, causal, query_shift, key_len,
+    q, k, v, part_out, part_lse, scale, win_left, win_right, softcap, query_shift, key_len,
     has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, has_bias, bias,
-    bias_offset, block_m, block_n, n_splits, is_f32,
+    bias_offset, has_sinks, sinks, block_m, block_n, n_splits, is_f32,
 ):  # fmt: skip
     batch, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
@@ -279,16 +322,15 @@ def _attention_numba(
         i0 = mb * block_m
         npos = min(block_m, sq - i0)
         m = group * npos
-        # keys this block can see: below the key length and, if causal, up to its last query
-        j_end = key_len[b]
-        if causal:
-            j_end = min(j_end, i0 + npos + query_shift[b])
-        j_end = max(j_end, 0)
-        # this item's slice of [0, j_end), in whole key tiles
-        tiles = (j_end + block_n - 1) // block_n
+        # keys this block can see: below the key length and within its queries' windows
+        first_pos = i0 + query_shift[b]
+        j_lo = max(first_pos - win_left, 0)
+        j_end = max(min(key_len[b], first_pos + npos + win_right), j_lo)
+        # this item's slice of [j_lo, j_end), in whole key tiles
+        tiles = (j_end - j_lo + block_n - 1) // block_n
         per_split = (tiles + n_splits - 1) // n_splits
-        j_begin = min(split * per_split * block_n, j_end)
-        j_stop = min((split + 1) * per_split * block_n, j_end)
+        j_begin = min(j_lo + split * per_split * block_n, j_end)
+        j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
 
         qt = np.empty((m, d), dtype=q.dtype)
         scale_units = q.dtype.type(scale * unit)
@@ -310,34 +352,49 @@ def _attention_numba(
         s_tail = np.empty((m, tail), dtype=q.dtype)
         p_tail = np.empty((m, tail), dtype=q.dtype)
         for j0 in range(j_begin, j_stop, block_n):
-            full_tile = j_stop - j0 >= block_n
-            _attend_tile(
-                qt, k[b, hk, j0 : j0 + (block_n if full_tile else tail)],
-                v[b, hk, j0 : j0 + (block_n if full_tile else tail)],
-                s_full if full_tile else s_tail, p_full if full_tile else p_tail,
-                pv, acc, row_max, row_sum, work,
-                b, hk, group, i0, npos, j0, query_shift[b], causal,
-                has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
-                has_bias, bias, bias_offset, is_f32,
-            )  # fmt: skip
+            # two calls, not conditional arguments: a call of more than 30 arguments compiles
+            # to a list of them, where Numba accepts no control flow
+            if j_stop - j0 >= block_n:
+                _attend_tile(
+                    qt, k[b, hk, j0 : j0 + block_n], v[b, hk, j0 : j0 + block_n], s_full, p_full,
+                    pv, acc, row_max, row_sum, work,
+                    b, hk, group, i0, npos, j0, query_shift[b], win_left, win_right, softcap,
+                    has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
+                    has_bias, bias, bias_offset, is_f32,
+                )  # fmt: skip
+            else:
+                _attend_tile(
+                    qt, k[b, hk, j0 : j0 + tail], v[b, hk, j0 : j0 + tail], s_tail, p_tail,
+                    pv, acc, row_max, row_sum, work,
+                    b, hk, group, i0, npos, j0, query_shift[b], win_left, win_right, softcap,
+                    has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
+                    has_bias, bias, bias_offset, is_f32,
+                )  # fmt: skip
         for g in range(group):
             h = hk * group + g
             for r in range(npos):
                 row = g * npos + r
                 total = row_sum[row]
+                # the sink joins the first split only: merged, it counts once
+                sink = sinks[h] if has_sinks and split == 0 else -np.inf
                 if total != 0.0:  # NaN too (an overflowed score): it must show, as in SDPA
-                    inv = 1.0 / total
-                    for c in range(dv):
-                        part_out[split, b, h, i0 + r, c] = acc[row, c] * inv
                     lse_row = row_max[row] / unit + math.log(total)
                     if has_alibi:  # the common ALiBi part left out of the scores
                         near = _nearest_key_distance(i0 + r + query_shift[b], key_len[b])
                         lse_row -= alibi[b, h] / unit * near
+                    inv = 1.0 / total
+                    if sink > -np.inf:  # out · exp(lse_keys - lse) with lse = logaddexp(·, sink)
+                        top = max(lse_row, sink)
+                        lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
+                        inv *= math.exp(lse_row - lse_with)
+                        lse_row = lse_with
+                    for c in range(dv):
+                        part_out[split, b, h, i0 + r, c] = acc[row, c] * inv
                     part_lse[split, b, h, i0 + r] = lse_row
-                else:  # no key to attend: zeros, lse = -inf
+                else:  # no key to attend: zeros, lse = -inf (or the sink)
                     for c in range(dv):
                         part_out[split, b, h, i0 + r, c] = 0.0
-                    part_lse[split, b, h, i0 + r] = -np.inf
+                    part_lse[split, b, h, i0 + r] = sink
 
 
 @njit(parallel=True, cache=True)
@@ -438,7 +495,7 @@ def _relative_bias_by_distance_numba(table, first, count, bidirectional, num_buc
 
 def attention_numba(
     q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
-    relative_bias=None,
+    relative_bias=None, window=None, softcap=None, sinks=None,
 ):  # fmt: skip
     """Launch the flash-style kernel on NumPy arrays (float32 or float64, any strides).
 
@@ -448,13 +505,18 @@ def attention_numba(
     already broadcast to [B, Hq, Sq, Sk], typically a stride-0 view: it is read in place, never
     copied. ``key_lengths`` int [B] or None; ``alibi_slopes`` [B, Hq] or None;
     ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
-    bidirectional). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32 [B, Hq, Sq]).
+    bidirectional); ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0;
+    ``sinks`` float64 [Hq] or None. Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32
+    [B, Hq, Sq]).
     """
     dtype = q.dtype
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     if batch * hq * sq == 0 or sk == 0:  # nothing to compute: empty, or every row sees no key
-        return np.zeros((batch, hq, sq, dv), dtype), np.full((batch, hq, sq), -np.inf, np.float32)
+        lse = np.full((batch, hq, sq), -np.inf, np.float32)
+        if sinks is not None:
+            lse[...] = np.asarray(sinks, np.float32)[None, :, None]
+        return np.zeros((batch, hq, sq, dv), dtype), lse
     q, k, v = (np.ascontiguousarray(a, dtype=dtype) for a in (q, k, v))
     group = hq // hkv
     block_m, block_n = _block_sizes(sq, sk, group)
@@ -473,6 +535,14 @@ def attention_numba(
     )
     # FlashAttention's rule for a ragged KV cache: the queries are the last Sq of each sequence
     query_shift = key_len - sq if bottom_right else np.zeros(batch, np.int64)
+    # window edges as offsets from each query's position; "unbounded" is any offset that
+    # reaches past every key from every query (|qpos - j| < Sq + Sk)
+    unbounded = sq + sk + 1
+    win_left, win_right = (-1, -1) if window is None else window
+    win_left = unbounded if win_left < 0 else win_left
+    win_right = unbounded if win_right < 0 else win_right
+    if causal:
+        win_right = 0
     mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     limit = float(np.finfo(dtype).max)
@@ -506,11 +576,13 @@ def attention_numba(
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
     with _single_threaded_blas():
         _attention_numba(
-        q, k, v, out, lse, dtype.type(scale), causal, query_shift, key_len,
+        q, k, v, out, lse, dtype.type(scale), win_left, win_right,
+        0.0 if softcap is None else float(softcap), query_shift, key_len,
         mask is not None, mask_bool, mask_add, mask_is_bool, unit,
         alibi_slopes is not None, alibi,
-        relative_bias is not None, bias, bias_offset, block_m, block_n, n_splits,
-        dtype == np.float32,
+        relative_bias is not None, bias, bias_offset,
+        sinks is not None, _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
+        block_m, block_n, n_splits, dtype == np.float32,
     )  # fmt: skip
     if n_splits == 1:
         return out[0], lse[0]

@@ -6,8 +6,10 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any str
 One program = one block of queries of one (batch, query head), optionally one slice of the keys
 (split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32,
 scores in natural-log units (finite masks up to fp32's max stay finite) exponentiated as
-exp2((s - max)·log2 e); tiles above the causal diagonal are never
-visited and only tiles crossing it are masked. GQA reads kv head h // (Hq / Hkv) in place.
+exp2((s - max)·log2 e); key tiles outside a block's window (above the causal diagonal, before a
+sliding window) are never visited. GQA reads kv head h // (Hq / Hkv) in place. Soft-capping
+is applied to the scaled scores; an attention sink joins the first key slice's result only, so
+that split-KV merging counts it once.
 RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
 computed per tile.
 """
@@ -93,6 +95,21 @@ def _relative_bias_bucket(
     return bucket + tl.where(dist < max_exact, dist, large)
 
 
+@triton.jit
+def _tanh(x):
+    """tanh from exp: (1 - e)/(1 + e) with e = exp(-2|x|), which cancels near 0, so below
+    |x| = 1/4 the odd Taylor series to x^9 (next term < 3e-9)."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    small = ax + ax * x2 * (
+        -1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))
+    )
+    t = tl.where(ax < 0.25, small, big)
+    return tl.where(x >= 0, t, -t)
+
+
 def _configs():
     """A single config under the interpreter (multi-config autotuning needs a GPU, and each
     interpreted program costs ~1 ms); on a GPU a short list, pruned by head dim below."""
@@ -130,9 +147,9 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    mask_ptr, key_len_ptr, alibi_ptr, bias_ptr, cos_ptr, sin_ptr, qpos_ptr, kpos_ptr,
+    mask_ptr, key_len_ptr, alibi_ptr, bias_ptr, cos_ptr, sin_ptr, qpos_ptr, kpos_ptr, sinks_ptr,
     Hq, group, Sq, Sk, D, Dv, query_shift, half, keys_per_split, q_positions_offset,
-    k_positions_offset, bias_max_exact, bias_log_span,
+    k_positions_offset, bias_max_exact, bias_log_span, win_left, win_right,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -141,8 +158,8 @@ def _attention_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_ab, stride_ah, stride_biasb, stride_biash, stride_cos,
     stride_qpb, stride_qps, stride_kpb, stride_kps,
-    scale,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    scale, softcap,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
     RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
     HAS_ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
@@ -179,12 +196,16 @@ def _attention_kernel(
             shift = length - Sq
     if CAUSAL:
         end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift)
+    if HAS_WINDOW:  # win_left / win_right: offsets from each query position, large if unbounded
+        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift + win_right)
     end = tl.maximum(end, 0)
     end_keys = Sk
     if HAS_KEY_LEN:
         end_keys = length
     lo = split * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pid_m * BLOCK_M + shift - win_left)
     qpos_keys = rows + shift  # each query's position on the key axis
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -205,7 +226,12 @@ def _attention_kernel(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(k_ptr.dtype.element_ty)))
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         valid = row_ok[:, None] & col_ok[None, :]
+        if HAS_WINDOW:
+            valid = valid & (cols[None, :] >= qpos_keys[:, None] - win_left)
+            valid = valid & (cols[None, :] <= qpos_keys[:, None] + win_right)
         if CAUSAL:
             if start + BLOCK_N - 1 > pid_m * BLOCK_M + shift:  # only tiles crossing the diagonal
                 valid = valid & (cols[None, :] <= qpos_keys[:, None])
@@ -255,6 +281,14 @@ def _attention_kernel(
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     if HAS_ALIBI:
         lse -= slope * near.to(tl.float32)
+    if HAS_SINKS:  # logaddexp(lse, sink), on the first key slice only
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        sink = tl.where(split == 0, sink, float("-inf"))
+        top = tl.maximum(lse, sink)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        lse_with = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
+        out = out * tl.exp(lse - lse_with)[:, None]
+        lse = lse_with
     o_ptrs = (
         out_ptr
         + split * stride_osplit
@@ -342,7 +376,7 @@ SPLIT_GRANULE = 128
 
 def attention_triton(
     q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
-    relative_bias=None, rope=None, num_sms=None,
+    relative_bias=None, rope=None, window=None, softcap=None, sinks=None, num_sms=None,
 ):  # fmt: skip
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -352,7 +386,8 @@ def attention_triton(
     None or (table [num_buckets, Hq], num_buckets, max_distance, bidirectional); ``rope`` None or
     (cos, sin, interleaved, q_positions, k_positions), each positions entry (int64 tensor [S] or
     [B, S] or None, int offset): the rows of cos/sin used are tensor values, or offset + index.
-    Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
+    ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0; ``sinks`` fp32 [Hq]
+    or None. Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
@@ -403,20 +438,28 @@ def attention_triton(
     key_len = (
         key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
     )
+    # offsets from each query's position; "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
+    unbounded = sq + sk + 1
+    win_left, win_right = (-1, -1) if window is None else window
+    win_left = unbounded if win_left < 0 else win_left
+    win_right = unbounded if win_right < 0 else win_right
+    sinks_t = sinks if sinks is not None else dummy[0, 0]
 
     def grid(meta):
         return (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq, n_splits)
 
     if batch * hq * sq:
         _attention_kernel[grid](
-            q, k, v, part_out, part_lse, mask_t, key_len, alibi, bias, cos, sin, qpos, kpos,
+            q, k, v, part_out, part_lse, mask_t, key_len, alibi, bias, cos, sin, qpos, kpos, sinks_t,
             hq, hq // hkv, sq, sk, d, dv, query_shift, half, keys_per_split, q_positions_offset, k_positions_offset,
             max_exact, math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
+            win_left, win_right,
             *q.stride(), *k.stride(), *v.stride(), *part_out.stride(), *part_lse.stride(), *mask_t.stride(),
             alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), bias.stride(0), bias.stride(1),
             cos.stride(0), *pos_strides(qpos), *pos_strides(kpos),
-            scale,
-            CAUSAL=causal, HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+            scale, 1.0 if softcap is None else float(softcap),
+            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None, HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
             HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi_slopes is not None,
             HAS_RELATIVE_BIAS=relative_bias is not None, RELATIVE_BIAS_BUCKETS=num_buckets,
             RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
