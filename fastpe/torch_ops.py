@@ -167,14 +167,14 @@ def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
     key_lengths: Tensor | None, scale: float | None, rope_cos: Tensor | None,
     rope_sin: Tensor | None, rope_interleaved: bool, rope_q_positions: Tensor | None,
-    rope_q_offset: int | None, rope_k_positions: Tensor | None, rope_k_offset: int | None,
+    rope_q_positions_offset: int | None, rope_k_positions: Tensor | None, rope_k_positions_offset: int | None,
     alibi_slopes: Tensor | None, relative_bias_table: Tensor | None,
     relative_bias_num_buckets: int, relative_bias_max_distance: int,
     relative_bias_bidirectional: bool, window_left: int, window_right: int,
     softcap: float | None, sinks: Tensor | None, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-                             rope_q_offset, rope_k_positions, rope_k_offset)  # fmt: skip
+                             rope_q_positions_offset, rope_k_positions, rope_k_positions_offset)  # fmt: skip
     relative_bias = _relative_bias_from_schema(
         relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
         relative_bias_bidirectional,
@@ -213,12 +213,14 @@ def _rope_to_schema(rope, device) -> tuple:
             *k_positions)  # fmt: skip
 
 
-def _rope_from_schema(cos, sin, interleaved, q_positions, q_offset, k_positions, k_offset):
+def _rope_from_schema(
+    cos, sin, interleaved, q_positions, q_positions_offset, k_positions, k_positions_offset
+):
     if cos is None and sin is None:
         return None
     rope = {"cos": cos, "sin": sin, "interleaved": interleaved}
-    for key, tensor, offset in (("q_positions", q_positions, q_offset),
-                                ("k_positions", k_positions, k_offset)):  # fmt: skip
+    for key, tensor, offset in (("q_positions", q_positions, q_positions_offset),
+                                ("k_positions", k_positions, k_positions_offset)):  # fmt: skip
         if tensor is not None or offset is not None:  # absent: the record's default positions
             rope[key] = tensor if tensor is not None else offset
     return rope
