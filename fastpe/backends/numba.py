@@ -1,8 +1,9 @@
 """The "numba" backend: CPU kernels in ``fastpe.kernels.numba``, imported on first use.
 
-Kernels compute in float32 or float64. bfloat16 tensors reach apply_rope and embed as their
-uint16 bits (the kernels widen and round them); other half-precision inputs are widened to
-float32 at the boundary and rounded back by torch (round-to-nearest-even).
+Kernels compute in float32 or float64. bfloat16 and float16 tensors reach apply_rope and embed
+as their bits (uint16 / int16; the kernels widen and round them to nearest even, as torch
+does); other ops' half-precision inputs are widened to float32 at the boundary and rounded back
+by torch (round-to-nearest-even).
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ class ApplyRope(_Numba):
 
         dtype = compute_dtype(inp.dtype)
         x = to_host_bits(inp.x, dtype)
-        # float32/64 and bfloat16 arrays or CPU tensors come back from to_host_bits as views of
-        # the caller's memory: rotate that buffer directly; float16 goes through a float32 copy
-        direct = inp.inplace and inp.dtype != "float16"
+        # every float array or CPU tensor comes back from to_host_bits as a view of the
+        # caller's memory (half types as their bits): rotate that buffer directly. Half tables
+        # stay bits too: a decode step reads one row, so widening the whole table would dominate
+        direct = inp.inplace
         out = apply_rope_numba(
-            x, to_host(inp.cos, dtype), to_host(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
+            x, to_host_bits(inp.cos, dtype), to_host_bits(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
             interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
         )  # fmt: skip
         if direct:
