@@ -156,7 +156,10 @@ def to_float64(x) -> np.ndarray:
 
 def to_int64(x) -> np.ndarray:
     if is_tensor(x):
-        return x.detach().to(device="cpu", dtype=sys.modules["torch"].int64).numpy()
+        torch = sys.modules["torch"]
+        if x.dtype is torch.int64 and x.device.type == "cpu":
+            return x.numpy()  # a view; integer tensors never require grad
+        return x.detach().to(device="cpu", dtype=torch.int64).numpy()
     return np.asarray(x, dtype=np.int64)
 
 
@@ -246,6 +249,8 @@ def to_host(x, dtype) -> np.ndarray:
         if dtype_name(x) in ("float16", "bfloat16"):
             x = x.float()
         x = x.numpy()
+    if type(x) is np.ndarray and x.dtype == dtype:
+        return x  # what np.asarray would return, minus its cost on a one-token call
     return np.asarray(x, dtype=dtype)
 
 
@@ -275,4 +280,6 @@ def from_host(result: np.ndarray, placement: Placement, dtype: str):
     if placement.framework == "numpy":
         return result if result.dtype == dtype else result.astype(dtype)
     torch = sys.modules["torch"]
-    return torch.from_numpy(result).to(dtype=getattr(torch, dtype))
+    tensor = torch.from_numpy(result)
+    want = getattr(torch, dtype)
+    return tensor if tensor.dtype is want else tensor.to(dtype=want)

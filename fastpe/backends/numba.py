@@ -69,17 +69,33 @@ class RopeTable(_Numba):
 class ApplyRope(_Numba):
     op = "apply_rope"
 
-    def run(self, inp):
+    def run_group(self, group):
+        # (q, k) of a decode step share their tables: convert them once, not per tensor
+        first = group[0]
+        dtype = compute_dtype(first.dtype)
+        if any(
+            inp.cos is not first.cos
+            or inp.sin is not first.sin
+            or compute_dtype(inp.dtype) != dtype
+            for inp in group
+        ):
+            return super().run_group(group)
+        tables = (to_host_bits(first.cos, dtype), to_host_bits(first.sin, dtype))
+        return tuple(self.run(inp, tables) for inp in group)
+
+    def run(self, inp, tables=None):
         from fastpe.kernels.numba.apply_rope import apply_rope_numba
 
         dtype = compute_dtype(inp.dtype)
+        if tables is None:
+            tables = (to_host_bits(inp.cos, dtype), to_host_bits(inp.sin, dtype))
         x = to_host_bits(inp.x, dtype)
         # every float array or CPU tensor comes back from to_host_bits as a view of the
         # caller's memory (half types as their bits): rotate that buffer directly. Half tables
         # stay bits too: a decode step reads one row, so widening the whole table would dominate
         direct = inp.inplace
         out = apply_rope_numba(
-            x, to_host_bits(inp.cos, dtype), to_host_bits(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
+            x, *tables, inp.positions.as_int64(inp.batch, inp.seq),
             interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
         )  # fmt: skip
         if direct:
