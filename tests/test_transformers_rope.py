@@ -28,8 +28,10 @@ def test_patched_rotary_gives_transformers_logits_and_is_reversible():
     model = _tiny_llama()
     ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # left padding with per-sequence position ids: cos/sin get a batch dim
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    mask[1, :5] = 0  # left padding
+    # per-sequence position ids (cos/sin get a batch dim), not a shift of each other (RoPE
+    # scores would not see a shift)
+    position_ids = torch.stack([torch.arange(37), 3 * torch.arange(37)])
     original = modeling_llama.apply_rotary_pos_emb
     with torch.no_grad():
         want = model(ids, attention_mask=mask, position_ids=position_ids).logits
