@@ -114,3 +114,75 @@ def test_tensor_positions_out_of_range_still_name_the_value(bad):
     positions = torch.tensor([[5, bad, 7]])
     with pytest.raises(IndexError, match=rf"positions contains {bad} at index \[0, 1\]"):
         fastpe.apply_rope(x, cos, sin, positions=positions)
+
+
+NUMBA = [p for p in KERNEL_BACKENDS if p.values[0] == "numba"]
+
+
+def _attention_cases(rng):
+    """(name, q, k, v, options) in float32: GQA prefill, decode with split keys, strided views,
+    masks, key lengths and fused RoPE."""
+
+    def t(*shape):
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+    cos, sin = fastpe.rope_table(700, 16, device="cpu")
+    base = t(2, 4, 40, 32)
+    yield "gqa causal", t(2, 4, 37, 32), t(2, 2, 300, 32), t(2, 2, 300, 32), {"causal": True}
+    yield "decode split keys", t(1, 8, 1, 32), t(1, 2, 700, 32), t(1, 2, 700, 32), {"causal": True}
+    yield "strided", base[:, :, ::2], base[:, ::2, 1:39], base[:, 1::2, 2:40], {"causal": True}
+    mask = torch.from_numpy(rng.random((2, 1, 9, 50)) > 0.3)
+    yield "bool mask", t(2, 4, 9, 32), t(2, 4, 50, 32), t(2, 4, 50, 32), {"mask": mask}
+    lengths = torch.tensor([50, 17])
+    yield "key lengths", t(2, 4, 9, 32), t(2, 4, 50, 32), t(2, 4, 50, 32), {"key_lengths": lengths}
+    rope = {"cos": cos, "sin": sin}
+    yield "fused rope", t(1, 4, 20, 32), t(1, 2, 600, 32), t(1, 2, 600, 32), {"rope": rope}
+
+
+@pytest.mark.parametrize("backend", NUMBA)
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_attention_reads_bits_and_equals_the_widened_call(backend, dtype, rng):
+    """Half q/k/v are widened tile by tile inside the kernel: bit for bit what the kernel gives
+    on the same values widened to float32 beforehand, rounded once (fused RoPE included: the
+    rotated q/k stay float32); and within one rounding of the float64 oracle."""
+    tdtype = getattr(torch, dtype)
+    for name, q, k, v, kw in _attention_cases(rng):
+        q, k, v = (a.to(tdtype) for a in (q, k, v))
+        got = fastpe.attention(q, k, v, backend=backend, **kw)
+        widened = fastpe.attention(q.float(), k.float(), v.float(), backend=backend, **kw)
+        assert got.dtype == tdtype, name
+        _same_bits(got, widened.to(tdtype))
+        want = fastpe.attention(q.double(), k.double(), v.double(), **kw, **O)
+        # one rounding of a float32 result: half an ulp of the largest output, plus float32's
+        half_ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+        tol = half_ulp * want.abs().max().item() + 1e-5
+        assert (got.double() - want).abs().max().item() <= tol, name
+
+
+@pytest.mark.parametrize("backend", NUMBA)
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_attention_makes_no_float32_copy_of_its_inputs(backend, dtype, monkeypatch, rng):
+    """No full-tensor widening on the way in: neither Tensor.float() nor .to(float32) is called
+    on q, k or v (the old path widened each with .float() before the kernel)."""
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)).to(tdtype)
+               for s in ((1, 4, 16, 32), (1, 2, 300, 32), (1, 2, 300, 32)))  # fmt: skip
+    fastpe.attention(q, k, v, backend=backend)  # compiled before the spy goes in
+    inputs = {a.data_ptr() for a in (q, k, v)}  # detached views share it
+    widened = []
+    real_float, real_to = torch.Tensor.float, torch.Tensor.to
+
+    def spy_float(self, *args, **kwargs):
+        if self.data_ptr() in inputs:
+            widened.append("float")
+        return real_float(self, *args, **kwargs)
+
+    def spy_to(self, *args, **kwargs):
+        if self.data_ptr() in inputs and torch.float32 in (*args, kwargs.get("dtype")):
+            widened.append("to")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", spy_float)
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    out = fastpe.attention(q, k, v, causal=True, backend=backend)
+    assert out.dtype == tdtype and not widened, widened

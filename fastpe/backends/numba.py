@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
+
 from fastpe import _arrays, reference
 from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
 from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
@@ -138,14 +140,19 @@ class Attention(_Numba):
 
         b, hq, hkv, sq, sk, d, dv = inp.shape
         dtype = compute_dtype(inp.dtype)
-        q, k, v = (to_host(t, dtype) for t in (inp.q, inp.k, inp.v))
+        # half q/k/v as their bits: the kernel widens them tile by tile (no full-tensor copy)
+        q, k, v = (to_host_bits(t, dtype) for t in (inp.q, inp.k, inp.v))
         if inp.rope is not None:
             # rotated once into scratch: O(S·D) next to the O(Sq·Sk·D) of the attention itself
             rope = inp.rope
             cos, sin = to_host(rope.cos, dtype), to_host(rope.sin, dtype)
+            # half q/k are rotated from their bits into float32: rounding them back to half
+            # before the scores would add an error the float32 path does not have
+            wide = q.dtype in (np.uint16, np.int16)
             q, k = (
                 apply_rope_numba(x, cos, sin, positions.as_int64(b, s),
-                                 interleaved=rope.interleaved, layout="bhsd")
+                                 interleaved=rope.interleaved, layout="bhsd",
+                                 out=np.empty(x.shape, np.float32) if wide else None)
                 for x, positions, s in ((q, rope.q_positions, sq), (k, rope.k_positions, sk))
             )  # fmt: skip
         mask = None

@@ -122,7 +122,7 @@ def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
                     out[b, h, s, half + i] = _narrow(out, o * c + a * sn)
             if copy_tail:
                 for i in range(2 * half, dim):
-                    out[b, h, s, i] = x[b, h, s, i]
+                    out[b, h, s, i] = _narrow(out, _widen(x[b, h, s, i]))  # exact
 
 
 # Below this many rotated elements a call runs on the calling thread: splitting a decode step
@@ -141,8 +141,9 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None):
     bits of bfloat16 (uint16) or float16 (int16), computed in float32.
 
     ``positions`` int64 [B, S]; cos/sin are read in the compute dtype, or as half bits (widened
-    per element: only the rows used are read). ``out=x`` rotates in place. Returns the output
-    in x's layout.
+    per element: only the rows used are read). ``out=x`` rotates in place; an ``out`` of
+    another dtype (float32 for half x) receives the unrounded rotation. Returns the output in
+    x's layout.
     """
     compute = np.float32 if x.dtype in HALF_BITS else x.dtype
     cos, sin = (
