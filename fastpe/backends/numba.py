@@ -1,9 +1,10 @@
 """The "numba" backend: CPU kernels in ``fastpe.kernels.numba``, imported on first use.
 
-Kernels compute in float32 or float64. bfloat16 and float16 tensors reach apply_rope and embed
-as their bits (uint16 / int16; the kernels widen and round them to nearest even, as torch
-does); other ops' half-precision inputs are widened to float32 at the boundary and rounded back
-by torch (round-to-nearest-even).
+Kernels compute in float32 or float64. bfloat16 and float16 tensors reach apply_rope, embed and
+attention's q/k/v as their bits (uint16 / int16; the kernels widen them as they read, and
+apply_rope and embed round to nearest even on store, as torch does); attention's float32 output,
+and every other half-precision input (masks, merge_attention), go through torch's conversion
+(round-to-nearest-even).
 """
 
 from __future__ import annotations
