@@ -16,9 +16,17 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 NUMPY_FLOAT_DTYPES = ("float32", "float64")
 
 
+_tensor_class = None  # torch.Tensor once torch has been imported by someone
+
+
 def is_tensor(x) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    # called dozens of times per op: the class is looked up once, after torch has been imported
+    global _tensor_class
+    if _tensor_class is None:
+        _tensor_class = getattr(sys.modules.get("torch"), "Tensor", None)
+        if _tensor_class is None:
+            return False
+    return isinstance(x, _tensor_class)
 
 
 @dataclass(frozen=True)
@@ -39,16 +47,32 @@ class Placement:
 NUMPY = Placement("numpy")
 
 
+# torch.device / torch.dtype -> what fastpe calls them; a handful of entries per process, and
+# building them (str() of a device or dtype) was a visible part of a one-token call's overhead
+_placements: dict = {}
+_dtype_names: dict = {}
+
+
 def placement_of(x) -> Placement:
     if is_tensor(x):
-        return Placement("torch", str(x.device))
+        device = x.device
+        placement = _placements.get(device)
+        if placement is None:
+            placement = _placements[device] = Placement("torch", str(device))
+        return placement
     return NUMPY
 
 
 def dtype_name(x) -> str:
     """'float32', 'bfloat16', 'int64', 'bool', ... for an array or tensor."""
     if is_tensor(x):
-        return str(x.dtype).removeprefix("torch.")
+        dtype = x.dtype
+        name = _dtype_names.get(dtype)
+        if name is None:
+            name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+        return name
+    if isinstance(x, np.ndarray):
+        return x.dtype.name
     return np.asarray(x).dtype.name
 
 
@@ -92,6 +116,19 @@ def may_overlap(x) -> bool:
     return False
 
 
+def min_max(x) -> tuple[int, int] | None:
+    """(smallest, largest) element of an integer array as Python ints, None if empty. Reduced
+    where the data lives (one pass for a tensor): no host copy, no NumPy round trip."""
+    if is_tensor(x):
+        if x.numel() == 0:
+            return None
+        low, high = sys.modules["torch"].aminmax(x)
+        return int(low), int(high)
+    if x.size == 0:
+        return None
+    return int(x.min()), int(x.max())
+
+
 def min_value(x):
     """The smallest element as a Python number (a reduction, no copy); 0 if empty."""
     empty = x.numel() == 0 if is_tensor(x) else x.size == 0
@@ -119,7 +156,10 @@ def to_float64(x) -> np.ndarray:
 
 def to_int64(x) -> np.ndarray:
     if is_tensor(x):
-        return x.detach().to(device="cpu", dtype=sys.modules["torch"].int64).numpy()
+        torch = sys.modules["torch"]
+        if x.dtype is torch.int64 and x.device.type == "cpu":
+            return x.numpy()  # a view; integer tensors never require grad
+        return x.detach().to(device="cpu", dtype=torch.int64).numpy()
     return np.asarray(x, dtype=np.int64)
 
 
@@ -209,25 +249,37 @@ def to_host(x, dtype) -> np.ndarray:
         if dtype_name(x) in ("float16", "bfloat16"):
             x = x.float()
         x = x.numpy()
+    if type(x) is np.ndarray and x.dtype == dtype:
+        return x  # what np.asarray would return, minus its cost on a one-token call
     return np.asarray(x, dtype=dtype)
 
 
 def to_host_bits(x, dtype) -> np.ndarray:
-    """Like ``to_host``, but a bfloat16 tensor comes as a uint16 view of its bits (no copy), for
-    kernels that widen and round bfloat16 themselves (docs/dtypes-and-errors.md)."""
-    if is_tensor(x) and dtype_name(x) == "bfloat16":
-        torch = sys.modules["torch"]
-        return x.detach().view(torch.int16).numpy().view(np.uint16)
+    """Like ``to_host``, but a half-precision tensor comes as a view of its bits (no copy):
+    bfloat16 as uint16, float16 as int16 — the type tells the kernel which half it holds — for
+    kernels that widen and round half types themselves (docs/dtypes-and-errors.md)."""
+    if is_tensor(x):
+        name = dtype_name(x)
+        if name == "bfloat16":
+            return x.detach().view(sys.modules["torch"].int16).numpy().view(np.uint16)
+        if name == "float16":
+            return x.detach().view(sys.modules["torch"].int16).numpy()
     return to_host(x, dtype)
 
 
 def from_host(result: np.ndarray, placement: Placement, dtype: str):
     """A CPU kernel's NumPy result -> the caller's framework and dtype (no copy when already
-    right); uint16 results are bfloat16 bits and become a bfloat16 tensor without a copy."""
+    right); uint16 / int16 results are bfloat16 / float16 bits and become a tensor of that type
+    without a copy."""
     if result.dtype == np.uint16:
         torch = sys.modules["torch"]
         return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+    if result.dtype == np.int16:
+        torch = sys.modules["torch"]
+        return torch.from_numpy(result).view(torch.float16)
     if placement.framework == "numpy":
         return result if result.dtype == dtype else result.astype(dtype)
     torch = sys.modules["torch"]
-    return torch.from_numpy(result).to(dtype=getattr(torch, dtype))
+    tensor = torch.from_numpy(result)
+    want = getattr(torch, dtype)
+    return tensor if tensor.dtype is want else tensor.to(dtype=want)

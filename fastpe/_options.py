@@ -63,7 +63,8 @@ class Positions(NamedTuple):
             check_range(name, array, 0, limit, what=f"({what} has {limit} rows)")
         elif _arrays.min_value(array) < 0:  # a negative row index: IndexError, like table rows
             check_range(name, array, 0, MAX_POSITION)
-        check_position(name, array)  # the supported range: ValueError
+        if limit is None or limit > MAX_POSITION:  # else implied by the row check
+            check_position(name, array)  # the supported range: ValueError
         if array.ndim == 2:
             array = _arrays.broadcast_to(array, (batch, seq))
         return cls(array=array)
@@ -72,7 +73,9 @@ class Positions(NamedTuple):
         """[B, S] int64 NumPy array of the positions (for the oracle and the CPU kernels)."""
         if self.array is None:
             return np.broadcast_to(np.arange(self.offset, self.offset + seq), (batch, seq))
-        return np.broadcast_to(_arrays.to_int64(self.array), (batch, seq))
+        values = _arrays.to_int64(self.array)
+        # build() already broadcast [1, S] to [B, S]; np.broadcast_to costs a decode step µs
+        return values if values.shape == (batch, seq) else np.broadcast_to(values, (batch, seq))
 
     def on_device(self, device) -> Positions:
         """The same positions with the array as an int64 tensor on ``device`` (GPU kernels)."""

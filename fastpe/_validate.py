@@ -70,6 +70,9 @@ def check_int_array(name: str, x, *, ndim: int | tuple[int, ...] | None = None):
 
 def check_range(name: str, x, low: int, high: int, *, what: str = "") -> None:
     """Every entry of integer array ``x`` lies in [low, high); else IndexError naming the value."""
+    bounds = _arrays.min_max(x)  # the common case costs one reduction, not a host int64 copy
+    if bounds is None or (bounds[0] >= low and bounds[1] < high):
+        return
     values = _arrays.to_int64(x)
     bad = (values < low) | (values >= high)
     if bad.any():
@@ -125,10 +128,8 @@ def check_position(name: str, value, *, count: int = 1) -> None:
     x = _arrays.as_array(value)
     if not _arrays.is_int_dtype(_arrays.dtype_name(x)):
         raise TypeError(f"{name} must be an int or an integer array; got {_arrays.dtype_name(x)}")
-    if x.numel() == 0 if _arrays.is_tensor(x) else x.size == 0:
-        return
-    low, high = int(x.min()), int(x.max())  # reduced where the data lives: no host copy
-    if low >= 0 and high < MAX_POSITION:
+    bounds = _arrays.min_max(x)  # reduced where the data lives: no host copy
+    if bounds is None or (bounds[0] >= 0 and bounds[1] < MAX_POSITION):
         return
     values = x.detach().cpu().numpy() if _arrays.is_tensor(x) else np.asarray(x)
     where = tuple(int(i) for i in np.argwhere((values < 0) | (values >= MAX_POSITION))[0])

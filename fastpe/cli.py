@@ -161,9 +161,12 @@ def bench(args) -> int:
         grid = [c for c in grid if c.op in args.ops]
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
-    doc = bm.run_benchmarks(
-        grid, device, dtype, progress=lambda m: print(m, file=sys.stderr, flush=True)
-    )
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    doc = bm.run_benchmarks(grid, device, dtype, progress=progress)
+    if args.ops and "generate" in args.ops:  # opt-in only: minutes on a CPU
+        from fastpe.benchmarking.generate import run_generate
+
+        doc["results"] += run_generate(device, dtype, progress=progress)
     print(bm.format_table(doc))
     for line in bm.caveats(doc):
         print(line)
@@ -222,7 +225,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the small grid (one case per op, three for attention) instead of the full one",
     )
     b.add_argument(
-        "--ops", nargs="+", choices=list(bm.OPS), metavar="OP", help="only these ops: %(choices)s"
+        "--ops",
+        nargs="+",
+        choices=[*bm.OPS, "generate"],
+        metavar="OP",
+        help="only these ops: %(choices)s ('generate', never run by default: model.generate() "
+        "of a Llama-shaped random-weight model, fastpe attention vs SDPA, minutes on a CPU)",
     )
     b.add_argument(
         "--json", default="fastpe-bench.json", metavar="PATH", help="results file (%(default)s)"

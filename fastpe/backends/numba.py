@@ -1,13 +1,17 @@
 """The "numba" backend: CPU kernels in ``fastpe.kernels.numba``, imported on first use.
 
-Kernels compute in float32 or float64. bfloat16 tensors reach apply_rope and embed as their
-uint16 bits (the kernels widen and round them); other half-precision inputs are widened to
-float32 at the boundary and rounded back by torch (round-to-nearest-even).
+Kernels compute in float32 or float64. bfloat16 and float16 tensors reach apply_rope, embed and
+attention's q/k/v as their bits (uint16 / int16; the kernels widen them as they read, and
+apply_rope and embed round to nearest even on store, as torch does); attention's float32 output,
+and every other half-precision input (masks, merge_attention), go through torch's conversion
+(round-to-nearest-even).
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+import numpy as np
 
 from fastpe import _arrays, reference
 from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
@@ -68,16 +72,33 @@ class RopeTable(_Numba):
 class ApplyRope(_Numba):
     op = "apply_rope"
 
-    def run(self, inp):
+    def run_group(self, group):
+        # (q, k) of a decode step share their tables: convert them once, not per tensor
+        first = group[0]
+        dtype = compute_dtype(first.dtype)
+        if any(
+            inp.cos is not first.cos
+            or inp.sin is not first.sin
+            or compute_dtype(inp.dtype) != dtype
+            for inp in group
+        ):
+            return super().run_group(group)
+        tables = (to_host_bits(first.cos, dtype), to_host_bits(first.sin, dtype))
+        return tuple(self.run(inp, tables) for inp in group)
+
+    def run(self, inp, tables=None):
         from fastpe.kernels.numba.apply_rope import apply_rope_numba
 
         dtype = compute_dtype(inp.dtype)
+        if tables is None:
+            tables = (to_host_bits(inp.cos, dtype), to_host_bits(inp.sin, dtype))
         x = to_host_bits(inp.x, dtype)
-        # float32/64 and bfloat16 arrays or CPU tensors come back from to_host_bits as views of
-        # the caller's memory: rotate that buffer directly; float16 goes through a float32 copy
-        direct = inp.inplace and inp.dtype != "float16"
+        # every float array or CPU tensor comes back from to_host_bits as a view of the
+        # caller's memory (half types as their bits): rotate that buffer directly. Half tables
+        # stay bits too: a decode step reads one row, so widening the whole table would dominate
+        direct = inp.inplace
         out = apply_rope_numba(
-            x, to_host(inp.cos, dtype), to_host(inp.sin, dtype), inp.positions.as_int64(inp.batch, inp.seq),
+            x, *tables, inp.positions.as_int64(inp.batch, inp.seq),
             interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
         )  # fmt: skip
         if direct:
@@ -120,14 +141,19 @@ class Attention(_Numba):
 
         b, hq, hkv, sq, sk, d, dv = inp.shape
         dtype = compute_dtype(inp.dtype)
-        q, k, v = (to_host(t, dtype) for t in (inp.q, inp.k, inp.v))
+        # half q/k/v as their bits: the kernel widens them tile by tile (no full-tensor copy)
+        q, k, v = (to_host_bits(t, dtype) for t in (inp.q, inp.k, inp.v))
         if inp.rope is not None:
             # rotated once into scratch: O(S·D) next to the O(Sq·Sk·D) of the attention itself
             rope = inp.rope
             cos, sin = to_host(rope.cos, dtype), to_host(rope.sin, dtype)
+            # half q/k are rotated from their bits into float32: rounding them back to half
+            # before the scores would add an error the float32 path does not have
+            wide = q.dtype in (np.uint16, np.int16)
             q, k = (
                 apply_rope_numba(x, cos, sin, positions.as_int64(b, s),
-                                 interleaved=rope.interleaved, layout="bhsd")
+                                 interleaved=rope.interleaved, layout="bhsd",
+                                 out=np.empty(x.shape, np.float32) if wide else None)
                 for x, positions, s in ((q, rope.q_positions, sq), (k, rope.k_positions, sk))
             )  # fmt: skip
         mask = None

@@ -10,24 +10,49 @@ from __future__ import annotations
 import numpy as np
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
 
-# bfloat16 travels as its uint16 bit pattern (Numba has no bfloat16): widened exactly with << 16
-# and rounded to nearest-even on the way back. Kept in this file on purpose: Numba's disk cache
-# only notices changes to the file that holds the kernel.
+# bfloat16 travels as its uint16 bit pattern and float16 as its int16 bit pattern (Numba has
+# neither half type; the signedness is only a tag that picks the conversion at compile time):
+# widened exactly and rounded to nearest-even on the way back, bit for bit as torch rounds.
+# Kept in this file on purpose: Numba's disk cache only notices changes to the file that holds
+# the kernel.
 def _widen(value):
-    """An element as a number to compute with: bf16 bits -> float32, floats unchanged."""
+    """An element as a number to compute with: half bits -> float32, floats unchanged."""
 
 
 def _narrow(array, value):
-    """``value`` as an element of ``array``: float -> bf16 bits for uint16 arrays."""
+    """``value`` as an element of ``array``: float -> half bits for uint16/int16 arrays."""
+
+
+@register_jitable
+def _fp16_to_float32(value):
+    """float16 bits (int16) -> float32, exactly. A plain jitted function rather than an inline
+    overload body: Numba's inliner mishandles its branches (NumbaIRAssumptionWarning)."""
+    h = np.uint32(np.uint16(value))
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mant = h & np.uint32(0x3FF)
+    if exp == np.uint32(0):  # zero or subnormal: mant · 2^-24, exact in float32
+        result = np.float32(mant) * np.float32(5.9604644775390625e-08)
+        if sign:
+            result = -result
+    else:
+        if exp == np.uint32(0x1F):  # inf, NaN (payload kept)
+            bits = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
+        else:  # normal: rebias the exponent 15 -> 127
+            bits = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
+        result = np.uint32(bits).view(np.float32)
+    return result
 
 
 @overload(_widen, inline="always")
 def _widen_impl(value):
     if value == types.uint16:
         return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    if value == types.int16:
+        return lambda value: _fp16_to_float32(value)
     return lambda value: value
 
 
@@ -43,10 +68,39 @@ def _narrow_impl(array, value):
             return np.uint16((bits + np.uint32(0x7FFF) + keep) >> np.uint32(16))
 
         return to_bf16
+    if array.dtype == types.int16:
+
+        def to_fp16(array, value):
+            bits = np.float32(value).view(np.uint32)
+            sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+            mag = bits & np.uint32(0x7FFFFFFF)
+            if mag > np.uint32(0x7F800000):  # NaN stays a quiet NaN
+                half = sign | np.uint32(0x7E00) | ((mag >> np.uint32(13)) & np.uint32(0x3FF))
+            elif mag >= np.uint32(0x477FF000):  # >= 65520 rounds past 65504: inf
+                half = sign | np.uint32(0x7C00)
+            elif mag >= np.uint32(0x38800000):  # a normal half: rebias 127 -> 15, round 13 bits
+                mag = mag - np.uint32(0x38000000)
+                keep = (mag >> np.uint32(13)) & np.uint32(1)  # ties go to the even half
+                half = sign | ((mag + np.uint32(0xFFF) + keep) >> np.uint32(13))
+            else:  # a subnormal half (or zero): count units of 2^-24, round to nearest even
+                exp = mag >> np.uint32(23)
+                shift = np.uint32(126) - exp  # >= 14 here
+                if shift > np.uint32(25) or exp == np.uint32(0):
+                    half = sign  # below half the smallest subnormal (2^-25 itself ties to 0)
+                else:
+                    full = (mag & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+                    units = full >> shift
+                    rest = full & ((np.uint32(1) << shift) - np.uint32(1))
+                    middle = np.uint32(1) << (shift - np.uint32(1))
+                    if rest > middle or (rest == middle and (units & np.uint32(1)) != 0):
+                        units += np.uint32(1)  # may carry into the smallest normal: still right
+                    half = sign | units
+            return np.int16(np.uint16(half))
+
+        return to_fp16
     return lambda array, value: value
 
 
-@njit(parallel=True, cache=True)
 def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
     batch, heads, seq, dim = x.shape
     half = cos.shape[1]
@@ -56,36 +110,52 @@ def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
         for h in range(heads):
             if interleaved:
                 for i in range(half):
-                    c, sn = cos[p, i], sin[p, i]
+                    c, sn = _widen(cos[p, i]), _widen(sin[p, i])
                     a, o = _widen(x[b, h, s, 2 * i]), _widen(x[b, h, s, 2 * i + 1])
                     out[b, h, s, 2 * i] = _narrow(out, a * c - o * sn)
                     out[b, h, s, 2 * i + 1] = _narrow(out, o * c + a * sn)
             else:
                 for i in range(half):
-                    c, sn = cos[p, i], sin[p, i]
+                    c, sn = _widen(cos[p, i]), _widen(sin[p, i])
                     a, o = _widen(x[b, h, s, i]), _widen(x[b, h, s, half + i])
                     out[b, h, s, i] = _narrow(out, a * c - o * sn)
                     out[b, h, s, half + i] = _narrow(out, o * c + a * sn)
             if copy_tail:
                 for i in range(2 * half, dim):
-                    out[b, h, s, i] = x[b, h, s, i]
+                    out[b, h, s, i] = _narrow(out, _widen(x[b, h, s, i]))  # exact
+
+
+# Below this many rotated elements a call runs on the calling thread: splitting a decode step
+# (one token, a few thousand elements, ~2 µs of work) gains nothing, and a parallel region has to
+# wait for a worker when torch's pool or another process holds the cores.
+SERIAL_ELEMENTS = 1 << 16
+
+_apply_rope_parallel = njit(parallel=True, cache=True)(_apply_rope_numba)
+_apply_rope_serial = njit(cache=True)(_apply_rope_numba)  # prange runs as range
+
+HALF_BITS = (np.uint16, np.int16)  # bfloat16, float16 bits
 
 
 def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None):
-    """Rotate x ("bhsd" [B,H,S,D] or "bshd" [B,S,H,D], any strides): float32, float64, or uint16
-    holding bfloat16 bits (computed in float32).
+    """Rotate x ("bhsd" [B,H,S,D] or "bshd" [B,S,H,D], any strides): float32, float64, or the
+    bits of bfloat16 (uint16) or float16 (int16), computed in float32.
 
-    ``positions`` int64 [B, S]; cos/sin are read in the compute dtype. ``out=x`` rotates in
-    place. Returns the output in x's layout.
+    ``positions`` int64 [B, S]; cos/sin are read in the compute dtype, or as half bits (widened
+    per element: only the rows used are read). ``out=x`` rotates in place; an ``out`` of
+    another dtype (float32 for half x) receives the unrounded rotation. Returns the output in
+    x's layout.
     """
-    compute = np.float32 if x.dtype == np.uint16 else x.dtype
-    cos = np.ascontiguousarray(cos, dtype=compute)
-    sin = np.ascontiguousarray(sin, dtype=compute)
+    compute = np.float32 if x.dtype in HALF_BITS else x.dtype
+    cos, sin = (
+        np.ascontiguousarray(t) if t.dtype in HALF_BITS else np.ascontiguousarray(t, dtype=compute)
+        for t in (cos, sin)
+    )
     inplace = out is x
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)  # C order in the caller's layout
     as_bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.swapaxes(1, 2))
-    _apply_rope_numba(
+    kernel = _apply_rope_serial if x.size <= SERIAL_ELEMENTS else _apply_rope_parallel
+    kernel(
         as_bhsd(x), cos, sin, np.ascontiguousarray(positions, dtype=np.int64), as_bhsd(out),
         interleaved, not inplace and 2 * cos.shape[1] < x.shape[3],
     )  # fmt: skip

@@ -24,7 +24,8 @@ import math
 import numba
 import numpy as np
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from numba import prange
+from numba import prange, types
+from numba.extending import overload, register_jitable
 
 LOG2E = 1.4426950408889634
 
@@ -37,6 +38,74 @@ _P0, _P1, _P2, _P3 = (
     0.05547891246003817,
 )
 _P4, _P5, _P6 = 0.009686186295582436, 0.001238241549274018, 0.00021871262471017766
+
+
+# Half-precision q/k/v travel as their bits (bfloat16 as uint16, float16 as int16: Numba has
+# neither type) and are widened to float32 as they are read, one query block and one key tile at
+# a time, into the scratch tiles BLAS multiplies: the full tensors are never converted. Kept in
+# this file: Numba's disk cache only notices changes to the file that holds the kernel.
+@register_jitable
+def _fp16_to_float32(value):
+    """float16 bits (int16) -> float32, exactly (subnormals, inf and NaN included)."""
+    h = np.uint32(np.uint16(value))
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mant = h & np.uint32(0x3FF)
+    if exp == np.uint32(0):  # zero or subnormal: mant · 2^-24, exact in float32
+        result = np.float32(mant) * np.float32(5.9604644775390625e-08)
+        if sign:
+            result = -result
+    else:
+        if exp == np.uint32(0x1F):  # inf, NaN (payload kept)
+            bits = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
+        else:  # normal: rebias the exponent 15 -> 127
+            bits = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
+        result = np.uint32(bits).view(np.float32)
+    return result
+
+
+def _widen(value):
+    """An element as a number to compute with: half bits -> float32, floats unchanged."""
+
+
+def _load_tile(src, scratch):
+    """A [n, d] tile of k or v as the compute dtype: ``src`` itself for float arrays, else
+    widened into ``scratch[:n]``."""
+
+
+def _is_half(array):
+    """True for arrays of half bits (a compile-time constant)."""
+
+
+@overload(_is_half, inline="always")
+def _is_half_impl(array):
+    half = array.dtype in (types.uint16, types.int16)
+    return lambda array: half
+
+
+@overload(_widen, inline="always")
+def _widen_impl(value):
+    if value == types.uint16:
+        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    if value == types.int16:
+        return lambda value: _fp16_to_float32(value)
+    return lambda value: value
+
+
+@overload(_load_tile, inline="always")
+def _load_tile_impl(src, scratch):
+    if src.dtype in (types.uint16, types.int16):
+
+        def widen_into(src, scratch):
+            n, d = src.shape
+            for r in range(n):
+                for c in range(d):
+                    scratch[r, c] = _widen(src[r, c])
+            return scratch[:n]
+
+        return widen_into
+    return lambda src, scratch: src
+
 
 # Flags: contraction and reassociation let LLVM fuse and vectorise the row reductions. Not
 # nnan/ninf: -inf marks masked scores and must compare and propagate exactly.
@@ -332,31 +401,35 @@ def _attention_numba(
         j_begin = min(j_lo + split * per_split * block_n, j_end)
         j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
 
-        qt = np.empty((m, d), dtype=q.dtype)
-        scale_units = q.dtype.type(scale * unit)
+        qt = np.empty((m, d), dtype=part_out.dtype)
+        scale_units = part_out.dtype.type(scale * unit)
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
-                    qt[g * npos + r, c] = q[b, hk * group + g, i0 + r, c] * scale_units
-        acc = np.zeros((m, dv), dtype=q.dtype)
-        row_max = np.full(m, -np.inf, dtype=q.dtype)
-        row_sum = np.zeros(m, dtype=q.dtype)
+                    qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
+        acc = np.zeros((m, dv), dtype=part_out.dtype)
+        row_max = np.full(m, -np.inf, dtype=part_out.dtype)
+        row_sum = np.zeros(m, dtype=part_out.dtype)
         # per-row alpha, sum and shift of the current tile
-        work = np.empty((4, m), dtype=q.dtype)
-        pv = np.empty((m, dv), dtype=q.dtype)
+        work = np.empty((4, m), dtype=part_out.dtype)
+        pv = np.empty((m, dv), dtype=part_out.dtype)
         # full-width tile buffers, and separate ones for the last partial tile (Numba's parallel
         # array analysis forbids re-binding a name to a differently shaped array)
-        s_full = np.empty((m, block_n), dtype=q.dtype)
-        p_full = np.empty((m, block_n), dtype=q.dtype)
+        s_full = np.empty((m, block_n), dtype=part_out.dtype)
+        p_full = np.empty((m, block_n), dtype=part_out.dtype)
         tail = (j_stop - j_begin) % block_n
-        s_tail = np.empty((m, tail), dtype=q.dtype)
-        p_tail = np.empty((m, tail), dtype=q.dtype)
+        s_tail = np.empty((m, tail), dtype=part_out.dtype)
+        p_tail = np.empty((m, tail), dtype=part_out.dtype)
+        # widened k/v tiles for half inputs (empty, and unused, for float ones)
+        k_tile = np.empty((block_n if _is_half(k) else 0, d), dtype=part_out.dtype)
+        v_tile = np.empty((block_n if _is_half(v) else 0, dv), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             # two calls, not conditional arguments: a call of more than 30 arguments compiles
             # to a list of them, where Numba accepts no control flow
             if j_stop - j0 >= block_n:
                 _attend_tile(
-                    qt, k[b, hk, j0 : j0 + block_n], v[b, hk, j0 : j0 + block_n], s_full, p_full,
+                    qt, _load_tile(k[b, hk, j0 : j0 + block_n], k_tile),
+                    _load_tile(v[b, hk, j0 : j0 + block_n], v_tile), s_full, p_full,
                     pv, acc, row_max, row_sum, work,
                     b, hk, group, i0, npos, j0, query_shift[b], win_left, win_right, softcap,
                     has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
@@ -364,7 +437,8 @@ def _attention_numba(
                 )  # fmt: skip
             else:
                 _attend_tile(
-                    qt, k[b, hk, j0 : j0 + tail], v[b, hk, j0 : j0 + tail], s_tail, p_tail,
+                    qt, _load_tile(k[b, hk, j0 : j0 + tail], k_tile),
+                    _load_tile(v[b, hk, j0 : j0 + tail], v_tile), s_tail, p_tail,
                     pv, acc, row_max, row_sum, work,
                     b, hk, group, i0, npos, j0, query_shift[b], win_left, win_right, softcap,
                     has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
@@ -497,7 +571,8 @@ def attention_numba(
     q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
     relative_bias=None, window=None, softcap=None, sinks=None,
 ):  # fmt: skip
-    """Launch the flash-style kernel on NumPy arrays (float32 or float64, any strides).
+    """Launch the flash-style kernel on NumPy arrays (float32, float64, or bfloat16 / float16
+    bits as uint16 / int16, read tile by tile and computed in float32; any strides).
 
     Query i of sequence b sits at key position i + L_b - Sq when ``bottom_right`` (L_b =
     key_lengths[b], or Sk), i otherwise. ``mask``: None,
@@ -506,10 +581,12 @@ def attention_numba(
     copied. ``key_lengths`` int [B] or None; ``alibi_slopes`` [B, Hq] or None;
     ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
     bidirectional); ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0;
-    ``sinks`` float64 [Hq] or None. Returns (out [B, Hq, Sq, Dv] in q's dtype, lse float32
-    [B, Hq, Sq]).
+    ``sinks`` float64 [Hq] or None. Returns (out [B, Hq, Sq, Dv] in the compute dtype, lse
+    float32 [B, Hq, Sq]).
     """
-    dtype = q.dtype
+    # half bits (uint16 bfloat16, int16 float16) are computed in float32 and returned so; q and
+    # k may already be float32 (rotated by fused RoPE) while v is still half bits
+    dtype = np.dtype(np.float32) if v.dtype in (np.uint16, np.int16) else v.dtype
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     if batch * hq * sq == 0 or sk == 0:  # nothing to compute: empty, or every row sees no key
@@ -517,7 +594,7 @@ def attention_numba(
         if sinks is not None:
             lse[...] = np.asarray(sinks, np.float32)[None, :, None]
         return np.zeros((batch, hq, sq, dv), dtype), lse
-    q, k, v = (np.ascontiguousarray(a, dtype=dtype) for a in (q, k, v))
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # each in its own (bit) dtype
     group = hq // hkv
     block_m, block_n = _block_sizes(sq, sk, group)
     n_mblocks = -(-sq // block_m)

@@ -16,24 +16,49 @@ import numpy as np
 from fastpe.kernels.numba._angles import gather_basis
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
 
-# bfloat16 travels as its uint16 bit pattern (Numba has no bfloat16): widened exactly with << 16
-# and rounded to nearest-even on the way back. Kept in this file on purpose: Numba's disk cache
-# only notices changes to the file that holds the kernel.
+# bfloat16 travels as its uint16 bit pattern and float16 as its int16 bit pattern (Numba has
+# neither half type; the signedness is only a tag that picks the conversion at compile time):
+# widened exactly and rounded to nearest-even on the way back, bit for bit as torch rounds.
+# Kept in this file on purpose: Numba's disk cache only notices changes to the file that holds
+# the kernel.
 def _widen(value):
-    """An element as a number to compute with: bf16 bits -> float32, floats unchanged."""
+    """An element as a number to compute with: half bits -> float32, floats unchanged."""
 
 
 def _narrow(array, value):
-    """``value`` as an element of ``array``: float -> bf16 bits for uint16 arrays."""
+    """``value`` as an element of ``array``: float -> half bits for uint16/int16 arrays."""
+
+
+@register_jitable
+def _fp16_to_float32(value):
+    """float16 bits (int16) -> float32, exactly. A plain jitted function rather than an inline
+    overload body: Numba's inliner mishandles its branches (NumbaIRAssumptionWarning)."""
+    h = np.uint32(np.uint16(value))
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mant = h & np.uint32(0x3FF)
+    if exp == np.uint32(0):  # zero or subnormal: mant · 2^-24, exact in float32
+        result = np.float32(mant) * np.float32(5.9604644775390625e-08)
+        if sign:
+            result = -result
+    else:
+        if exp == np.uint32(0x1F):  # inf, NaN (payload kept)
+            bits = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
+        else:  # normal: rebias the exponent 15 -> 127
+            bits = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
+        result = np.uint32(bits).view(np.float32)
+    return result
 
 
 @overload(_widen, inline="always")
 def _widen_impl(value):
     if value == types.uint16:
         return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
+    if value == types.int16:
+        return lambda value: _fp16_to_float32(value)
     return lambda value: value
 
 
@@ -49,13 +74,42 @@ def _narrow_impl(array, value):
             return np.uint16((bits + np.uint32(0x7FFF) + keep) >> np.uint32(16))
 
         return to_bf16
+    if array.dtype == types.int16:
+
+        def to_fp16(array, value):
+            bits = np.float32(value).view(np.uint32)
+            sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+            mag = bits & np.uint32(0x7FFFFFFF)
+            if mag > np.uint32(0x7F800000):  # NaN stays a quiet NaN
+                half = sign | np.uint32(0x7E00) | ((mag >> np.uint32(13)) & np.uint32(0x3FF))
+            elif mag >= np.uint32(0x477FF000):  # >= 65520 rounds past 65504: inf
+                half = sign | np.uint32(0x7C00)
+            elif mag >= np.uint32(0x38800000):  # a normal half: rebias 127 -> 15, round 13 bits
+                mag = mag - np.uint32(0x38000000)
+                keep = (mag >> np.uint32(13)) & np.uint32(1)  # ties go to the even half
+                half = sign | ((mag + np.uint32(0xFFF) + keep) >> np.uint32(13))
+            else:  # a subnormal half (or zero): count units of 2^-24, round to nearest even
+                exp = mag >> np.uint32(23)
+                shift = np.uint32(126) - exp  # >= 14 here
+                if shift > np.uint32(25) or exp == np.uint32(0):
+                    half = sign  # below half the smallest subnormal (2^-25 itself ties to 0)
+                else:
+                    full = (mag & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+                    units = full >> shift
+                    rest = full & ((np.uint32(1) << shift) - np.uint32(1))
+                    middle = np.uint32(1) << (shift - np.uint32(1))
+                    if rest > middle or (rest == middle and (units & np.uint32(1)) != 0):
+                        units += np.uint32(1)  # may carry into the smallest normal: still right
+                    half = sign | units
+            return np.int16(np.uint16(half))
+
+        return to_fp16
     return lambda array, value: value
 
 
 PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
 
 
-@njit(parallel=True, cache=True)
 def _embed_numba(
     ids, weight, scale, positions, pe_kind, pe_table, block, p0, hi_row, hi_a, hi_b, lo_x, lo_y,
     has_types, type_ids, type_weight, out,
@@ -77,16 +131,24 @@ def _embed_numba(
             out[t, c] = _narrow(out, value)
 
 
+# Below this many output elements a call runs on the calling thread (a decode step embeds one
+# token per sequence): a parallel region would only add its start, or a wait for a busy core.
+SERIAL_ELEMENTS = 1 << 16
+
+_embed_parallel = njit(parallel=True, cache=True)(_embed_numba)
+_embed_serial = njit(cache=True)(_embed_numba)  # prange runs as range
+
+
 def embed_numba(
     ids, weight, positions, *, scale, pe, pe_table=None, omega=None, interleaved=True,
     token_type_ids=None, token_type_weight=None,
 ):  # fmt: skip
-    """ids, positions int64 [B, S]; weight [V, D] float32, float64 or uint16 holding bfloat16
-    bits (then pe_table / token_type_weight alike; computed in float32). Returns [B, S, D] in
-    weight's dtype."""
+    """ids, positions int64 [B, S]; weight [V, D] float32, float64, or the bits of bfloat16
+    (uint16) or float16 (int16) (then pe_table / token_type_weight alike; computed in float32).
+    Returns [B, S, D] in weight's dtype."""
     batch, seq = ids.shape
     dim = weight.shape[1]
-    compute = np.float32 if weight.dtype == np.uint16 else weight.dtype
+    compute = np.float32 if weight.dtype in (np.uint16, np.int16) else weight.dtype
     flat_ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     flat_pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
     out = np.empty((batch * seq, dim), dtype=weight.dtype)
@@ -109,7 +171,8 @@ def embed_numba(
     type_weight = (
         np.ascontiguousarray(token_type_weight) if has_types else np.zeros((1, 1), weight.dtype)
     )
-    _embed_numba(
+    kernel = _embed_serial if out.size <= SERIAL_ELEMENTS else _embed_parallel
+    kernel(
         flat_ids, np.ascontiguousarray(weight), np.dtype(compute).type(scale), flat_pos, kind, table, *basis,
         has_types, type_ids, type_weight, out,
     )  # fmt: skip
