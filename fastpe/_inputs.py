@@ -7,6 +7,7 @@ their framework, device and dtype; scalars are normalised to plain Python values
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -174,15 +175,8 @@ class ApplyRopeInputs(_Inputs):
         layout = check_choice("layout", layout, ROPE_LAYOUTS)
         cos, sin = check_rope_tables("", cos, sin, x.shape[3])
         inplace = check_bool("inplace", inplace)
-        if inplace and not _arrays.is_tensor(x) and not x.flags.writeable:
-            raise ValueError("inplace=True needs a writeable x; got a read-only NumPy array")
-        if inplace and _arrays.may_overlap(x):
-            raise ValueError(
-                f"inplace=True needs an x whose elements occupy distinct memory; got shape "
-                f"{tuple(x.shape)} with strides {_arrays.strides(x)} (an expanded or as_strided "
-                "view, whose shared rows would be rotated more than once); pass x.contiguous() "
-                "or inplace=False"
-            )
+        if inplace:
+            _check_writable(x)
         batch = x.shape[0]
         seq = x.shape[2 if layout == "bhsd" else 1]
         pos = Positions.build("positions", positions, batch, seq, cos.shape[0], "cos/sin", x)
@@ -197,6 +191,31 @@ class ApplyRopeInputs(_Inputs):
             inplace=inplace,
             dtype=_arrays.dtype_name(x),
             placement=placement,
+        )
+
+    def with_x(self, x) -> ApplyRopeInputs:
+        """The record of another array of the same call (``apply_rope((q, k), ...)``, whose
+        batch and sequence the caller checked): only what depends on x is checked again — its
+        dtype, rank, head dim, writability and placement; tables, positions and options are
+        this record's."""
+        x = check_float_array("x", x, ndim=4)
+        check_rope_tables("", self.cos, self.sin, x.shape[3])
+        if self.inplace:
+            _check_writable(x)
+        placement = check_same_placement({"x[0]": self.x, "x": x})
+        return dataclasses.replace(self, x=x, dtype=_arrays.dtype_name(x), placement=placement)
+
+
+def _check_writable(x) -> None:
+    """``inplace=True``: x can be written, and writing one element changes no other."""
+    if not _arrays.is_tensor(x) and not x.flags.writeable:
+        raise ValueError("inplace=True needs a writeable x; got a read-only NumPy array")
+    if _arrays.may_overlap(x):
+        raise ValueError(
+            f"inplace=True needs an x whose elements occupy distinct memory; got shape "
+            f"{tuple(x.shape)} with strides {_arrays.strides(x)} (an expanded or as_strided "
+            "view, whose shared rows would be rotated more than once); pass x.contiguous() "
+            "or inplace=False"
         )
 
 

@@ -154,7 +154,8 @@ def _apply_rope_group(xs, cos, sin, **options):
     backend = options.pop("backend")
     if _torch_graph(*xs, cos, sin, options["positions"]):
         return tuple(apply_rope(x, cos, sin, backend=backend, **options) for x in xs)
-    group = [ApplyRopeInputs.build(x, cos, sin, **options) for x in xs]
+    first = ApplyRopeInputs.build(xs[0], cos, sin, **options)
+    group = [first, *(first.with_x(x) for x in xs[1:])]
     return dispatch.run_group(group, backend)
 
 
