@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 
 import numpy as np
 
@@ -69,19 +71,55 @@ def check_int_array(name: str, x, *, ndim: int | tuple[int, ...] | None = None):
 
 
 def check_range(name: str, x, low: int, high: int, *, what: str = "") -> None:
-    """Every entry of integer array ``x`` lies in [low, high); else IndexError naming the value."""
-    values = _arrays.to_int64(x)
-    bad = (values < low) | (values >= high)
-    if bad.any():
+    """Every entry of integer array ``x`` lies in [low, high); else IndexError naming the value.
+    These checks keep the kernels' reads in bounds, so they run on every device; a tensor is
+    reduced where it lives (on CUDA one scalar comes back, the data only on the error path)."""
+    if _arrays.is_tensor(x):
+        x = _wide(x)
+        bad = (x < low) | (x >= high)
+        if not bool(bad.any()):
+            return
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        value = int(x[where])
+    else:
+        values = np.asarray(x, dtype=np.int64)
+        bad = (values < low) | (values >= high)
+        if not bad.any():
+            return
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise IndexError(
-            f"{name} contains {int(values[where])} at index {list(where)}, outside [{low}, {high})"
-            + (f" {what}" if what else "")
-        )
+        value = int(values[where])
+    raise IndexError(
+        f"{name} contains {value} at index {list(where)}, outside [{low}, {high})"
+        + (f" {what}" if what else "")
+    )
+
+
+def _wide(x):
+    """An int tensor as int64 on its own device: torch compares a narrower int tensor with a
+    Python int in the tensor's dtype, so 2**32 would wrap."""
+    torch = sys.modules["torch"]
+    return x if x.dtype == torch.int64 else x.to(torch.int64)
+
+
+def check_device_data() -> bool:
+    """Whether value checks that only guard the result, not memory (finite ALiBi slopes and T5
+    tables, positions below 2^32), also read GPU tensors: each costs a host sync per call, so on
+    CUDA they run only with ``FASTPE_CHECK_DEVICE_DATA=1`` (docs/dtypes-and-errors.md)."""
+    return os.environ.get("FASTPE_CHECK_DEVICE_DATA", "0") not in ("", "0")
+
+
+def _skip_device_values(x) -> bool:
+    return _arrays.on_gpu(x) and not check_device_data()
 
 
 def check_finite(name: str, x) -> None:
-    if not np.isfinite(_arrays.to_float64(x)).all():
+    if _skip_device_values(x):
+        return
+    if _arrays.is_tensor(x):
+        finite = bool(sys.modules["torch"].isfinite(x).all())  # reduced in place: no copy
+    else:
+        finite = bool(np.isfinite(np.asarray(x, dtype=np.float64)).all())
+    if not finite:
         raise ValueError(f"{name} must be finite (no NaN or inf)")
 
 
@@ -127,8 +165,10 @@ def check_position(name: str, value, *, count: int = 1) -> None:
         raise TypeError(f"{name} must be an int or an integer array; got {_arrays.dtype_name(x)}")
     if x.numel() == 0 if _arrays.is_tensor(x) else x.size == 0:
         return
-    low, high = int(x.min()), int(x.max())  # reduced where the data lives: no host copy
-    if low >= 0 and high < MAX_POSITION:
+    if _skip_device_values(x):  # out-of-range rows are caught by check_range; this is accuracy
+        return
+    wide = _wide(x) if _arrays.is_tensor(x) else x
+    if not bool(((wide < 0) | (wide >= MAX_POSITION)).any()):  # reduced in place: one scalar back
         return
     values = x.detach().cpu().numpy() if _arrays.is_tensor(x) else np.asarray(x)
     where = tuple(int(i) for i in np.argwhere((values < 0) | (values >= MAX_POSITION))[0])
