@@ -92,36 +92,99 @@ def _relative_bias_bucket(
 
 def _configs():
     """A single config under the interpreter (multi-config autotuning needs a GPU, and each
-    interpreted program costs ~1 ms); on a GPU a short list, pruned by head dim below."""
+    interpreted program costs ~1 ms); on a GPU the list below, pruned per call by ``_prune``."""
     if interpreted():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return _gpu_configs()
+
+
+def _gpu_configs():
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in [
-            (128, 64, 8, 3),
-            (128, 32, 4, 3),
-            (64, 64, 4, 3),
-            (128, 128, 8, 2),
-            (64, 32, 4, 2),
-        ]
+        for bm, bn, w, st in sorted(set().union(*_FITS.values()), reverse=True)
     ]
 
 
-def _prune(configs, named_args, **kwargs):
-    """Large head dims cannot hold 128 x 128 tiles in shared memory; tiny query counts
-    (decoding) waste most of a 128-row block."""
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) that keep every accumulator in registers (no
+# spill) and fit the shared memory of sm_80 and sm_90, by head dim (64: D <= 64, 128, 256), by
+# whether the keys are rotated in the loop (RoPE keeps four more fp32 [BLOCK_N, D] tiles live:
+# k, its partner columns, cos and sin) and by dtype (fp32 takes IEEE fp32 dots). Found with
+# `fastpe triton-report` (bench/results/triton-aot.md); change them only with a rerun of it.
+_FITS = {
+    (64, False, False): {(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                         (64, 32, 4, 2)},
+    (64, True, False): {(64, 32, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2)},
+    (128, False, False): {(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2), (64, 32, 8, 2)},
+    (128, True, False): {(64, 32, 8, 2), (32, 32, 4, 2)},
+    (256, False, False): {(64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)},
+    (256, True, False): {(32, 32, 8, 2)},
+    # fp32: the IEEE dot runs on FMA units, each thread holding whole rows of the K dimension
+    (64, False, True): {(32, 32, 8, 2), (32, 16, 4, 2)},
+    (64, True, True): {(32, 16, 4, 2), (32, 16, 8, 2)},
+    (128, False, True): {(32, 16, 8, 2)},
+    (128, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
+    (256, False, True): {(32, 32, 8, 2), (32, 16, 8, 2)},
+    (256, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
+}  # fmt: skip
+# 128 x 64 tiles at head dim 128 spill once scores carry a per-element bias read from memory
+_BIASED_128 = {(128, 64, 8, 3)}
+# GPUs with 99 KB of shared memory per block (sm_86, sm_89, sm_120): no third stage
+_SMALL_SMEM = (86, 89, 120, 121)
+
+
+def _rope_in_kernel(d, dot_fp32):
+    """Whether q and k tiles are rotated inside the kernel. fp32 tiles wider than 64 columns
+    spill with every config (bench/results/triton-aot.md): the launcher rotates q and k with the
+    apply_rope kernel first (the same fp32 arithmetic, one more pass over them)."""
+    return d <= (64 if dot_fp32 else 256)
+
+
+def _capability(named_args):
+    q = named_args.get("q_ptr")
+    if q is None or not hasattr(q, "device") or q.device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return 10 * major + minor
+
+
+def _prune(configs, named_args, capability=None, **kwargs):
+    """The configs of ``_FITS`` for this head dim, RoPE and dtype; tiny query counts (decoding)
+    waste most of a 128-row block. ``capability`` (e.g. 90) defaults to the GPU holding q;
+    ``kwargs`` are the kernel's constexprs (the AOT report passes both)."""
+    if capability is None:
+        capability = _capability(named_args)
     d = max(named_args["D"], named_args["Dv"])
-    kept = [
-        c for c in configs if not (d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)
-    ]
+    dclass = 64 if d <= 64 else 128 if d <= 128 else 256
+    fits = set(_FITS[dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32"))])
+    biased = kwargs.get("HAS_RELATIVE_BIAS") or (
+        kwargs.get("HAS_MASK") and not kwargs.get("MASK_IS_BOOL")
+    )
+    if dclass == 128 and biased:
+        fits -= _BIASED_128
+    if capability in _SMALL_SMEM:
+        fits = {f for f in fits if f[3] <= 2} or fits
+    key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
+    kept = [c for c in configs if key(c) in fits]
     if named_args["Sq"] <= 64:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] == 64] or kept
-    return kept or configs[:1]
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
+    return kept or configs[-1:]
 
 
 @triton.autotune(
     configs=_configs(),
-    key=["Sq", "Sk", "D", "Dv", "group"],
+    # the flags _prune reads are part of the key: a config tuned without RoPE must not be
+    # reused for a call with it
+    key=[
+        "Sq",
+        "Sk",
+        "D",
+        "Dv",
+        "group",
+        "HAS_ROPE",
+        "HAS_RELATIVE_BIAS",
+        "HAS_MASK",
+        "MASK_IS_BOOL",
+    ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
