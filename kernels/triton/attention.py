@@ -381,6 +381,18 @@ def merge_attention_triton(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
+def _rotated_first(q, k, rope):
+    """q and k rotated by the apply_rope kernel, for head dims whose in-loop rotation spills."""
+    from fastpe.kernels.triton.apply_rope import apply_rope_triton
+
+    cos, sin, interleaved, (q_pos, q_offset), (k_pos, k_offset) = rope
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kw = {"interleaved": interleaved, "layout": "bhsd", "inplace": False}
+    (q,) = apply_rope_triton((q,), cos, sin, q_pos, q_offset, **kw)
+    (k,) = apply_rope_triton((k,), cos, sin, k_pos, k_offset, **kw)
+    return q, k
+
+
 # Split-KV slices are whole multiples of this, so they suit every autotuned BLOCK_N.
 SPLIT_GRANULE = 128
 
@@ -421,6 +433,9 @@ def attention_triton(
     def pos_strides(p):
         return (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
 
+    if rope is not None and not _rope_in_kernel(d, q.dtype == torch.float32):
+        q, k = _rotated_first(q, k, rope)
+        rope = None
     if rope is not None:
         (
             cos,
