@@ -117,26 +117,27 @@ _FITS = {
     (128, False, False): {(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2), (64, 32, 8, 2)},
     (128, True, False): {(64, 32, 8, 2), (32, 32, 4, 2)},
     (256, False, False): {(64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)},
-    (256, True, False): {(32, 32, 8, 2)},
+    (256, True, False): {(32, 32, 8, 2)},  # spills a little: not launched (_rope_in_kernel)
     # fp32: the IEEE dot runs on FMA units, each thread holding whole rows of the K dimension
     (64, False, True): {(32, 32, 8, 2), (32, 16, 4, 2)},
     (64, True, True): {(32, 16, 4, 2), (32, 16, 8, 2)},
     (128, False, True): {(32, 16, 8, 2)},
     (128, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
-    (256, False, True): {(32, 32, 8, 2), (32, 16, 8, 2)},
+    (256, False, True): {(32, 16, 8, 2)},
     (256, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
 }  # fmt: skip
-# 128 x 64 tiles at head dim 128 spill once scores carry a per-element bias read from memory
-_BIASED_128 = {(128, 64, 8, 3)}
+# the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask)
+_BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
 # GPUs with 99 KB of shared memory per block (sm_86, sm_89, sm_120): no third stage
 _SMALL_SMEM = (86, 89, 120, 121)
 
 
 def _rope_in_kernel(d, dot_fp32):
-    """Whether q and k tiles are rotated inside the kernel. fp32 tiles wider than 64 columns
-    spill with every config (bench/results/triton-aot.md): the launcher rotates q and k with the
-    apply_rope kernel first (the same fp32 arithmetic, one more pass over them)."""
-    return d <= (64 if dot_fp32 else 256)
+    """Whether q and k tiles are rotated inside the kernel. Wider tiles (fp32 beyond 64 columns,
+    fp16/bf16 beyond 128) spill with every config (bench/results/triton-aot.md): the launcher
+    rotates q and k with the apply_rope kernel first (the same fp32 arithmetic, rounded to the
+    input dtype once more, and one more pass over q and k)."""
+    return d <= (64 if dot_fp32 else 128)
 
 
 def _capability(named_args):
@@ -156,11 +157,13 @@ def _prune(configs, named_args, capability=None, **kwargs):
     d = max(named_args["D"], named_args["Dv"])
     dclass = 64 if d <= 64 else 128 if d <= 128 else 256
     fits = set(_FITS[dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32"))])
-    biased = kwargs.get("HAS_RELATIVE_BIAS") or (
-        kwargs.get("HAS_MASK") and not kwargs.get("MASK_IS_BOOL")
+    biased = (
+        kwargs.get("HAS_RELATIVE_BIAS")
+        or kwargs.get("HAS_ALIBI")
+        or (kwargs.get("HAS_MASK") and not kwargs.get("MASK_IS_BOOL"))
     )
-    if dclass == 128 and biased:
-        fits -= _BIASED_128
+    if biased:
+        fits -= _BIASED_OUT[dclass]
     if capability in _SMALL_SMEM:
         fits = {f for f in fits if f[3] <= 2} or fits
     key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
@@ -184,6 +187,7 @@ def _prune(configs, named_args, capability=None, **kwargs):
         "HAS_RELATIVE_BIAS",
         "HAS_MASK",
         "MASK_IS_BOOL",
+        "HAS_ALIBI",
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune},
 )
