@@ -20,6 +20,7 @@ from fastpe._options import Positions, RelativeBias, Rope, check_rope_tables
 from fastpe._validate import (
     check_bool,
     check_choice,
+    check_device_data,
     check_finite,
     check_float,
     check_float_array,
@@ -493,10 +494,11 @@ def _check_mask(mask, full: tuple[int, int, int, int]):
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}"
         )
-    if mask_dtype != "bool" and not _arrays.on_gpu(mask):
+    if mask_dtype != "bool" and (check_device_data() or not _arrays.on_gpu(mask)):
         # one reduction, no copy: the max of a mask is NaN if it holds a NaN, +inf if a +inf.
         # (On a GPU reading it back would be a host sync per call: there, as in torch SDPA, a
-        # NaN in the mask gives NaN rows — docs/dtypes-and-errors.md.)
+        # NaN in the mask gives NaN rows unless FASTPE_CHECK_DEVICE_DATA=1 —
+        # docs/dtypes-and-errors.md.)
         top = _arrays.max_value(mask)
         if top is not None and (math.isnan(top) or top == math.inf):
             raise ValueError("mask (additive) must not contain NaN or +inf; use -inf to block")

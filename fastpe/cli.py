@@ -1,4 +1,4 @@
-"""fastpe's command line: ``fastpe info|demo|bench|report`` (also ``python -m fastpe``)."""
+"""fastpe's command line: ``fastpe info|demo|bench|report|triton-report`` (also ``python -m fastpe``)."""
 
 from __future__ import annotations
 
@@ -190,6 +190,44 @@ def report(args) -> int:
     return 0
 
 
+def triton_report(args) -> int:
+    from fastpe import triton_report as tr
+
+    why = tr.unavailable()
+    if why:
+        return _fail("triton-report", why)
+    targets = args.targets or list(tr.TARGETS)
+    unknown = [t for t in targets if t not in tr.TARGETS]
+    if unknown:
+        return _fail(
+            "triton-report",
+            f"--targets: unknown {unknown}; known: {', '.join(map(str, tr.TARGETS))}",
+        )
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        problem = path and _cannot_write(path)
+        if problem:
+            return _fail("triton-report", f"{option}: {problem}")
+    start = time.perf_counter()
+    cases = tr.plan(full=args.full, targets=targets)
+    print(f"{len(cases)} compilations on {args.jobs} worker(s)", file=sys.stderr, flush=True)
+    records = tr.run(
+        cases,
+        jobs=args.jobs,
+        cache_dir=None if args.no_cache else (args.cache_dir or tr.default_cache_dir()),
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    doc = tr.document(records, full=args.full, seconds=time.perf_counter() - start, jobs=args.jobs)
+    text = tr.format_markdown(doc)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 1 if doc["problems"] else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastpe",
@@ -266,6 +304,42 @@ def _parser() -> argparse.ArgumentParser:
         help="only fastpe's rows, with the speedup over each op's target baseline "
         "(" + ", ".join(f"{op}: {name}" for op, name in bm.TARGET_BASELINE.items()) + ")",
     )
+    t = sub.add_parser(
+        "triton-report",
+        help="compile every Triton kernel for sm_80/sm_90/... without a GPU; registers, spills, "
+        "shared memory, tensor-core instructions",
+        description="Compile every Triton kernel for real NVIDIA targets with Triton's own "
+        "compiler (no GPU needed): each kernel x the configs its launcher or autotuner may use x "
+        "feature flags x dtype x head dim. Reads registers, stack (spills) and shared memory with "
+        "cuobjdump and counts tensor-core instructions and 128-bit loads in the SASS. Prints a "
+        "markdown table; exits 1 if a kernel does not compile, needs more shared memory than "
+        "its target has, or an attention config the autotuner may pick on sm_80/sm_90 spills.",
+    )
+    t.add_argument(
+        "--full",
+        action="store_true",
+        help="every dtype (fp16, bf16, fp32), head dim (64, 128, 256), feature variant and "
+        "config (default: bf16, head dims 64 and 128, the main variants, pickable configs)",
+    )
+    t.add_argument(
+        "--targets",
+        nargs="+",
+        type=int,
+        metavar="SM",
+        help="compute capabilities, e.g. 80 90 (default: 80 90 100 120)",
+    )
+    t.add_argument(
+        "--jobs", type=int, default=2, choices=(1, 2), help="worker processes (%(default)s)"
+    )
+    t.add_argument("--json", default=None, metavar="PATH", help="also write the results JSON")
+    t.add_argument("--markdown", default=None, metavar="PATH", help="also write the table")
+    t.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="where compiled results are cached (default: ~/.cache/fastpe/triton-aot)",
+    )
+    t.add_argument("--no-cache", action="store_true", help="compile everything again")
     return parser
 
 
@@ -278,6 +352,8 @@ def main(argv=None) -> int:
         print(demo())
     elif args.command == "bench":
         return bench(args)
+    elif args.command == "triton-report":
+        return triton_report(args)
     else:
         return report(args)
     return 0

@@ -391,3 +391,27 @@ def test_apply_rope_q_and_k_together(backend, fw, layout, inplace, rng):
     for g, w, given in zip(got, want, args[0], strict=True):
         _close(g, w, TOL["float32"], "grouped apply_rope")
         assert (g is given) == inplace
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_attention_rope_wide_fp32_heads(backend, interleaved, rng):
+    """fp32 heads wider than 64 columns take the path where the Triton launcher rotates q and k
+    before the kernel (the in-loop rotation spills on GPUs): same answer as the oracle, with
+    position arrays, partial rotary, GQA and causal masking."""
+    if torch is None:
+        pytest.skip("needs torch")
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 5, 9, 128
+    q = torch.from_numpy(rng.standard_normal((b, hq, sq, d)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((b, hkv, sk, d)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((b, hkv, sk, d)).astype(np.float32))
+    cos, sin = fastpe.rope_table(64, 96, **O)  # rotary dim 96 < 128: the tail passes through
+    rope = {"cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "interleaved": interleaved,
+            "q_positions": torch.tensor([[7, 3, 9, 1, 60], [0, 1, 2, 3, 4]]),
+            "k_positions": torch.arange(20, 20 + sk)}  # fmt: skip
+    before = [t.clone() for t in (q, k, v)]
+    got = fastpe.attention(q, k, v, rope=rope, causal=True, backend=backend)
+    want = fastpe.attention(q, k, v, rope=rope, causal=True, **O)
+    _close(got, want, 2e-5, "attention with rope, D = 128")
+    for t, t0 in zip((q, k, v), before, strict=True):
+        assert torch.equal(t, t0)

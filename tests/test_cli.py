@@ -300,3 +300,16 @@ def test_help_lists_every_command_and_choice(capsys):
         assert word in texts["bench"]
     for op, baseline in bm.TARGET_BASELINE.items():
         assert f"{op}: {baseline}" in " ".join(texts["report"].split())
+
+
+def test_triton_report_rejects_unknown_target_and_unwritable_path(capsys, tmp_path):
+    """Refused before any compilation starts (the sweep takes minutes)."""
+    from fastpe import triton_report
+
+    if triton_report.unavailable():
+        pytest.skip(triton_report.unavailable())
+    assert cli.main(["triton-report", "--targets", "75"]) == 2
+    assert "--targets: unknown [75]; known: 80, 90, 100, 120" in capsys.readouterr().err
+    assert cli.main(["triton-report", "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "is a directory" in err

@@ -112,36 +112,116 @@ def _tanh(x):
 
 def _configs():
     """A single config under the interpreter (multi-config autotuning needs a GPU, and each
-    interpreted program costs ~1 ms); on a GPU a short list, pruned by head dim below."""
+    interpreted program costs ~1 ms); on a GPU the list below, pruned per call by ``_prune``."""
     if interpreted():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return _gpu_configs()
+
+
+def _gpu_configs():
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in [
-            (128, 64, 8, 3),
-            (128, 32, 4, 3),
-            (64, 64, 4, 3),
-            (128, 128, 8, 2),
-            (64, 32, 4, 2),
-        ]
+        for bm, bn, w, st in sorted(set().union(*_FITS.values()), reverse=True)
     ]
 
 
-def _prune(configs, named_args, **kwargs):
-    """Large head dims cannot hold 128 x 128 tiles in shared memory; tiny query counts
-    (decoding) waste most of a 128-row block."""
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) that keep every accumulator in registers (no
+# spill) and fit the shared memory of sm_80 and sm_90, by head dim (64: D <= 64, 128, 256), by
+# whether the keys are rotated in the loop (RoPE keeps four more fp32 [BLOCK_N, D] tiles live:
+# k, its partner columns, cos and sin) and by dtype (fp32 takes IEEE fp32 dots). Found with
+# `fastpe triton-report` (bench/results/triton-aot.md); change them only with a rerun of it.
+_FITS = {
+    (64, False, False): {(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                         (64, 32, 4, 2)},
+    (64, True, False): {(64, 32, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2)},
+    (128, False, False): {(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2), (64, 32, 8, 2)},
+    (128, True, False): {(64, 32, 8, 2), (32, 32, 4, 2)},
+    (256, False, False): {(64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)},
+    (256, True, False): {(32, 32, 8, 2)},  # spills a little: not launched (_rope_in_kernel)
+    # fp32: the IEEE dot runs on FMA units, each thread holding whole rows of the K dimension
+    (64, False, True): {(32, 32, 8, 2), (32, 16, 4, 2)},
+    (64, True, True): {(32, 16, 4, 2), (32, 16, 8, 2)},
+    (128, False, True): {(32, 16, 8, 2)},
+    (128, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
+    (256, False, True): {(32, 16, 8, 2)},
+    (256, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
+}  # fmt: skip
+# the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask)
+_BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
+# ... and with RoPE rotated in the kernel as well, only the narrowest tiles stay out of local
+# memory at head dim 64 (wider heads rotate before the kernel then: _rope_in_kernel)
+_BIASED_ROPE_OUT = {64: {(128, 32, 8, 2), (64, 32, 4, 2)}, 128: set(), 256: set()}
+# GPUs with 99 KB of shared memory per block (sm_86, sm_89, sm_120): no third stage
+_SMALL_SMEM = (86, 89, 120, 121)
+
+
+def _rope_in_kernel(d, dot_fp32, biased=False):
+    """Whether q and k tiles are rotated inside the kernel. Wider tiles (fp32 beyond 64 columns,
+    fp16/bf16 beyond 128, or beyond 64 when scores also carry a per-element bias) spill with
+    every config (bench/results/triton-aot.md): the launcher rotates q and k with the
+    apply_rope kernel first (the same fp32 arithmetic, rounded to the input dtype once more,
+    and one more pass over q and k)."""
+    return d <= (64 if dot_fp32 or biased else 128)
+
+
+def _per_element_bias(flags) -> bool:
+    """Scores carry a term per (query, key): ALiBi, T5 relative bias or an additive mask."""
+    return bool(
+        flags.get("HAS_RELATIVE_BIAS")
+        or flags.get("HAS_ALIBI")
+        or (flags.get("HAS_MASK") and not flags.get("MASK_IS_BOOL"))
+    )
+
+
+def _capability(named_args):
+    q = named_args.get("q_ptr")
+    if q is None or not hasattr(q, "device") or q.device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return 10 * major + minor
+
+
+def _prune(configs, named_args, capability=None, **kwargs):
+    """The configs of ``_FITS`` for this head dim, RoPE and dtype; tiny query counts (decoding)
+    waste most of a 128-row block. ``capability`` (e.g. 90) defaults to the GPU holding q;
+    ``kwargs`` are the kernel's constexprs (the AOT report passes both)."""
+    if capability is None:
+        capability = _capability(named_args)
     d = max(named_args["D"], named_args["Dv"])
-    kept = [
-        c for c in configs if not (d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)
-    ]
+    dclass = 64 if d <= 64 else 128 if d <= 128 else 256
+    fits = set(_FITS[dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32"))])
+    biased = _per_element_bias(kwargs) or any(
+        kwargs.get(flag) for flag in ("HAS_SOFTCAP", "HAS_WINDOW", "HAS_SINKS")
+    )
+    if biased:
+        fits -= _BIASED_OUT[dclass]
+        if kwargs.get("HAS_ROPE"):
+            fits -= _BIASED_ROPE_OUT[dclass]
+    if capability in _SMALL_SMEM:
+        fits = {f for f in fits if f[3] <= 2} or fits
+    key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
+    kept = [c for c in configs if key(c) in fits]
     if named_args["Sq"] <= 64:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] == 64] or kept
-    return kept or configs[:1]
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
+    return kept or configs[-1:]
 
 
 @triton.autotune(
     configs=_configs(),
-    key=["Sq", "Sk", "D", "Dv", "group"],
+    # the flags _prune reads are part of the key: a config tuned without RoPE must not be
+    # reused for a call with it
+    key=[
+        "Sq",
+        "Sk",
+        "D",
+        "Dv",
+        "group",
+        "HAS_ROPE",
+        "HAS_RELATIVE_BIAS",
+        "HAS_MASK",
+        "MASK_IS_BOOL",
+        "HAS_ALIBI",
+    ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
@@ -370,6 +450,18 @@ def merge_attention_triton(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
+def _rotated_first(q, k, rope):
+    """q and k rotated by the apply_rope kernel, for head dims whose in-loop rotation spills."""
+    from fastpe.kernels.triton.apply_rope import apply_rope_triton
+
+    cos, sin, interleaved, (q_pos, q_offset), (k_pos, k_offset) = rope
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kw = {"interleaved": interleaved, "layout": "bhsd", "inplace": False}
+    (q,) = apply_rope_triton((q,), cos, sin, q_pos, q_offset, **kw)
+    (k,) = apply_rope_triton((k,), cos, sin, k_pos, k_offset, **kw)
+    return q, k
+
+
 # Split-KV slices are whole multiples of this, so they suit every autotuned BLOCK_N.
 SPLIT_GRANULE = 128
 
@@ -412,6 +504,12 @@ def attention_triton(
     def pos_strides(p):
         return (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
 
+    biased = _per_element_bias({"HAS_RELATIVE_BIAS": relative_bias is not None,
+                                "HAS_ALIBI": alibi_slopes is not None, "HAS_MASK": mask is not None,
+                                "MASK_IS_BOOL": mask is not None and mask.dtype == torch.bool})  # fmt: skip
+    if rope is not None and not _rope_in_kernel(d, q.dtype == torch.float32, biased):
+        q, k = _rotated_first(q, k, rope)
+        rope = None
     if rope is not None:
         (
             cos,
