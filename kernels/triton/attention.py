@@ -150,7 +150,7 @@ _FITS = {
 _BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
 # ... and with RoPE rotated in the kernel as well, only the narrowest tiles stay out of local
 # memory at head dim 64 (wider heads rotate before the kernel then: _rope_in_kernel)
-_BIASED_ROPE_OUT = {64: {(128, 32, 8, 2), (64, 32, 4, 2)}, 128: set(), 256: set()}
+_BIASED_ROPE_OUT = {64: {(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 4, 2)}, 128: set(), 256: set()}
 # GPUs with 99 KB of shared memory per block (sm_86, sm_89, sm_120): no third stage
 _SMALL_SMEM = (86, 89, 120, 121)
 
