@@ -129,12 +129,6 @@ def min_max(x) -> tuple[int, int] | None:
     return int(x.min()), int(x.max())
 
 
-def min_value(x):
-    """The smallest element as a Python number (a reduction, no copy); 0 if empty."""
-    empty = x.numel() == 0 if is_tensor(x) else x.size == 0
-    return 0 if empty else x.min().item()
-
-
 def as_array(x):
     """A tensor stays a tensor; anything else becomes a NumPy array (lists, scalars, ...)."""
     return x if is_tensor(x) else np.asarray(x)

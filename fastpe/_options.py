@@ -61,7 +61,7 @@ class Positions(NamedTuple):
             )
         if limit is not None:
             check_range(name, array, 0, limit, what=f"({what} has {limit} rows)")
-        elif _arrays.min_value(array) < 0:  # a negative row index: IndexError, like table rows
+        elif (_arrays.min_max(array) or (0, 0))[0] < 0:  # a negative row: IndexError, as tables
             check_range(name, array, 0, MAX_POSITION)
         if limit is None or limit > MAX_POSITION:  # else implied by the row check
             check_position(name, array)  # the supported range: ValueError
