@@ -184,6 +184,96 @@ def test_fork_while_other_threads_run_kernels(tmp_path, layer):
     )
 
 
+def test_child_of_a_fork_tbb_cannot_survive_runs_serially(tmp_path):
+    # Forked while another live thread had used TBB (or from another thread than the pool's),
+    # TBB cannot shut down for fork ("Unable to join threads...") and the child's first parallel
+    # region hung now and then (CI, 1 run in 3). The child must get right answers, every time,
+    # and say why it runs on one thread.
+    run_script(
+        """
+        import warnings
+        import fastpe.kernels.numba._runtime as runtime
+        if runtime.THREADING_LAYER != "tbb":
+            print("ok"); sys.exit(0)  # the hazard and the fallback are TBB's
+        assert attention_ok()
+        release = threading.Event()
+        def linger():  # attaches to TBB and stays alive through the forks
+            attention_ok(); release.wait(120)
+        worker = threading.Thread(target=linger, daemon=True)
+        worker.start()
+        time.sleep(0.5)
+        def child_ok():
+            return attention_ok() and table_ok(31) and runtime._serial_only
+        for _ in range(3):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                pid = os.fork()
+                if pid == 0:
+                    said = any("run on one thread" in str(w.message) for w in caught)
+                    os._exit(0 if said and child_ok() else 3)
+            assert wait_child(pid, 120) == 0
+        assert not runtime._serial_only and attention_ok()  # the parent stays parallel
+        # a fork from a thread other than the pool's is the same hazard
+        results = []
+        def fork_here():
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if child_ok() else 3)
+            results.append(wait_child(pid, 120))
+        forker = threading.Thread(target=fork_here)
+        forker.start(); forker.join(150)
+        assert results == [0], results
+        release.set()
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
+def test_serial_and_parallel_twins_keep_their_own_cache(tmp_path):
+    # Numba's disk cache is keyed by function name, code and types, not compile options: the
+    # serial and parallel compiles of one kernel overwrote each other's entries, so in the next
+    # process the "parallel" kernel ran the serial machine code (one thread) or crashed.
+    (tmp_path / "twin.py").write_text(
+        textwrap.dedent(
+            """
+            import numba
+            import numpy as np
+            from fastpe.kernels.numba._runtime import njit
+
+            @njit(parallel=True, cache=True)
+            def spread(out):
+                for i in numba.prange(out.shape[0]):
+                    out[i] = numba.get_thread_id()
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(
+        NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path), NUMBA_NUM_THREADS="2"
+    )
+    for first in ("serial", "parallel", "serial", "parallel"):  # compile, then load, both orders
+        run_script(
+            f"""
+            from twin import spread
+            def threads_used(kernel):  # the most threads seen in 20 calls (workers wake late)
+                most = 0
+                for _ in range(20):
+                    out = np.full(1 << 20, -1.0)
+                    kernel(out)
+                    most = max(most, len(np.unique(out)))
+                return most
+            order = ["{first}", "parallel" if "{first}" == "serial" else "serial"]
+            for name in order:
+                used = threads_used(spread.serial if name == "serial" else spread)
+                assert used == (1 if name == "serial" else 2), (name, used)
+            print("ok")
+            """,
+            tmp_path,
+            env=env,
+        )
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 def test_threads_call_parallel_kernels_concurrently(tmp_path, layer):
     # Under the workqueue layer, concurrent parallel regions abort the whole process.

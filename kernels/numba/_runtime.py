@@ -10,8 +10,14 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
   from pip's location here), else ``workqueue`` on Linux (OpenMP elsewhere, where it is
   fork-safe). TBB is also thread-safe and starts a parallel region as fast as OpenMP;
   ``workqueue`` takes tens of microseconds and aborts the process when two threads enter a
-  parallel region at once (Numba releases the GIL inside parallel regions), so under it fastpe's
-  parallel kernels take a process-wide lock.
+  parallel region at once (Numba releases the GIL inside parallel regions). fastpe's parallel
+  kernels pass through a gate that admits one region at a time under ``workqueue``, and that
+  ``fork()`` waits on under every layer (TBB cannot fork while a region runs). A child forked
+  while other live threads had used TBB (TBB cannot shut down then) runs every kernel on its
+  serial twin, with a warning, instead of risking a hang.
+- Serial twins: each parallel kernel also has a serial compile under another name (the disk
+  cache does not tell compile options apart), for that child and for calls too small to wake
+  the pool.
 - Disk cache: with no writable cache location (read-only install, no writable home, unusable
   NUMBA_CACHE_DIR) ``cache=True`` raises at decoration; fastpe then compiles in memory and warns
   once.
@@ -26,7 +32,9 @@ import functools
 import os
 import sys
 import threading
+import types
 import warnings
+import weakref
 
 import numba
 from numba.core import config
@@ -100,26 +108,118 @@ def threading_layer() -> str:
     return THREADING_LAYER
 
 
-# workqueue is the one layer that cannot run two parallel regions at once
-_SERIALIZE_LAUNCHES = THREADING_LAYER == "workqueue"
-_launch_lock = threading.Lock()
+class _LaunchGate:
+    """Counts the parallel regions in flight; ``fork()`` waits for them to end.
+
+    Numba's TBB layer shuts TBB's workers down before ``fork()`` so the child can start its own;
+    a region still running makes that fail. The gate's before-fork hook runs from ``os.fork()``
+    ahead of the C-level ``pthread_atfork`` handlers TBB uses: it waits until no region runs and
+    keeps new ones out until the fork is done. ``workqueue`` cannot run two regions at once (it
+    aborts the process), so there the gate also admits one at a time.
+    """
+
+    def __init__(self, limit: int | None):
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._limit = limit
+        self._forking = False
+        self.users = weakref.WeakSet()  # threads that ever ran a region
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._forking or (self._limit is not None and self._active >= self._limit):
+                self._cond.wait()
+            self._active += 1
+            self.users.add(threading.current_thread())
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()  # held through fork(): no thread can enter a region meanwhile
+        self._forking = True
+        while self._active:
+            self._cond.wait()
+
+    def after_fork(self) -> None:  # parent and child: the forking thread holds the lock in both
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
 
 
-class _SerializedKernel:
-    """A parallel kernel called under ``_launch_lock`` (Numba releases the GIL inside parallel
-    regions, and two concurrent regions abort the process under ``workqueue``). Attribute access
-    (``py_func``, ``signatures``…) reaches the dispatcher."""
+_gate = _LaunchGate(limit=1 if THREADING_LAYER == "workqueue" else None)
 
-    def __init__(self, dispatcher):
-        self._dispatcher = dispatcher
-        functools.update_wrapper(self, dispatcher.py_func)
+# TBB shuts down for fork() only when the fork comes from the thread that started Numba's pool and
+# no other live thread ever ran a region (each such thread stays attached to TBB until it exits);
+# otherwise TBB prints "Unable to join threads to shut down before fork()" and the child's first
+# parallel region may hang. Such a child runs every kernel on its serial twin instead.
+_POOL_THREAD = threading.get_ident()
+_serial_only = False
+_fork_breaks_tbb = False
+
+
+def _tbb_survives_fork() -> bool:
+    if THREADING_LAYER != "tbb":
+        return True
+    me = threading.current_thread()
+    return threading.get_ident() == _POOL_THREAD and not any(
+        thread is not me and thread.is_alive() for thread in list(_gate.users)
+    )
+
+
+def _warn_serial_only() -> None:
+    warnings.warn(
+        "fastpe: this process was forked while other threads had run parallel CPU kernels (or "
+        "from a thread other than the one that started Numba's thread pool), so TBB's threads "
+        "could not be shut down for the fork; fastpe's CPU kernels run on one thread in this "
+        "process. Fork before starting threads that call fastpe, or use the spawn or "
+        "forkserver start method, to keep them parallel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _renamed(func, suffix: str):
+    """A copy of ``func`` under another qualified name: Numba's disk cache is keyed by the
+    function's name, code and argument types, not by compile options, so a serial and a parallel
+    compile of one function would overwrite each other's cache entries (and the parallel kernel
+    then loads the serial machine code, or crashes)."""
+    twin = types.FunctionType(
+        func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
+    twin.__kwdefaults__ = func.__kwdefaults__
+    twin.__qualname__ = f"{func.__qualname__}__{suffix}"
+    twin.__module__ = func.__module__
+    return twin
+
+
+class ParallelKernel:
+    """A ``parallel=True`` kernel and its serial twin (``prange`` runs as ``range``).
+
+    Calling it runs the parallel compile through ``_gate`` (Numba releases the GIL inside
+    parallel regions, so other Python threads run, and may fork, meanwhile) — or the serial twin
+    in a process forked where TBB could not shut down. ``.serial`` is the twin, for calls too
+    small to be worth waking the pool. Attribute access (``py_func``, ``signatures``…) reaches
+    the parallel dispatcher."""
+
+    def __init__(self, func, options: dict, cache: bool):
+        self._parallel = _dispatcher(func, dict(options, parallel=True), cache)
+        self.serial = _dispatcher(_renamed(func, "serial"), options, cache)
+        functools.update_wrapper(self, func)
 
     def __call__(self, *args, **kwargs):
-        with _launch_lock:
-            return self._dispatcher(*args, **kwargs)
+        if _serial_only:
+            return self.serial(*args, **kwargs)
+        _gate.enter()
+        try:
+            return self._parallel(*args, **kwargs)
+        finally:
+            _gate.leave()
 
     def __getattr__(self, name):
-        return getattr(self._dispatcher, name)
+        return getattr(self._parallel, name)
 
 
 _no_cache_warned = False
@@ -140,25 +240,30 @@ def _warn_no_cache(error: Exception) -> None:
     )
 
 
+def _dispatcher(func, options: dict, cache: bool):
+    dispatcher = numba.njit(**options)(func)
+    if cache and hasattr(dispatcher, "enable_caching"):  # not under NUMBA_DISABLE_JIT
+        try:
+            dispatcher.enable_caching()
+        except RuntimeError as error:  # "cannot cache function ...: no locator available"
+            _warn_no_cache(error)
+    return dispatcher
+
+
 def njit(**options):
     """``numba.njit(**options)`` for fastpe's kernels.
 
     ``cache=True`` falls back to an in-memory compile (with one warning per process) when Numba
-    has nowhere to write its cache, instead of failing every call; ``parallel=True`` kernels are
-    serialised when the threading layer requires it.
+    has nowhere to write its cache, instead of failing every call; ``parallel=True`` makes a
+    ``ParallelKernel`` (launch gate, serial twin).
     """
     cache = options.pop("cache", False)
+    parallel = options.pop("parallel", False)
 
     def decorate(func):
-        dispatcher = numba.njit(**options)(func)
-        if cache and hasattr(dispatcher, "enable_caching"):  # not under NUMBA_DISABLE_JIT
-            try:
-                dispatcher.enable_caching()
-            except RuntimeError as error:  # "cannot cache function ...: no locator available"
-                _warn_no_cache(error)
-        if options.get("parallel") and _SERIALIZE_LAUNCHES and hasattr(dispatcher, "py_func"):
-            return _SerializedKernel(dispatcher)
-        return dispatcher
+        if parallel and not numba.config.DISABLE_JIT:
+            return ParallelKernel(func, options, cache)
+        return _dispatcher(func, options, cache)
 
     return decorate
 
@@ -198,10 +303,19 @@ def single_threaded_blas():
             _blas_limiter = None
 
 
+def _before_fork():
+    global _fork_breaks_tbb
+    _gate.before_fork()
+    _fork_breaks_tbb = not _tbb_survives_fork()
+
+
 def _after_fork_in_child():
     """Locks held by another thread at fork() would stay held forever in the child."""
-    global _launch_lock, _blas_lock, _blas_limiter
-    _launch_lock = threading.Lock()
+    global _blas_lock, _blas_limiter, _serial_only
+    _gate.after_fork()
+    if _fork_breaks_tbb and not _serial_only:
+        _serial_only = True
+        _warn_serial_only()
     _blas_lock = threading.Lock()
     if _blas_limiter is not None:  # another thread was inside single_threaded_blas
         limiter, _blas_limiter = _blas_limiter, None
@@ -209,4 +323,6 @@ def _after_fork_in_child():
             limiter.restore_original_limits()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_gate.after_fork, after_in_child=_after_fork_in_child
+)

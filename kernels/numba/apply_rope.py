@@ -130,8 +130,7 @@ def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
 # wait for a worker when torch's pool or another process holds the cores.
 SERIAL_ELEMENTS = 1 << 16
 
-_apply_rope_parallel = njit(parallel=True, cache=True)(_apply_rope_numba)
-_apply_rope_serial = njit(cache=True)(_apply_rope_numba)  # prange runs as range
+_apply_rope_kernel = njit(parallel=True, cache=True)(_apply_rope_numba)
 
 HALF_BITS = (np.uint16, np.int16)  # bfloat16, float16 bits
 
@@ -154,7 +153,7 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None):
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)  # C order in the caller's layout
     as_bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.swapaxes(1, 2))
-    kernel = _apply_rope_serial if x.size <= SERIAL_ELEMENTS else _apply_rope_parallel
+    kernel = _apply_rope_kernel.serial if x.size <= SERIAL_ELEMENTS else _apply_rope_kernel
     kernel(
         as_bhsd(x), cos, sin, np.ascontiguousarray(positions, dtype=np.int64), as_bhsd(out),
         interleaved, not inplace and 2 * cos.shape[1] < x.shape[3],

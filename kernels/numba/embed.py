@@ -135,8 +135,7 @@ def _embed_numba(
 # token per sequence): a parallel region would only add its start, or a wait for a busy core.
 SERIAL_ELEMENTS = 1 << 16
 
-_embed_parallel = njit(parallel=True, cache=True)(_embed_numba)
-_embed_serial = njit(cache=True)(_embed_numba)  # prange runs as range
+_embed_kernel = njit(parallel=True, cache=True)(_embed_numba)
 
 
 def embed_numba(
@@ -171,7 +170,7 @@ def embed_numba(
     type_weight = (
         np.ascontiguousarray(token_type_weight) if has_types else np.zeros((1, 1), weight.dtype)
     )
-    kernel = _embed_serial if out.size <= SERIAL_ELEMENTS else _embed_parallel
+    kernel = _embed_kernel.serial if out.size <= SERIAL_ELEMENTS else _embed_kernel
     kernel(
         flat_ids, np.ascontiguousarray(weight), np.dtype(compute).type(scale), flat_pos, kind, table, *basis,
         has_types, type_ids, type_weight, out,
