@@ -204,7 +204,7 @@ def test_bench_keeps_an_existing_json_until_the_run_ends(no_run, tmp_path):
 
 
 def test_bench_bfloat16_on_cpu_skips_numpy(monkeypatch, fast_peaks, tmp_path, capsys):
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     monkeypatch.setattr(bm, "QUICK_GRID", TINY)
     out = tmp_path / "out.json"
     argv = ["bench", "--quick", "--device", "cpu", "--dtype", "bfloat16", "--json", str(out)]
@@ -221,6 +221,10 @@ def test_bench_bfloat16_on_cpu_skips_numpy(monkeypatch, fast_peaks, tmp_path, ca
         error = rows[(case.op, "fastpe[numba]")]["max_abs_error"]
         # fastpe rounds once to bfloat16 (8 significant bits), as does the oracle's answer
         assert math.isfinite(error) and error <= 2**-7 * largest, (case.name, error, largest)
+        # memory-bound rates count the bytes a bfloat16 element really takes (they counted 4)
+        row = rows[(case.op, "fastpe[numba]")]
+        amount, unit = bm.work(case, itemsize=torch.bfloat16.itemsize)
+        assert unit == "GB/s" and row["throughput"] == pytest.approx(amount / row["median_s"] / 1e9)
     (skip,) = doc["skipped"]
     assert skip["op"] == "embed" and skip["impl"] == "numpy" and "bfloat16" in skip["reason"]
     assert "skipped: embed 2x16 vocab 100 d32 numpy: " in capsys.readouterr().out

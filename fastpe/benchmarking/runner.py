@@ -204,7 +204,8 @@ def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=p
     Implementations that cannot take ``dtype`` (a baseline's dtype table, or a fastpe backend's
     capability table) are listed under "skipped" with the reason instead of being timed."""
     peaks = measure_peaks()
-    itemsize = np.dtype("float32" if dtype != "float64" else "float64").itemsize
+    # bytes per element of the timed inputs (NumPy has no bfloat16 to ask)
+    itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
     rows, skipped = [], []
     for n, case in enumerate(grid, 1):
         inputs = make_inputs(case, device, dtype)
