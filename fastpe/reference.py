@@ -233,7 +233,8 @@ def attention(
     scores = np.where(allowed, scores, -np.inf)
 
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
-    seen = np.isfinite(row_max)  # rows with at least one key of finite score
+    # rows with at least one visible key; a NaN (or +inf) score among them makes the row NaN
+    seen = row_max != -np.inf
     weights = np.exp(scores - np.where(seen, row_max, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
     out = np.einsum("bhij,bhjd->bhid", weights / np.where(seen, total, 1.0), v_full)
@@ -251,7 +252,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     """Combine attention over two disjoint key sets:
     lse = logaddexp(lse_a, lse_b), out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse).
     A part with lse = -inf saw no key: it contributes nothing, whatever its out holds (0·NaN
-    must not poison the sum). Rows that saw no key on either side stay 0 with lse -inf.
+    must not poison the sum). Rows that saw no key on either side stay 0 with lse -inf; a NaN lse
+    (a part that met a NaN score) makes the row NaN.
     """
     lse = np.logaddexp(lse_a, lse_b)
     seen = np.isfinite(lse)
@@ -261,4 +263,4 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
         w = np.where(seen, np.exp(part_lse - safe), 0.0)[..., None]
         with np.errstate(invalid="ignore"):  # inf · 0 where w = 0, discarded
             out = out + np.where(w > 0.0, part * w, 0.0)
-    return out, lse
+    return np.where(np.isnan(lse)[..., None], np.nan, out), lse

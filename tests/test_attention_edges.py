@@ -142,6 +142,48 @@ def test_scores_beyond_float32_are_nan_like_sdpa(backend, rng):
     _close(got[0, 0, [0, 2]], fastpe.attention(q, k, v, **O)[0, 0, [0, 2]], 2e-5, "other rows")
 
 
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_reaches_the_rows_that_see_it(backend, where, rng):
+    """A NaN in q, or in the k of a key a row attends to, makes that row NaN (lse too); a NaN in
+    the v of such a key makes that column of the row NaN — as IEEE arithmetic does in eager
+    attention (the independent reference here). Rows that never see the key (causal: queries
+    before it) stay finite and exact, except that a NaN value of an unseen key may still reach
+    them (0 · NaN in a dense product; not where a kernel skips the masked tile). The kernels
+    and the oracle used to drop a NaN score as if its key were masked: a finite wrong answer."""
+    q, k, v = (torch.from_numpy(a) for a in _qkv(rng, 1, 2, 1, 6, 6, 8))
+    clean = to_np(fastpe.attention(q, k, v, causal=True, **O))[0]
+    if where == "q":
+        q[0, 1, 3, 2] = float("nan")  # head 1, query 3
+        heads, rows, cols = [1], [3], range(8)
+    elif where == "k":
+        k[0, 0, 3, 2] = float("nan")  # key 3: seen by queries 3, 4, 5 of both heads
+        heads, rows, cols = [0, 1], [3, 4, 5], range(8)
+    else:
+        v[0, 0, 3, 5] = float("nan")  # key 3's value, column 5
+        heads, rows, cols = [0, 1], [3, 4, 5], [5]
+    nan = np.zeros((2, 6, 8), bool)
+    nan[np.ix_(heads, rows, cols)] = True
+    finite = ~nan
+    if where == "v":
+        finite[:, :, 5] = False  # unspecified: rows 0-2 do not see key 3
+    nan_lse = np.zeros((2, 6), bool)
+    if where != "v":
+        nan_lse[np.ix_(heads, rows)] = True
+
+    scores = q.double() @ k.double().transpose(-1, -2) / np.sqrt(8.0)
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -torch.inf)
+    eager = (torch.softmax(scores, dim=-1) @ v.double())[0].numpy()
+    assert np.isnan(eager[nan]).all() and not np.isnan(eager[finite]).any()
+
+    out, lse = fastpe.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    out, lse = to_np(out)[0].astype(np.float64), to_np(lse)[0]
+    assert np.isnan(out[nan]).all(), np.argwhere(~np.isnan(out) & nan)
+    np.testing.assert_allclose(out[finite], clean[finite], rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(np.isnan(lse), nan_lse)
+
+
 # ---------------------------------------------------------------------------------------------
 # merge: a part with lse = -inf saw no key and contributes nothing
 

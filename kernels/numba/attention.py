@@ -118,11 +118,13 @@ def _exp2(x):
     2**127 above. Range reduction x = k + f (k = floor x via the vectorisable np.floor, f in
     [0, 1)), 2**f by polynomial, 2**k by writing k into the exponent bits: plain arithmetic
     that LLVM vectorises (Numba's math.exp is a scalar libm call without Intel SVML, which
-    PyPI's llvmlite lacks). Relative error <= 1e-7. NaN gives 0: callers handle NaN rows."""
-    x = x if x > -127.0 else np.float32(-127.0)
-    x = x if x < 127.0 else np.float32(127.0)
-    k = np.floor(x)
-    f = x - k
+    PyPI's llvmlite lacks). Relative error <= 1e-7. NaN gives NaN (a NaN score must reach its
+    row's sum, as in SDPA), through a final select: the clamps map it to a finite value first
+    so that the int conversion below stays defined."""
+    y = x if x > -127.0 else np.float32(-127.0)
+    y = y if y < 127.0 else np.float32(127.0)
+    k = np.floor(y)
+    f = y - k
     poly = np.float32(_P6)
     poly = poly * f + np.float32(_P5)
     poly = poly * f + np.float32(_P4)
@@ -130,7 +132,8 @@ def _exp2(x):
     poly = poly * f + np.float32(_P2)
     poly = poly * f + np.float32(_P1)
     poly = poly * f + np.float32(_P0)
-    return poly * np.int32((np.int32(k) + 127) << 23).view(np.float32)
+    power = poly * np.int32((np.int32(k) + 127) << 23).view(np.float32)
+    return power if x == x else x
 
 
 @njit(cache=True, fastmath=_FLAGS, inline="always")
@@ -275,8 +278,9 @@ def _row_max(s, r, n):
     LLVM does not vectorise a float max *reduction* from Numba's IR (it emits a serial chain of
     scalar maxss), nor running maxima kept in a scratch array (a store per element); eight
     independent running maxima in locals, as selects, it does (3.5x faster than 16 in an array,
-    as fast as the exp pass). Scores are never NaN where this matters (padding is never read,
-    masks are validated; an overflowed score is +inf), so ``nnan`` holds; -inf compares exactly.
+    as fast as the exp pass). Padding is never read and masks are validated, so a NaN score comes
+    only from NaN in q or k; whether it wins this max (``nnan``) does not matter, since the exp
+    pass turns it into a NaN row sum either way. -inf compares exactly.
     """
     full = n - n % 8
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s.dtype.type(-np.inf)
