@@ -160,6 +160,14 @@ class Attention(_Triton):
         return (out, lse) if inp.return_lse else out
 
 
+class AttentionBackward(_Triton):
+    op = "attention_backward"
+
+    def extra_reasons(self, inp):
+        # refused rather than approximated: automatic choice falls back to the oracle
+        return ["has no attention backward kernel yet (issue 15)"]
+
+
 class MergeAttention(_Triton):
     op = "merge_attention"
 
@@ -169,4 +177,6 @@ class MergeAttention(_Triton):
         return merge_attention_triton(inp.out_a, inp.lse_a.float(), inp.out_b, inp.lse_b.float())
 
 
-IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+IMPLEMENTATIONS = (
+    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+)  # fmt: skip
