@@ -260,8 +260,6 @@ def test_oracle_empty_rows_have_zero_gradients():
     kw["mask"] = mask
     g = torch.ones(2, 2, 6, 4, dtype=torch.float64)
     for backend in ["numpy"] + [p.values[0] for p in KERNEL_BACKENDS]:
-        if backend == "triton":
-            continue  # no triton backward yet (refused: test_triton_backward_is_refused)
         dtype = torch.float64 if backend == "numpy" else torch.float32
         got = _grads(leaves, kw, g, torch.zeros(2, 2, 6), dtype, backend=backend)
         for name, grad in got.items():
@@ -333,13 +331,12 @@ def test_kernel_gradients_are_deterministic(backend):
         assert torch.equal(first[name], second[name]), name
 
 
-def test_triton_backward_is_refused():
-    """Until it has a kernel, triton refuses the backward by name: no gradient from elsewhere
-    under an explicit choice, and the oracle under automatic choice."""
+def test_triton_backward_refuses_the_t5_table_by_name():
+    """Triton has no T5-table gradient yet: it refuses by name (automatic choice then runs the
+    oracle) instead of returning no gradient."""
     from fastpe.backends import REGISTRY
 
-    reasons = REGISTRY[("triton", "attention_backward")].extra_reasons(None)
-    assert reasons and "backward" in reasons[0]
+    assert "relative_bias" in REGISTRY[("triton", "attention_backward")].unsupported_features
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,10 +162,39 @@ class Attention(_Triton):
 
 class AttentionBackward(_Triton):
     op = "attention_backward"
+    # the T5 table's gradient is a scatter over buckets: not written for Triton yet (the
+    # oracle and Numba have it); refused, so automatic choice falls back to the oracle
+    unsupported_features = frozenset({"relative_bias"})
+    max_head_dim = Attention.max_head_dim
 
     def extra_reasons(self, inp):
-        # refused rather than approximated: automatic choice falls back to the oracle
-        return ["has no attention backward kernel yet (issue 15)"]
+        return Attention.extra_reasons(self, inp.forward)
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.kernels.triton.attention import _rotated_first
+        from fastpe.kernels.triton.attention_backward import attention_backward_triton
+
+        fwd = inp.forward
+        device = fwd.q.device
+        q, k, v = fwd.q, fwd.k, fwd.v
+        rope = fwd.rope
+        if rope is not None:  # rotated in fp32 before the kernel, the gradients back by -θ
+            cos, sin = rope.cos.float(), rope.sin.float()
+            positions = (rope.q_positions.on_device(device), rope.k_positions.on_device(device))
+            q, k = _rotated_first(q.float(), k.float(), (cos, sin, rope.interleaved, *positions))
+        dq, dk, dv, dsinks = attention_backward_triton(
+            q, k, v, inp.out, inp.lse, inp.grad_out, inp.grad_lse, scale=fwd.scale,
+            causal=fwd.causal, bottom_right=fwd.bottom_right, mask=fwd.mask,
+            key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
+            alibi_slopes=fwd.alibi_slopes, window=fwd.window, softcap=fwd.softcap,
+            sinks=fwd.sinks,
+        )  # fmt: skip
+        if rope is not None:
+            dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
+        return (dq.to(fwd.q.dtype), dk.to(fwd.k.dtype), dv.to(fwd.v.dtype),
+                None if dsinks is None else dsinks.to(fwd.sinks.dtype), None)  # fmt: skip
 
 
 class MergeAttention(_Triton):
