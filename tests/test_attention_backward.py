@@ -451,3 +451,12 @@ def test_transformers_dropout_stays_refused():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(NotImplementedError, match="dropout"):
         fastpe_attention_forward(module, q, q, q, None, dropout=0.1)
+
+
+def test_transformers_trainable_t5_bias_is_refused():
+    from fastpe.integrations.transformers import fastpe_attention_forward
+
+    q = torch.randn(1, 2, 3, 4)
+    bias = torch.zeros(1, 2, 3, 3, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        fastpe_attention_forward(torch.nn.Module(), q, q, q, None, position_bias=bias)
