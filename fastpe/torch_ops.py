@@ -6,7 +6,8 @@ dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution ti
 implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
 API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
 
-No op has a backward yet: a graph that records them still runs forward, and ``backward()``
+``attention`` has a backward (the ``attention_backward`` op, docs/math.md#attention-backward);
+the other ops have none yet: a graph that records them still runs forward, and ``backward()``
 through one raises a clear error instead of returning wrong or missing gradients.
 """
 

@@ -6,10 +6,10 @@ rotated by fused RoPE), out and grad_out [B, Hq, Sq, Dv], lse [B, Hq, Sq] (natur
              dsinks [Hq] and the T5 table's gradient [num_buckets, Hq] (float64) when asked.
 
 Scores are recomputed tile by tile from q and k; the softmax weights come back from the
-forward's lse, P = exp(z - lse), so no [Sq, Sk] matrix is ever held (docs/math.md#attention-
-backward). One work item = (batch, kv head, slice of keys): it walks every query block that can
+forward's lse, P = exp(z - lse), so no [Sq, Sk] matrix is ever held
+(docs/math.md#attention-backward). One work item = (batch, kv head, slice of keys): it walks every query block that can
 see its keys (the group's query heads packed into one tile of rows, as in the forward), keeps
-dK and dV of its keys in registers-to-L2 sized accumulators, and writes dQ of each query block
+dK and dV of its keys in accumulators, and writes dQ of each query block
 into its own slice's partial buffer; the partial dQs are summed afterwards in slice order.
 No two items write one element, so the result does not depend on thread timing.
 
