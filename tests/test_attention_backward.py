@@ -80,6 +80,7 @@ FEATURES = {
     "key_lengths_top_left": {"key_lengths": True, "causal_alignment": "top_left"},
     "alibi": {"alibi_slopes": True, "causal": True},
     "t5": {"relative_bias": True},
+    "t5_decoder": {"relative_bias": "unidirectional", "causal": True},
     "window_softcap": {"window": (6, 2), "softcap": 1.5},
     "sinks": {"sinks": True, "causal": True, "key_lengths": True},
     "rope": {"rope": True, "causal": True},
@@ -113,7 +114,7 @@ def _case(rng, shape, features, dtype=torch.float32):
             kw["alibi_slopes"] = 2.0 ** -torch.arange(1, hq + 1, dtype=dtype)
         elif name == "relative_bias":
             leaves["table"] = t(32, hq)
-            kw["relative_bias"] = {"max_distance": 20}
+            kw["relative_bias"] = {"max_distance": 20, "bidirectional": value is True}
         elif name == "sinks":
             leaves["sinks"] = t(hq)
         elif name == "rope":
@@ -193,7 +194,9 @@ def _eager_from_case(leaves, kw, shape):
         rel = torch.arange(sk)[None, None] - (
             torch.arange(sq)[None, :, None] + shift[:, None, None]
         )
-        buckets = torch.from_numpy(reference.t5_bucket(rel.numpy(), True, 32, 20))
+        # the bucket map is the forward's (tested against T5 in test_oracle.py)
+        bidirectional = kw["relative_bias"]["bidirectional"]
+        buckets = torch.from_numpy(reference.t5_bucket(rel.numpy(), bidirectional, 32, 20))
         bias = leaves["table"][buckets].permute(0, 3, 1, 2)
     mask = kw.get("mask")
     return eager_attention(
@@ -329,14 +332,6 @@ def test_kernel_gradients_are_deterministic(backend):
     second = _grads(leaves, kw, g, torch.zeros(1, 4, 64), torch.float32, backend=backend)
     for name in first:
         assert torch.equal(first[name], second[name]), name
-
-
-def test_triton_backward_refuses_the_t5_table_by_name():
-    """Triton has no T5-table gradient yet: it refuses by name (automatic choice then runs the
-    oracle) instead of returning no gradient."""
-    from fastpe.backends import REGISTRY
-
-    assert "relative_bias" in REGISTRY[("triton", "attention_backward")].unsupported_features
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,9 +162,6 @@ class Attention(_Triton):
 
 class AttentionBackward(_Triton):
     op = "attention_backward"
-    # the T5 table's gradient is a scatter over buckets: not written for Triton yet (the
-    # oracle and Numba have it); refused, so automatic choice falls back to the oracle
-    unsupported_features = frozenset({"relative_bias"})
     max_head_dim = Attention.max_head_dim
 
     def extra_reasons(self, inp):
@@ -184,17 +181,19 @@ class AttentionBackward(_Triton):
             cos, sin = rope.cos.float(), rope.sin.float()
             positions = (rope.q_positions.on_device(device), rope.k_positions.on_device(device))
             q, k = _rotated_first(q.float(), k.float(), (cos, sin, rope.interleaved, *positions))
-        dq, dk, dv, dsinks = attention_backward_triton(
+        bias = fwd.relative_bias
+        dq, dk, dv, dsinks, dtable = attention_backward_triton(
             q, k, v, inp.out, inp.lse, inp.grad_out, inp.grad_lse, scale=fwd.scale,
             causal=fwd.causal, bottom_right=fwd.bottom_right, mask=fwd.mask,
             key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
-            alibi_slopes=fwd.alibi_slopes, window=fwd.window, softcap=fwd.softcap,
+            alibi_slopes=fwd.alibi_slopes, relative_bias=bias, window=fwd.window, softcap=fwd.softcap,
             sinks=fwd.sinks,
         )  # fmt: skip
         if rope is not None:
             dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
         return (dq.to(fwd.q.dtype), dk.to(fwd.k.dtype), dv.to(fwd.v.dtype),
-                None if dsinks is None else dsinks.to(fwd.sinks.dtype), None)  # fmt: skip
+                None if dsinks is None else dsinks.to(fwd.sinks.dtype),
+                None if dtable is None else dtable.to(bias.table.dtype))  # fmt: skip
 
 
 class MergeAttention(_Triton):

@@ -14,22 +14,27 @@ scheduling. Everything is computed in fp32 with IEEE dots (the launcher widens h
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from fastpe.kernels.triton._common import LOG2E, interpreted, next_pow2
-from fastpe.kernels.triton.attention import FP32_MAX, _tanh
+from fastpe.kernels.triton.attention import FP32_MAX, _relative_bias_bucket, _tanh
 
 
 @triton.jit
 def _tile_grads(
     q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, qpos, b, h, mask_ptr,
     stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left, win_right,
+    bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
     HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
 ):  # fmt: skip
-    """(P, dS) of one [rows, cols] tile: s = q·kᵀ (q pre-scaled), soft-cap, window, masks,
-    ALiBi; P = exp(s - lse); dS = P∘(dO·vᵀ - delta)∘(1 - tanh²)."""
+    """(P, dZ, dS, T5 buckets) of one [rows, cols] tile: s = q·kᵀ (q pre-scaled), soft-cap,
+    window, masks, ALiBi, T5 bias; P = exp(s - lse); dZ = P∘(dO·vᵀ - delta);
+    dS = dZ∘(1 - tanh²). The buckets are 0 without a T5 bias."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if HAS_SOFTCAP:
         t = _tanh(s / softcap)
@@ -39,6 +44,11 @@ def _tile_grads(
     valid = valid & (cols[None, :] <= qpos[:, None] + win_right)
     if HAS_ALIBI:
         s -= slope * tl.abs(qpos[:, None] - cols[None, :]).to(tl.float32)
+    bucket = tl.zeros((1, 1), tl.int32)
+    if HAS_RELATIVE_BIAS:
+        bucket = _relative_bias_bucket((cols[None, :] - qpos[:, None]).to(tl.int32), RELATIVE_BIAS_BUCKETS,
+                                       RELATIVE_BIAS_BIDIRECTIONAL, bias_max_exact, bias_log_span)  # fmt: skip
+        s += tl.load(bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0)
     if HAS_MASK:
         m_ptrs = (mask_ptr + b * stride_mb + h * stride_mh + rows[:, None] * stride_mq
                   + cols[None, :] * stride_mk)  # fmt: skip
@@ -54,10 +64,11 @@ def _tile_grads(
     ref = tl.where(seen, lse, 0.0)
     p = tl.where(valid & seen[:, None], tl.exp2((s - ref[:, None]) * LOG2E), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-    ds = p * (dp - delta[:, None])
+    dz = p * (dp - delta[:, None])
+    ds = dz
     if HAS_SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    return p, ds
+        ds = dz * (1.0 - t * t)
+    return p, dz, ds, bucket
 
 
 @triton.jit
@@ -77,10 +88,13 @@ def _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row
 @triton.jit
 def _attention_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr, key_len_ptr,
-    alibi_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
-    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, scale, softcap,
+    alibi_ptr, bias_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, stride_biasb,
+    stride_biash, bias_max_exact, bias_log_span, scale, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr, RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0).to(tl.int64)
@@ -119,10 +133,12 @@ def _attention_dkdv_kernel(
             row_ok = rows < Sq
             q, do, lse, delta = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv,
                                            rows, row_ok, dcols, vcols, scale)  # fmt: skip
-            p, ds = _tile_grads(
+            p, dz, ds, bucket = _tile_grads(
                 q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, rows + shift, b, h,
                 mask_ptr, stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left,
-                win_right, HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI,
+                win_right, bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
+                HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI, HAS_RELATIVE_BIAS,
+                RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_BIDIRECTIONAL,
             )  # fmt: skip
             dv += tl.dot(tl.trans(p), do, input_precision="ieee")
             dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
@@ -134,11 +150,14 @@ def _attention_dkdv_kernel(
 
 @triton.jit
 def _attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, mask_ptr, key_len_ptr,
-    alibi_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
-    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, scale, softcap,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dtable_ptr, mask_ptr, key_len_ptr,
+    alibi_ptr, bias_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, stride_biasb,
+    stride_biash, bias_max_exact, bias_log_span, scale, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr, RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0).to(tl.int64)
@@ -162,6 +181,8 @@ def _attention_dq_kernel(
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    buckets = tl.arange(0, BLOCK_B)
+    dtable = tl.zeros((BLOCK_B,), tl.float32)
     # the keys this block's queries can see: i + shift - win_left <= j <= i + shift + win_right
     lo = tl.maximum(pid_m * BLOCK_M + shift - win_left, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
@@ -174,24 +195,36 @@ def _attention_dq_kernel(
                     mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
         v = tl.load(v_ptr + kv_row[:, None] * Dv + vcols[None, :],
                     mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
-        p, ds = _tile_grads(
+        p, dz, ds, bucket = _tile_grads(
             q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, rows + shift, b, h, mask_ptr,
             stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left, win_right,
-            HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI,
+            bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
+            HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI, HAS_RELATIVE_BIAS,
+            RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_BIDIRECTIONAL,
         )  # fmt: skip
         dq += tl.dot(ds, k, input_precision="ieee")
+        if HAS_RELATIVE_BIAS:  # dtable[n, h] += Σ dZ over this tile's (i, j) of bucket n
+            for n in tl.static_range(RELATIVE_BIAS_BUCKETS):
+                total = tl.sum(tl.sum(tl.where(bucket == n, dz, 0.0), 1), 0)
+                dtable = tl.where(buckets == n, dtable + total, dtable)
     tl.store(dq_ptr + ((b * Hq + h) * Sq + rows[:, None]) * D + dcols[None, :], dq * scale,
              mask=row_ok[:, None] & (dcols[None, :] < D))  # fmt: skip
+    if HAS_RELATIVE_BIAS:  # this program's share, summed over programs in a fixed order
+        tl.store(dtable_ptr + ((b * Hq + h) * tl.num_programs(0) + pid_m) * BLOCK_B + buckets,
+                 dtable)  # fmt: skip
 
 
 def attention_backward_triton(
     q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
-    key_lengths=None, alibi_slopes=None, window=None, softcap=None, sinks=None,
+    key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
+    sinks=None,
 ):  # fmt: skip
     """Gradients of ``attention_triton``'s call (q and k already rotated) from its out, lse and
     the gradients of its results, on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
     ``mask`` None or bool/float broadcast to [B, Hq, Sq, Sk]; ``alibi_slopes`` [B, Hq];
-    ``sinks`` [Hq]. Returns (dq, dk, dv) fp32 and dsinks fp32 [Hq] or None."""
+    ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
+    bidirectional); ``sinks`` [Hq]. Returns (dq, dk, dv) fp32, dsinks fp32 [Hq] or None and
+    the table's gradient fp32 [num_buckets, Hq] or None."""
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
@@ -221,21 +254,41 @@ def attention_backward_triton(
         key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
     )
     block = 16 if interpreted() else 32
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+        table = table.float()
+    else:
+        table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
+    max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
+    block_b = next_pow2(num_buckets)
+    n_mblocks = triton.cdiv(sq, block)
+    dtable_part = torch.zeros(
+        (batch, hq, n_mblocks, block_b) if relative_bias is not None else (1,),
+        dtype=torch.float32, device=device,
+    )  # fmt: skip
     common = dict(
         HAS_SOFTCAP=softcap is not None, HAS_MASK=mask is not None,
         MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
         HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right,
-        HAS_ALIBI=alibi_slopes is not None, BLOCK_M=block, BLOCK_N=block,
+        HAS_ALIBI=alibi_slopes is not None, HAS_RELATIVE_BIAS=relative_bias is not None,
+        RELATIVE_BIAS_BUCKETS=num_buckets, RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
+        BLOCK_B=block_b, BLOCK_M=block, BLOCK_N=block,
         BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
     )  # fmt: skip
     sizes = (hq, hkv, sq, sk, d, dv, sk - sq if bottom_right else 0, win_left, win_right,
              *mask_t.stride(), alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1),
+             table.stride(0), table.stride(1), max_exact,
+             math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
              float(scale), 1.0 if softcap is None else float(softcap))  # fmt: skip
     if batch * hq * sq and sk:
         _attention_dkdv_kernel[(triton.cdiv(sk, block), batch * hkv)](
-            q, k, v, do, lse, delta, dk, dv_, mask_t, key_len, alibi, *sizes, **common
+            q, k, v, do, lse, delta, dk, dv_, mask_t, key_len, alibi, table, *sizes, **common
         )
         _attention_dq_kernel[(triton.cdiv(sq, block), batch * hq)](
-            q, k, v, do, lse, delta, dq, mask_t, key_len, alibi, *sizes, **common
-        )
-    return dq, dk, dv_, dsinks
+            q, k, v, do, lse, delta, dq, dtable_part, mask_t, key_len, alibi, table, *sizes,
+            **common,
+        )  # fmt: skip
+    dtable = None
+    if relative_bias is not None:
+        dtable = dtable_part.sum((0, 2))[:, :num_buckets].T.contiguous()
+    return dq, dk, dv_, dsinks, dtable
