@@ -406,35 +406,85 @@ def test_no_gradient_options_raise(name):
 # transformers: a training step
 
 
-@pytest.mark.slow
-def test_llama_training_step_matches_sdpa():
+def _llama(transformers):
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**_COMMON, max_position_embeddings=64)
+    )
+
+
+def _bert(transformers):
+    config = transformers.BertConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def _gemma2(transformers):  # soft-capping, a sliding window shorter than the batch
+    config = transformers.Gemma2Config(**_COMMON, sliding_window=5, attn_logit_softcapping=0.5,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       final_logit_softcapping=None)  # fmt: skip
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def _gpt_oss(transformers):  # learned sinks: their gradient too
+    config = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 64}, sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, config.num_attention_heads))
+    return model
+
+
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+               initializer_range=0.2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family, want_implementation, padding",
+    [(_llama, "sdpa", "left"), (_bert, "sdpa", "right"), (_gemma2, "eager", "left"),
+     (_gpt_oss, "eager", "left")],
+)  # fmt: skip
+def test_training_step_matches_transformers(family, want_implementation, padding):
+    """Random-weight tiny models (GQA where the family has it) on a padded batch: the loss and
+    every parameter's gradient with fastpe's attention match transformers' own attention."""
     transformers = pytest.importorskip("transformers")
     from fastpe.integrations.transformers import register
 
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        pad_token_id=0, initializer_range=0.2,
-    )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
+    try:
+        model = family(transformers).train()
+    except (ImportError, AttributeError) as exc:  # an older transformers without the family
+        pytest.skip(f"{family.__name__} not available: {exc}")
     ids = torch.randint(1, 96, (3, 13), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    ids[0, :4], mask[0, :4] = 0, 0  # left padding
-    ids[2, :1], mask[2, :1] = 0, 0
+    if padding == "left":
+        ids[0, :4], mask[0, :4] = 0, 0
+        ids[2, :1], mask[2, :1] = 0, 0
+    else:
+        ids[0, 9:], mask[0, 9:] = 0, 0
+        ids[2, 12:], mask[2, 12:] = 0, 0
     labels = ids.masked_fill(mask == 0, -100)
+    # a left pad's query sees no key: fastpe (like SDPA) gives 0, eager a uniform average; the
+    # loss must not read predictions made at pads (the label after each one)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
 
     def step(implementation):
         model.set_attn_implementation(implementation)
         model.zero_grad()
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                               if p.grad is not None}  # fmt: skip
 
-    want_loss, want = step("sdpa")
+    want_loss, want = step(want_implementation)
     loss, got = step(register())
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    assert set(got) == set(want)
+    assert set(got) == set(want) and want
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
 
