@@ -214,6 +214,26 @@ def _attention_dq_kernel(
                  dtable)  # fmt: skip
 
 
+# (BLOCK_M, BLOCK_N, num_warps) of the dK/dV and the dQ kernel by head dim (64: D <= 64, 128,
+# 256), one pipeline stage: the largest tiles whose fp32 accumulators stay in registers on sm_90
+# with every feature on (`fastpe triton-report`: no spill but 4 stores in dQ at 256) and whose
+# shared memory fits sm_80 and sm_120. Under the interpreter: 16 x 16.
+_TILES = {
+    64: ((64, 32, 8), (64, 32, 8)),
+    128: ((32, 32, 8), (32, 16, 4)),
+    256: ((16, 16, 4), (16, 16, 4)),
+}
+
+
+def tiles(d: int, dv: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(dK/dV tiles, dQ tiles) the launcher uses at head dims d, dv (also read by the AOT
+    report)."""
+    if interpreted():
+        return (16, 16, 4), (16, 16, 4)
+    widest = max(d, dv)
+    return _TILES[64 if widest <= 64 else 128 if widest <= 128 else 256]
+
+
 def attention_backward_triton(
     q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
     key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
@@ -253,7 +273,7 @@ def attention_backward_triton(
     key_len = (
         key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
     )
-    block = 16 if interpreted() else 32
+    (kv_m, kv_n, kv_warps), (q_m, q_n, q_warps) = tiles(d, dv)
     if relative_bias is not None:
         table, num_buckets, max_distance, bidirectional = relative_bias
         table = table.float()
@@ -261,7 +281,7 @@ def attention_backward_triton(
         table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
     max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
     block_b = next_pow2(num_buckets)
-    n_mblocks = triton.cdiv(sq, block)
+    n_mblocks = triton.cdiv(sq, q_m)
     dtable_part = torch.zeros(
         (batch, hq, n_mblocks, block_b) if relative_bias is not None else (1,),
         dtype=torch.float32, device=device,
@@ -272,8 +292,7 @@ def attention_backward_triton(
         HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right,
         HAS_ALIBI=alibi_slopes is not None, HAS_RELATIVE_BIAS=relative_bias is not None,
         RELATIVE_BIAS_BUCKETS=num_buckets, RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
-        BLOCK_B=block_b, BLOCK_M=block, BLOCK_N=block,
-        BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
+        BLOCK_B=block_b, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_stages=1,
     )  # fmt: skip
     sizes = (hq, hkv, sq, sk, d, dv, sk - sq if bottom_right else 0, win_left, win_right,
              *mask_t.stride(), alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1),
@@ -281,12 +300,13 @@ def attention_backward_triton(
              math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
              float(scale), 1.0 if softcap is None else float(softcap))  # fmt: skip
     if batch * hq * sq and sk:
-        _attention_dkdv_kernel[(triton.cdiv(sk, block), batch * hkv)](
-            q, k, v, do, lse, delta, dk, dv_, mask_t, key_len, alibi, table, *sizes, **common
-        )
-        _attention_dq_kernel[(triton.cdiv(sq, block), batch * hq)](
+        _attention_dkdv_kernel[(triton.cdiv(sk, kv_n), batch * hkv)](
+            q, k, v, do, lse, delta, dk, dv_, mask_t, key_len, alibi, table, *sizes, **common,
+            BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps,
+        )  # fmt: skip
+        _attention_dq_kernel[(n_mblocks, batch * hq)](
             q, k, v, do, lse, delta, dq, dtable_part, mask_t, key_len, alibi, table, *sizes,
-            **common,
+            **common, BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_warps,
         )  # fmt: skip
     dtable = None
     if relative_bias is not None:
