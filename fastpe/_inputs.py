@@ -590,3 +590,40 @@ class MergeAttentionInputs(_Inputs):
             {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
         )
         return cls(out_a, lse_a, out_b, lse_b, _arrays.dtype_name(out_a), placement)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionBackwardInputs(_Inputs):
+    """The gradients of one attention call (docs/math.md#attention-backward): its validated
+    forward record, the forward's results and the gradients of those results."""
+
+    op: ClassVar[str] = "attention_backward"
+    forward: AttentionInputs
+    grad_out: Any  # [B, Hq, Sq, Dv]
+    grad_lse: Any  # [B, Hq, Sq] or None (zero)
+    out: Any  # the forward's out [B, Hq, Sq, Dv]
+    lse: Any  # the forward's lse [B, Hq, Sq] (float32)
+    dtype: str
+    placement: Placement
+
+    @property
+    def features(self) -> frozenset[str]:
+        return self.forward.features - {"lse"}
+
+    @classmethod
+    def build(cls, forward: AttentionInputs, *, grad_out, grad_lse, out, lse):
+        b, hq, hkv, sq, sk, d, dv = forward.shape
+        shapes = {"grad_out": (b, hq, sq, dv), "out": (b, hq, sq, dv), "lse": (b, hq, sq),
+                  "grad_lse": (b, hq, sq)}  # fmt: skip
+        arrays = {"grad_out": grad_out, "out": out, "lse": lse, "grad_lse": grad_lse}
+        for name, x in arrays.items():
+            if x is None and name == "grad_lse":
+                continue
+            x = arrays[name] = check_float_array(name, x, ndim=len(shapes[name]))
+            if tuple(x.shape) != shapes[name]:
+                raise ValueError(
+                    f"{name} must have shape {list(shapes[name])} (from q, k, v); "
+                    f"got {tuple(x.shape)}"
+                )
+        placement = check_same_placement({"q": forward.q, **arrays})
+        return cls(forward=forward, **arrays, dtype=forward.dtype, placement=placement)

@@ -192,14 +192,122 @@ def attention(
     -inf, False, beyond its length or after it under the causal rule; or Sk = 0) has out = 0
     and lse = -inf: the empty sum.
     """
+    scores, v_full, _, _ = _attention_logits(
+        q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, mask=mask,
+        key_lengths=key_lengths, alibi_slopes=alibi_slopes, relative_bias=relative_bias,
+        window=window, softcap=softcap,
+    )  # fmt: skip
+
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    # rows with at least one visible key; a NaN (or +inf) score among them makes the row NaN
+    seen = row_max != -np.inf
+    weights = np.exp(scores - np.where(seen, row_max, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    out = np.einsum("bhij,bhjd->bhid", weights / np.where(seen, total, 1.0), v_full)
+    out = np.where(seen, out, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
+    if sinks is not None:
+        # the sink is one more key of score sinks[h] and value 0: merged in as a part of its own
+        sink_lse = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], lse.shape)
+        out, lse = merge_attention(out, lse, np.zeros_like(out), sink_lse)
+    return out, lse
+
+
+def attention_backward(
+    q,
+    k,
+    v,
+    grad_out,
+    grad_lse=None,
+    *,
+    scale: float,
+    causal: bool,
+    bottom_right: bool,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+):
+    """Gradients of ``attention`` (docs/math.md#attention-backward), materialised in float64.
+
+    Takes ``attention``'s arguments and the gradients of its outputs, grad_out [B, Hq, Sq, Dv]
+    and grad_lse [B, Hq, Sq] (None: zero). With P = exp(z - lse) the softmax weights (sink
+    included in lse), D_i = Σ_d dO_id·O_id - dlse_i and dP = dO·Vᵀ:
+    dV = Pᵀ·dO, dZ = P ∘ (dP - D), dS = dZ ∘ (1 - tanh²(s/c)) under a softcap (else dZ),
+    dQ = scale·dS·K, dK = scale·dSᵀ·Q (GQA: dK, dV summed over each group's query heads),
+    dsinks_h = -Σ_{b,i} exp(sink_h - lse_bhi)·D_bhi, dtable[bucket, h] = Σ dZ over the
+    (b, i, j) of that bucket. Masks, ALiBi slopes and key lengths get no gradient. Returns
+    (dq, dk, dv, dsinks or None, dtable or None); rows that see no key contribute nothing.
+    """
+    batch, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    if key_lengths is not None:
+        # padding is never read: 0·NaN in a padded key would still reach dq
+        is_key = (np.arange(sk)[None, :] < np.asarray(key_lengths)[:, None])[:, None, :, None]
+        k, v = np.where(is_key, k, 0.0), np.where(is_key, v, 0.0)
+    options = dict(
+        scale=scale, causal=causal, bottom_right=bottom_right, mask=mask, key_lengths=key_lengths,
+        alibi_slopes=alibi_slopes, relative_bias=relative_bias, window=window, softcap=softcap,
+    )  # fmt: skip
+    out, lse = attention(q, k, v, sinks=sinks, **options)
+    scores, v_full, softcap_slope, bucket = _attention_logits(q, k, v, **options)
+    k_full = np.repeat(k, group, axis=1)
+
+    seen = np.isfinite(lse)[..., None]
+    weights = np.where(seen, np.exp(scores - np.where(seen, lse[..., None], 0.0)), 0.0)
+    delta = np.einsum("bhid,bhid->bhi", grad_out, out)
+    if grad_lse is not None:
+        delta = delta - grad_lse  # d lse / d z_ij = P_ij: dZ gains P·dlse
+    grad_weights = np.einsum("bhid,bhjd->bhij", grad_out, v_full)
+    grad_logits = weights * (grad_weights - delta[..., None])
+    grad_scores = grad_logits if softcap is None else grad_logits * softcap_slope
+
+    dq = scale * np.einsum("bhij,bhjd->bhid", grad_scores, k_full)
+    dk = scale * np.einsum("bhij,bhid->bhjd", grad_scores, q)
+    dv = np.einsum("bhij,bhid->bhjd", weights, grad_out)
+    dk = dk.reshape(batch, hkv, group, sk, -1).sum(axis=2)
+    dv = dv.reshape(batch, hkv, group, sk, -1).sum(axis=2)
+
+    dsinks = None
+    if sinks is not None:
+        # the sink is a key of value 0: its dP is 0, so its dZ is -P_sink·D
+        sink_weight = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
+        dsinks = -(sink_weight * delta).sum(axis=(0, 2))
+    dtable = None
+    if relative_bias is not None:
+        table, num_buckets = relative_bias[0], relative_bias[1]
+        dtable = np.zeros(np.shape(table), np.float64)
+        buckets = np.broadcast_to(bucket[:, None], grad_logits.shape)
+        for h in range(hq):
+            dtable[:, h] = np.bincount(
+                buckets[:, h].ravel(), weights=grad_logits[:, h].ravel(), minlength=num_buckets
+            )
+    return dq, dk, dv, dsinks, dtable
+
+
+def _attention_logits(
+    q, k, v, *, scale, causal, bottom_right, mask, key_lengths, alibi_slopes, relative_bias,
+    window, softcap,
+):  # fmt: skip
+    """The logits of ``attention`` before the softmax: (scores [B, Hq, Sq, Sk] with -inf where a
+    query may not attend, v repeated to Hq heads with padding keys zeroed, the softcap's slope
+    1 - tanh²(s/c) [B, Hq, Sq, Sk] or None, T5 buckets [B, Sq, Sk] or None)."""
     batch, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // max(hkv, 1)
     k_full = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
     v_full = np.repeat(v, group, axis=1)
     scores = scale * np.einsum("bhid,bhjd->bhij", q, k_full)
+    softcap_slope = None
     if softcap is not None:
-        scores = softcap * np.tanh(scores / softcap)
+        capped = np.tanh(scores / softcap)
+        softcap_slope = 1.0 - capped**2  # d(c·tanh(s/c))/ds
+        scores = softcap * capped
 
     lengths = np.full(batch, sk, np.int64) if key_lengths is None else np.asarray(key_lengths)
     query_shift = lengths - sq if bottom_right else np.zeros(batch, np.int64)
@@ -230,22 +338,11 @@ def attention(
         table, num_buckets, max_distance, bidirectional = relative_bias
         bucket = t5_bucket(j - i, bidirectional, num_buckets, max_distance)[:, 0]  # [B, Sq, Sk]
         scores = scores + np.moveaxis(table[bucket], -1, 1)
+    else:
+        bucket = None
     scores = np.where(allowed, scores, -np.inf)
 
-    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
-    # rows with at least one visible key; a NaN (or +inf) score among them makes the row NaN
-    seen = row_max != -np.inf
-    weights = np.exp(scores - np.where(seen, row_max, 0.0))
-    total = weights.sum(axis=-1, keepdims=True)
-    out = np.einsum("bhij,bhjd->bhid", weights / np.where(seen, total, 1.0), v_full)
-    out = np.where(seen, out, 0.0)
-    with np.errstate(divide="ignore"):
-        lse = np.where(seen, row_max + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
-    if sinks is not None:
-        # the sink is one more key of score sinks[h] and value 0: merged in as a part of its own
-        sink_lse = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], lse.shape)
-        out, lse = merge_attention(out, lse, np.zeros_like(out), sink_lse)
-    return out, lse
+    return scores, v_full, softcap_slope, bucket
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

@@ -6,7 +6,8 @@ dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution ti
 implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
 API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
 
-No op has a backward yet: a graph that records them still runs forward, and ``backward()``
+``attention`` has a backward (the ``attention_backward`` op, docs/math.md#attention-backward);
+the other ops have none yet: a graph that records them still runs forward, and ``backward()``
 through one raises a clear error instead of returning wrong or missing gradients.
 """
 
@@ -21,6 +22,7 @@ from torch import Tensor
 from fastpe import dispatch
 from fastpe._inputs import (
     ApplyRopeInputs,
+    AttentionBackwardInputs,
     AttentionInputs,
     EmbedInputs,
     MergeAttentionInputs,
@@ -195,7 +197,114 @@ def _(q, k, v, *args):
     return q.new_empty((b, hq, sq, v.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-torch.library.register_autograd("fastpe::attention", _no_backward("attention"))
+# The forward's options as they travel to the backward op: everything after (q, k, v) in
+# attention_op's schema except the backend, in order.
+_ATTENTION_OPTIONS = (
+    "causal", "causal_alignment", "mask", "key_lengths", "scale", "rope_cos", "rope_sin",
+    "rope_interleaved", "rope_q_positions", "rope_q_positions_offset", "rope_k_positions",
+    "rope_k_positions_offset", "alibi_slopes", "relative_bias_table",
+    "relative_bias_num_buckets", "relative_bias_max_distance", "relative_bias_bidirectional",
+    "window_left", "window_right", "softcap", "sinks",
+)  # fmt: skip
+# inputs that get no gradient (docs/README.md#training): asking for one is an error
+_NO_GRADIENT = {3 + _ATTENTION_OPTIONS.index(name): name
+                for name in ("mask", "rope_cos", "rope_sin", "alibi_slopes")}  # fmt: skip
+
+
+@torch.library.custom_op("fastpe::attention_backward", mutates_args=())
+def attention_backward_op(
+    grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
+    key_lengths: Tensor | None, scale: float | None, rope_cos: Tensor | None,
+    rope_sin: Tensor | None, rope_interleaved: bool, rope_q_positions: Tensor | None,
+    rope_q_positions_offset: int | None, rope_k_positions: Tensor | None, rope_k_positions_offset: int | None,
+    alibi_slopes: Tensor | None, relative_bias_table: Tensor | None,
+    relative_bias_num_buckets: int, relative_bias_max_distance: int,
+    relative_bias_bidirectional: bool, window_left: int, window_right: int,
+    softcap: float | None, sinks: Tensor | None, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv, dsinks, d relative_bias_table) of one attention_op call; the last two are
+    empty when the call had no sinks / no table."""
+    rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
+                             rope_q_positions_offset, rope_k_positions, rope_k_positions_offset)  # fmt: skip
+    relative_bias = _relative_bias_from_schema(
+        relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
+        relative_bias_bidirectional,
+    )  # fmt: skip
+    forward = AttentionInputs.build(
+        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
+        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias, return_lse=True, window=(window_left, window_right),
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    inputs = AttentionBackwardInputs.build(
+        forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse
+    )
+    dq, dk, dv, dsinks, dtable = dispatch.run(inputs, _backend(backend))
+    if dsinks is None:
+        dsinks = q.new_empty((0,))
+    if dtable is None:
+        dtable = q.new_empty((0, 0))
+    return dq, dk, dv, dsinks, dtable
+
+
+@attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, *args):
+    options = dict(zip(_ATTENTION_OPTIONS, args, strict=False))
+    sinks, table = options["sinks"], options["relative_bias_table"]
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+        q.new_empty((0,)) if sinks is None else torch.empty_like(sinks),
+        q.new_empty((0, 0)) if table is None else torch.empty_like(table),
+    )
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, *options, backend = inputs
+    out, lse = output
+    tensors = [q, k, v, out, lse]
+    ctx.layout = []  # per option: an index into the saved tensors, or the value itself
+    for value in options:
+        if isinstance(value, Tensor):
+            ctx.layout.append(len(tensors))
+            tensors.append(value)
+        else:
+            ctx.layout.append(None)
+    ctx.constants = [None if isinstance(x, Tensor) else x for x in options]
+    ctx.backend = backend
+    ctx.save_for_backward(*tensors)
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    for index, name in _NO_GRADIENT.items():
+        if ctx.needs_input_grad[index]:
+            raise RuntimeError(
+                f"fastpe.attention gives no gradient for {name} (docs/README.md#training); "
+                f"pass it detached (.detach()) or compute it outside attention"
+            )
+    saved = ctx.saved_tensors
+    q, k, v, out, lse = saved[:5]
+    options = [saved[i] if i is not None else c for i, c in zip(ctx.layout, ctx.constants,
+                                                                  strict=True)]  # fmt: skip
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dsinks, dtable = attention_backward_op(
+        grad_out, grad_lse, q, k, v, out, lse, *options, ctx.backend
+    )
+    named = dict(zip(_ATTENTION_OPTIONS, options, strict=True))
+    grads = {"sinks": dsinks if named["sinks"] is not None else None,
+             "relative_bias_table": dtable if named["relative_bias_table"] is not None else None}  # fmt: skip
+    return (dq, dk, dv, *(grads.get(name) for name in _ATTENTION_OPTIONS), None)
+
+
+torch.library.register_autograd(
+    "fastpe::attention", _attention_backward, setup_context=_attention_setup_context
+)
+torch.library.register_autograd("fastpe::attention_backward", _no_backward("attention_backward"))
 
 
 # The one place where attention's structured options (``rope=`` and ``relative_bias=`` dicts,

@@ -42,7 +42,8 @@ NO_SPILL_TARGETS = (80, 90)
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128, 256)
 _TRITON_TYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
-KERNELS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge")
+KERNELS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge",
+           "attention_dkdv", "attention_dq")  # fmt: skip
 
 # the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
 # interleaved RoPE): the constexprs each one turns on
@@ -245,6 +246,34 @@ def _kernel_specs(kernel, dtype, d, variant):
                   "stride_pl_part": rows, "stride_o_row": d}  # fmt: skip
         consts = {"BLOCK_R": 16, "BLOCK_DV": _next_pow2(d)}
         return "attention", "_merge_kernel", values, consts
+    if kernel in ("attention_dkdv", "attention_dq"):
+        # the backward launcher widens every input to fp32; its tiles by head dim
+        from fastpe.kernels.triton import attention_backward
+
+        hq, hkv, s = 16, 4, 1024
+        dkdv, dq = attention_backward.tiles(d, d)
+        block_m, block_n, warps = dkdv if kernel == "attention_dkdv" else dq
+        values = {
+            "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "do_ptr": "*fp32",
+            "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": "*fp32",
+            "dv_ptr": "*fp32", "dtable_ptr": "*fp32", "mask_ptr": "*i1", "key_len_ptr": "*i64",
+            "alibi_ptr": "*fp32", "bias_ptr": "*fp32", "Hq": hq, "Hkv": hkv, "Sq": s, "Sk": s,
+            "D": d, "Dv": d, "query_shift": 0, "win_left": 2 * s + 1, "win_right": 0,
+            "stride_mb": s * s, "stride_mh": 0, "stride_mq": s, "stride_mk": 1,
+            "stride_ab": hq, "stride_ah": 1, "stride_biasb": hq, "stride_biash": 1,
+            "bias_max_exact": 8, "bias_log_span": 2.77, "scale": 0.125, "softcap": 1.0,
+        }  # fmt: skip
+        everything = variant == "everything"
+        consts = {
+            "HAS_SOFTCAP": everything, "HAS_MASK": everything, "MASK_IS_BOOL": everything,
+            "HAS_KEY_LEN": everything, "BOTTOM_RIGHT": True, "HAS_ALIBI": everything,
+            "HAS_RELATIVE_BIAS": everything, "RELATIVE_BIAS_BUCKETS": 32,
+            "RELATIVE_BIAS_BIDIRECTIONAL": True, "BLOCK_B": 32, "BLOCK_M": block_m,
+            "BLOCK_N": block_n, "num_warps": warps, "num_stages": 1,
+            "BLOCK_D": _next_pow2(d), "BLOCK_DV": _next_pow2(d),
+        }  # fmt: skip
+        name = "_attention_dkdv_kernel" if kernel == "attention_dkdv" else "_attention_dq_kernel"
+        return "attention_backward", name, values, consts
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -254,6 +283,8 @@ KERNEL_VARIANTS = {
     "apply_rope": ("neox", "interleaved", "partial"),
     "embed": ("sinusoidal", "table_positions", "none_types", "sinusoidal_types_positions"),
     "merge": ("split_kv", "merge_attention"),
+    "attention_dkdv": ("causal", "everything"),
+    "attention_dq": ("causal", "everything"),
 }
 _BLOCK_NAMES = (
     "BLOCK_M",
@@ -282,10 +313,12 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
                     for variant in variants if full else variants[:1]:
                         _, _, _, consts = _kernel_specs(kernel, dtype, d, variant)
                         meta = {k: v for k, v in consts.items() if k in _BLOCK_NAMES}
-                        # launchers pass no num_warps/num_stages: Triton's defaults, 4 and 3
+                        # what the launcher passes, else Triton's defaults, 4 warps and 3 stages
+                        warps, stages = consts.get("num_warps", 4), consts.get("num_stages", 3)
                         out.append(
-                            Case(kernel, variant, dtype, d, _config_tuple(meta, 4, 3), target)
-                        )
+                            Case(kernel, variant, dtype, d, _config_tuple(meta, warps, stages),
+                                 target)
+                        )  # fmt: skip
                 # every feature variant where spills fail the check (fp16 compiles like bf16:
                 # the main variants suffice for it), the main ones elsewhere
                 every = full and target in NO_SPILL_TARGETS and dtype != "float16"
@@ -320,7 +353,8 @@ def _source(case: Case):
         module, name, values, consts = _kernel_specs(
             case.kernel, case.dtype, case.head_dim, case.variant
         )
-    consts = {**consts, **config}
+    launch = ("num_warps", "num_stages")  # launch options, in ``options`` already
+    consts = {**{k: v for k, v in consts.items() if k not in launch}, **config}
     fn = getattr(importlib.import_module(f"fastpe.kernels.triton.{module}"), name)
     while not isinstance(fn, JITFunction):  # the autotuner wraps the JITFunction
         fn = fn.fn

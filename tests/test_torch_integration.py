@@ -90,8 +90,10 @@ def test_grad_inputs_run_forward_and_refuse_backward(qkv):
     q = q.clone().requires_grad_()
     out = fastpe.attention(q, k, v, causal=True)
     torch.testing.assert_close(out.detach(), fastpe.attention(q.detach(), k, v, causal=True))
-    with pytest.raises(RuntimeError, match="fastpe.attention has no backward"):
-        out.sum().backward()
+    # attention has a backward (tests/test_attention_backward.py); merge_attention has none
+    out, lse = fastpe.attention(q, k, v, causal=True, return_lse=True)
+    with pytest.raises(RuntimeError, match="fastpe.merge_attention has no backward"):
+        fastpe.merge_attention(out, lse, out, lse)[0].sum().backward()
     cos, sin = fastpe.rope_table(16, 16, device="cpu")
     with pytest.raises(RuntimeError, match="fastpe.apply_rope has no backward"):
         fastpe.apply_rope(q, cos, sin).sum().backward()

@@ -172,6 +172,57 @@ class Attention(_Numba):
         return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
 
 
+class AttentionBackward(_Numba):
+    op = "attention_backward"
+    # float32 compute only: the forward's lse is float32, so float64 gradients from it would
+    # carry float32 errors (automatic choice gives float64 to the float64 oracle)
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
+
+    def run(self, inp):
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+        from fastpe.kernels.numba.attention_backward import attention_backward_numba
+
+        fwd = inp.forward
+        b, hq, hkv, sq, sk, d, dv = fwd.shape
+        dtype = compute_dtype(inp.dtype)
+        q, k, v = (to_host_bits(t, dtype) for t in (fwd.q, fwd.k, fwd.v))
+        rope = fwd.rope
+        if rope is not None:
+            cos, sin = to_host(rope.cos, "float32"), to_host(rope.sin, "float32")
+            pos = (rope.q_positions.as_int64(b, sq), rope.k_positions.as_int64(b, sk))
+            wide = q.dtype in (np.uint16, np.int16)
+            q, k = (
+                apply_rope_numba(x, cos, sin, p, interleaved=rope.interleaved, layout="bhsd",
+                                 out=np.empty(x.shape, np.float32) if wide else None)
+                for x, p in zip((q, k), pos, strict=True)
+            )  # fmt: skip
+        mask = None
+        if fwd.mask is not None:
+            mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else _host_float(fwd.mask)
+        bias = fwd.relative_bias
+        dq, dk, dv_, dsinks, dtable = attention_backward_numba(
+            q, k, v, to_host_bits(inp.out, dtype), to_host(inp.lse, "float32"),
+            to_host_bits(inp.grad_out, dtype),
+            None if inp.grad_lse is None else to_host(inp.grad_lse, "float32"),
+            scale=fwd.scale, causal=fwd.causal, bottom_right=fwd.bottom_right, mask=mask,
+            key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
+            alibi_slopes=None if fwd.alibi_slopes is None else _arrays.to_float64(fwd.alibi_slopes),
+            relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, "float32")),
+            window=fwd.window, softcap=fwd.softcap,
+            sinks=None if fwd.sinks is None else _arrays.to_float64(fwd.sinks),
+        )  # fmt: skip
+        if rope is not None:  # the rotation's transpose is the rotation by -θ
+            dq, dk = (
+                apply_rope_numba(g, cos, -sin, p, interleaved=rope.interleaved, layout="bhsd")
+                for g, p in zip((dq, dk), pos, strict=True)
+            )  # fmt: skip
+        grads = [from_host(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
+        for extra, like in ((dsinks, fwd.sinks), (dtable, None if bias is None else bias.table)):
+            grads.append(None if extra is None else _arrays.from_float64(
+                extra, inp.placement, _arrays.dtype_name(like)))  # fmt: skip
+        return tuple(grads)
+
+
 def _host_float(x):
     """A float array as float32 or float64 NumPy, without a copy when it already is one."""
     name = _arrays.dtype_name(x)
@@ -194,4 +245,6 @@ class MergeAttention(_Numba):
         return from_host(out, inp.placement, inp.dtype), from_host(lse, inp.placement, "float32")
 
 
-IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+IMPLEMENTATIONS = (
+    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+)  # fmt: skip

@@ -123,6 +123,43 @@ class Attention(_Numpy):
         return out
 
 
+class AttentionBackward(_Numpy):
+    op = "attention_backward"
+
+    def run(self, inp):
+        fwd = inp.forward
+        b, hq, hkv, sq, sk, d, dv = fwd.shape
+        q, k, v = to_float64(fwd.q), to_float64(fwd.k), to_float64(fwd.v)
+        rope = fwd.rope
+        if rope is not None:
+            cos, sin = to_float64(rope.cos), to_float64(rope.sin)
+            q_pos, k_pos = rope.q_positions.as_int64(b, sq), rope.k_positions.as_int64(b, sk)
+            q = reference.apply_rope(q, cos, sin, q_pos, rope.interleaved)
+            k = reference.apply_rope(k, cos, sin, k_pos, rope.interleaved)
+        mask = None
+        if fwd.mask is not None:
+            mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else to_float64(fwd.mask)
+        bias = fwd.relative_bias
+        dq, dk, dv_, dsinks, dtable = reference.attention_backward(
+            q, k, v, to_float64(inp.grad_out),
+            None if inp.grad_lse is None else to_float64(inp.grad_lse),
+            scale=fwd.scale, causal=fwd.causal, bottom_right=fwd.bottom_right, mask=mask,
+            key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
+            alibi_slopes=None if fwd.alibi_slopes is None else to_float64(fwd.alibi_slopes),
+            relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
+            window=fwd.window, softcap=fwd.softcap,
+            sinks=None if fwd.sinks is None else to_float64(fwd.sinks),
+        )  # fmt: skip
+        if rope is not None:  # the rotation's transpose is the rotation by -θ
+            dq = reference.apply_rope(dq, cos, -sin, q_pos, rope.interleaved)
+            dk = reference.apply_rope(dk, cos, -sin, k_pos, rope.interleaved)
+        grads = [from_float64(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
+        for extra, like in ((dsinks, fwd.sinks), (dtable, None if bias is None else bias.table)):
+            grads.append(None if extra is None else from_float64(extra, inp.placement,
+                                                                  _arrays.dtype_name(like)))  # fmt: skip
+        return tuple(grads)
+
+
 class MergeAttention(_Numpy):
     op = "merge_attention"
 
@@ -138,4 +175,6 @@ class MergeAttention(_Numpy):
         )
 
 
-IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+IMPLEMENTATIONS = (
+    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+)  # fmt: skip

@@ -160,6 +160,42 @@ class Attention(_Triton):
         return (out, lse) if inp.return_lse else out
 
 
+class AttentionBackward(_Triton):
+    op = "attention_backward"
+    max_head_dim = Attention.max_head_dim
+
+    def extra_reasons(self, inp):
+        return Attention.extra_reasons(self, inp.forward)
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.kernels.triton.attention import _rotated_first
+        from fastpe.kernels.triton.attention_backward import attention_backward_triton
+
+        fwd = inp.forward
+        device = fwd.q.device
+        q, k, v = fwd.q, fwd.k, fwd.v
+        rope = fwd.rope
+        if rope is not None:  # rotated in fp32 before the kernel, the gradients back by -θ
+            cos, sin = rope.cos.float(), rope.sin.float()
+            positions = (rope.q_positions.on_device(device), rope.k_positions.on_device(device))
+            q, k = _rotated_first(q.float(), k.float(), (cos, sin, rope.interleaved, *positions))
+        bias = fwd.relative_bias
+        dq, dk, dv, dsinks, dtable = attention_backward_triton(
+            q, k, v, inp.out, inp.lse, inp.grad_out, inp.grad_lse, scale=fwd.scale,
+            causal=fwd.causal, bottom_right=fwd.bottom_right, mask=fwd.mask,
+            key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
+            alibi_slopes=fwd.alibi_slopes, relative_bias=bias, window=fwd.window, softcap=fwd.softcap,
+            sinks=fwd.sinks,
+        )  # fmt: skip
+        if rope is not None:
+            dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
+        return (dq.to(fwd.q.dtype), dk.to(fwd.k.dtype), dv.to(fwd.v.dtype),
+                None if dsinks is None else dsinks.to(fwd.sinks.dtype),
+                None if dtable is None else dtable.to(bias.table.dtype))  # fmt: skip
+
+
 class MergeAttention(_Triton):
     op = "merge_attention"
 
@@ -169,4 +205,6 @@ class MergeAttention(_Triton):
         return merge_attention_triton(inp.out_a, inp.lse_a.float(), inp.out_b, inp.lse_b.float())
 
 
-IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+IMPLEMENTATIONS = (
+    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+)  # fmt: skip

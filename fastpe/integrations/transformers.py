@@ -14,6 +14,10 @@ and the keys ending at the last query, it builds nothing, and the attention func
 causal rule and the window (``sliding_window=W`` is ``window=(W - 1, 0)``, docs/math.md) in the
 kernel, which then never visits keys outside the window. Gemma 2's ``softcap`` and gpt-oss's
 ``s_aux`` sinks are passed to the kernel.
+
+Training works (fastpe.attention has a backward; gpt-oss's sinks get their gradient), except
+with dropout and with a learned T5 ``position_bias``, which reaches fastpe as an additive mask
+(masks get no gradient): both are refused by name.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         if causal and sliding_window is not None:
             window = (int(sliding_window) - 1, 0)  # kv > q - W  <=>  kv >= q - (W - 1)
+    if position_bias is not None and position_bias.requires_grad:
+        raise NotImplementedError(
+            "fastpe attention cannot train T5's relative attention bias: position_bias reaches "
+            "it as an additive mask, which gets no gradient; train with 'sdpa' or 'eager', or "
+            "run under torch.no_grad()"
+        )
     if position_bias is not None:  # T5-style additive bias, combined with the boolean mask
         bias = position_bias
         if mask is not None and mask.dtype == bool:

@@ -1,0 +1,303 @@
+"""Attention's backward pass on the CPU (Numba), FlashAttention-2 style.
+
+Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (q and k already
+rotated by fused RoPE), out and grad_out [B, Hq, Sq, Dv], lse [B, Hq, Sq] (natural log)
+          -> dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv] (float32),
+             dsinks [Hq] and the T5 table's gradient [num_buckets, Hq] (float64) when asked.
+
+Scores are recomputed tile by tile from q and k; the softmax weights come back from the
+forward's lse, P = exp(z - lse), so no [Sq, Sk] matrix is ever held
+(docs/math.md#attention-backward). One work item = (batch, kv head, slice of keys): it walks every query block that can
+see its keys (the group's query heads packed into one tile of rows, as in the forward), keeps
+dK and dV of its keys in accumulators, and writes dQ of each query block
+into its own slice's partial buffer; the partial dQs are summed afterwards in slice order.
+No two items write one element, so the result does not depend on thread timing.
+
+The tile helpers (masks, exp2, the half-precision reads) are the forward's
+(``fastpe.kernels.numba.attention``): one definition of what a score is. Numba's disk cache
+does not notice a change to them in that file; a change of their behaviour must touch this
+file too (its cache key is this file's timestamp).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from fastpe.kernels.numba.attention import (
+    _FLAGS,
+    LOG2E,
+    _apply_tile_masks,
+    _exp2,
+    _load_tile,
+    _nearest_key_distance,
+    _relative_bias_by_distance_numba,
+    _widen,
+)
+from numba import prange
+
+
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
+def _backward_tile(
+    qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, b, hk, group, i0, npos, j0,
+    query_shift, win_left, win_right, softcap, has_mask, mask_bool, mask, mask_is_bool,
+    mask_limit, has_alibi, alibi, length, has_bias, bias, bias_offset,
+):  # fmt: skip
+    """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), soft-cap, masks, P = exp(S - ref),
+    dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘(1 - tanh²); dV += Pᵀ·dO, dK += dSᵀ·Qs,
+    dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
+    m, n = qs.shape[0], kt.shape[0]
+    s = np.empty((m, n), dtype=qs.dtype)
+    np.dot(qs, kt.T, s)
+    slope = np.empty((m, n) if softcap > 0.0 else (0, 0), dtype=qs.dtype)
+    if softcap > 0.0:
+        inv = 1.0 / softcap
+        for r in range(m):
+            for c in range(n):
+                t = np.tanh(s[r, c] * inv)
+                s[r, c] = softcap * t
+                slope[r, c] = 1.0 - t * t
+    _apply_tile_masks(
+        s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool,
+        mask, mask_is_bool, mask_limit, 1.0, has_alibi, alibi, length, has_bias, bias,
+        bias_offset,
+    )  # fmt: skip
+    to_log2 = s.dtype.type(LOG2E)
+    for r in range(m):
+        shift = ref[r]
+        for c in range(n):
+            # s is -inf where masked and ref is +inf in rows that saw no key: both give 0
+            s[r, c] = _exp2((s[r, c] - shift) * to_log2)
+    p = s
+    dp = np.empty((m, n), dtype=qs.dtype)
+    np.dot(go, vt.T, dp)
+    for r in range(m):
+        dr = delta[r]
+        for c in range(n):
+            dp[r, c] = p[r, c] * (dp[r, c] - dr)
+    ds = dp
+    if has_bias:
+        for r in range(m):
+            g = r // npos
+            base = bias_offset - (i0 + r - g * npos + query_shift) + j0
+            for c in range(n):
+                dbias[g, base + c] += ds[r, c]
+    if softcap > 0.0:
+        for r in range(m):
+            for c in range(n):
+                ds[r, c] *= slope[r, c]
+    dv_acc += np.dot(p.T, go)
+    dk_acc += np.dot(ds.T, qs)
+    dq_acc += np.dot(ds, kt)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _backward_item(
+    q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias, split, b, hk, n_splits, scale,
+    win_left, win_right, softcap, query_shift, key_len, has_mask, mask_bool, mask, mask_is_bool,
+    mask_limit, has_alibi, alibi, has_bias, bias, bias_offset, block_m, block_n,
+):  # fmt: skip
+    """Gradients from one (batch, kv head, key slice): dK, dV of the slice's keys and this
+    slice's share of dQ."""
+    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+    dvd = v.shape[3]
+    group = hq // k.shape[1]
+    length = key_len[b]
+    shift = query_shift[b]
+    tiles = (length + block_n - 1) // block_n
+    per_split = (tiles + n_splits - 1) // n_splits
+    j_begin = min(split * per_split * block_n, length)
+    j_stop = min((split + 1) * per_split * block_n, length)
+    if j_begin >= j_stop:
+        return
+    dtype = dq_part.dtype
+    dk_acc = np.zeros((j_stop - j_begin, d), dtype=dtype)
+    dv_acc = np.zeros((j_stop - j_begin, dvd), dtype=dtype)
+    k_tile = np.empty((block_n, d), dtype=dtype)
+    v_tile = np.empty((block_n, dvd), dtype=dtype)
+    # queries that can see a key of [j_begin, j_stop): position p = i + shift with
+    # j - win_right <= p <= j + win_left
+    i_lo = max(j_begin - win_right - shift, 0)
+    i_hi = min(j_stop - 1 + win_left - shift + 1, sq)
+    for i0 in range(i_lo, i_hi, block_m):
+        npos = min(block_m, i_hi - i0)
+        m = group * npos
+        qs = np.empty((m, d), dtype=dtype)
+        go = np.empty((m, dvd), dtype=dtype)
+        ref = np.empty(m, dtype=dtype)
+        row_delta = np.empty(m, dtype=dtype)
+        for g in range(group):
+            h = hk * group + g
+            for r in range(npos):
+                row = g * npos + r
+                for c in range(d):
+                    qs[row, c] = _widen(q[b, h, i0 + r, c]) * scale
+                for c in range(dvd):
+                    go[row, c] = grad_out[b, h, i0 + r, c]
+                lse_row = lse[b, h, i0 + r]
+                if lse_row == -np.inf:
+                    ref[row] = np.inf  # the row saw nothing: every weight is 0
+                else:
+                    ref[row] = lse_row
+                    if has_alibi:  # the kernel's scores leave out the row's nearest distance
+                        ref[row] += alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
+                row_delta[row] = delta[b, h, i0 + r]
+        dq_acc = np.zeros((m, d), dtype=dtype)
+        first_pos = i0 + shift
+        j_lo = max(j_begin, first_pos - win_left)
+        j_end = min(j_stop, first_pos + npos + win_right)
+        for j0 in range(j_lo, j_end, block_n):
+            n = min(block_n, j_end - j0)
+            off = j0 - j_begin
+            _backward_tile(
+                qs, _load_tile(k[b, hk, j0 : j0 + n], k_tile),
+                _load_tile(v[b, hk, j0 : j0 + n], v_tile), go, ref, row_delta, dq_acc,
+                dk_acc[off : off + n], dv_acc[off : off + n], dbias, b, hk, group, i0, npos,
+                j0, shift, win_left, win_right, softcap, has_mask, mask_bool, mask,
+                mask_is_bool, mask_limit, has_alibi, alibi, length, has_bias, bias, bias_offset,
+            )  # fmt: skip
+        for g in range(group):
+            for r in range(npos):
+                for c in range(d):
+                    dq_part[split, b, hk * group + g, i0 + r, c] = dq_acc[g * npos + r, c] * scale
+    for j in range(j_stop - j_begin):
+        for c in range(d):
+            dk[b, hk, j_begin + j, c] = dk_acc[j, c]
+        for c in range(dvd):
+            dv[b, hk, j_begin + j, c] = dv_acc[j, c]
+
+
+@njit(parallel=True, cache=True)
+def _attention_backward_numba(
+    q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias_part, scale, win_left, win_right,
+    softcap, query_shift, key_len, has_mask, mask_bool, mask, mask_is_bool, mask_limit,
+    has_alibi, alibi, has_bias, bias, bias_offset, block_m, block_n,
+):  # fmt: skip
+    batch, hkv = k.shape[0], k.shape[1]
+    n_splits = dq_part.shape[0]
+    for item in prange(batch * hkv * n_splits):
+        split = item % n_splits
+        hk = (item // n_splits) % hkv
+        b = item // (n_splits * hkv)
+        _backward_item(
+            q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias_part[item], split, b, hk,
+            n_splits, scale, win_left, win_right, softcap, query_shift, key_len, has_mask,
+            mask_bool, mask, mask_is_bool, mask_limit, has_alibi, alibi, has_bias, bias,
+            bias_offset, block_m, block_n,
+        )  # fmt: skip
+
+
+def _widened(x):
+    """float32 of an array or of half bits (uint16 bfloat16, int16 float16)."""
+    if x.dtype == np.uint16:
+        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if x.dtype == np.int16:
+        return x.view(np.float16).astype(np.float32)
+    return np.asarray(x, np.float32)
+
+
+def _dummy(dtype, ndim):
+    return np.zeros((1,) * ndim, dtype=dtype)
+
+
+def attention_backward_numba(
+    q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
+    key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
+    sinks=None,
+):  # fmt: skip
+    """Gradients of ``attention_numba``'s call on NumPy arrays (float32, or bfloat16 / float16
+    bits as uint16 / int16, computed in float32), given its out and lse and the gradients
+    grad_out (and grad_lse, or None) of its results. Arguments as ``attention_numba``.
+    Returns (dq, dk, dv) float32, dsinks float64 [Hq] or None, dtable float64
+    [num_buckets, Hq] or None."""
+    dtype = np.dtype(np.float32)
+    batch, hq, sq, d = q.shape
+    hkv, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    grad_out = np.ascontiguousarray(_widened(grad_out))
+    lse = np.ascontiguousarray(lse, dtype=np.float32)
+    # D_i = Σ dO∘O - dlse: what every dZ of row i subtracts (docs/math.md#attention-backward)
+    delta = np.einsum("bhid,bhid->bhi", grad_out, _widened(out))
+    if grad_lse is not None:
+        delta = delta - _widened(grad_lse)
+    delta = np.ascontiguousarray(delta, dtype=np.float32)
+    dsinks = None
+    if sinks is not None:
+        # the sink's weight exp(sink - lse) times its dZ = P_sink·(0 - D)
+        sink_weight = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
+        dsinks = -(sink_weight * delta).sum(axis=(0, 2))
+
+    key_len = (
+        np.full(batch, sk, dtype=np.int64)
+        if key_lengths is None
+        else np.ascontiguousarray(key_lengths, dtype=np.int64)
+    )
+    query_shift = key_len - sq if bottom_right else np.zeros(batch, np.int64)
+    unbounded = sq + sk + 1
+    win_left, win_right = (-1, -1) if window is None else window
+    win_left = unbounded if win_left < 0 else win_left
+    win_right = unbounded if win_right < 0 else win_right
+    if causal:
+        win_right = 0
+    mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
+    mask_is_bool = mask is not None and mask.dtype == np.bool_
+    if mask is not None:
+        if mask_is_bool:
+            mask_bool = mask
+        else:
+            mask_add = mask
+    alibi = (
+        _dummy(dtype, 2)
+        if alibi_slopes is None
+        else np.ascontiguousarray(alibi_slopes, dtype=dtype)
+    )
+    bias, bias_offset, count = _dummy(dtype, 2), 0, 1
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+        first = -(int(query_shift.max(initial=0)) + sq - 1)
+        count = sk - int(query_shift.min(initial=0)) - first
+        bias = _relative_bias_by_distance_numba(
+            np.ascontiguousarray(table, dtype=dtype), first, count, bidirectional, num_buckets,
+            max_distance,
+        )  # fmt: skip
+        bias_offset = -first
+
+    block_m = max(1, min(sq, max(128 // group, 16)))
+    block_n = max(1, min(256, sk))
+    threads = numba.get_num_threads()
+    key_tiles = -(-sk // block_n)
+    n_splits = 1
+    if batch * hkv < 2 * threads and key_tiles > 1:
+        n_splits = min(key_tiles, -(-2 * threads // (batch * hkv)))
+    items = batch * hkv * n_splits
+    dq_part = np.zeros((n_splits, batch, hq, sq, d), dtype=dtype)
+    dk = np.zeros((batch, hkv, sk, d), dtype=dtype)
+    dv = np.zeros((batch, hkv, sk, dvd), dtype=dtype)
+    dbias_part = np.zeros((items, group, count) if relative_bias is not None else (items, 1, 1),
+                          dtype=dtype)  # fmt: skip
+    if batch * hq * sq > 0 and sk > 0:
+        with single_threaded_blas():
+            _attention_backward_numba(
+                q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias_part, dtype.type(scale),
+                win_left, win_right, 0.0 if softcap is None else float(softcap), query_shift,
+                key_len, mask is not None, mask_bool, mask_add, mask_is_bool,
+                float(np.finfo(dtype).max), alibi_slopes is not None, alibi,
+                relative_bias is not None, bias, bias_offset, block_m, block_n,
+            )  # fmt: skip
+    dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
+    dtable = None
+    if relative_bias is not None:
+        # per distance and head -> per bucket: the bucket of each distance is the table lookup
+        # of a table holding its own bucket index
+        dist = dbias_part.astype(np.float64).reshape(batch * hkv * n_splits, group, count)
+        dist = dist.reshape(batch, hkv, n_splits, group, count).sum(axis=(0, 2))
+        dist = dist.reshape(hq, count)
+        index = np.arange(num_buckets, dtype=np.float64)[:, None]
+        buckets = _relative_bias_by_distance_numba(
+            index, first, count, bidirectional, num_buckets, max_distance
+        )[0].astype(np.int64)
+        dtable = np.zeros((num_buckets, hq), np.float64)
+        for h in range(hq):
+            dtable[:, h] = np.bincount(buckets, weights=dist[h], minlength=num_buckets)
+    return dq, dk, dv, dsinks, dtable

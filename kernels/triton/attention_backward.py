@@ -1,0 +1,314 @@
+"""Attention's backward pass (Triton), FlashAttention-2 style.
+
+Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (q and k already
+rotated by RoPE), grad_out [B, Hq, Sq, Dv], lse and delta [B, Hq, Sq] (fp32)
+          -> dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv] (fp32).
+
+Two kernels recompute the scores tile by tile, P = exp(s - lse) from the forward's lse (no
+[Sq, Sk] matrix is held; docs/math.md#attention-backward): one program per (key block, batch,
+kv head) accumulates dK and dV over the query blocks of every query head of its group (GQA
+sums there, without atomics), one program per (query block, batch, query head) accumulates
+dQ over its keys. No element is written by two programs: the result does not depend on
+scheduling. Everything is computed in fp32 with IEEE dots (the launcher widens half inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from fastpe.kernels.triton._common import LOG2E, interpreted, next_pow2
+from fastpe.kernels.triton.attention import FP32_MAX, _relative_bias_bucket, _tanh
+
+
+@triton.jit
+def _tile_grads(
+    q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, qpos, b, h, mask_ptr,
+    stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left, win_right,
+    bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
+    HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
+):  # fmt: skip
+    """(P, dZ, dS, T5 buckets) of one [rows, cols] tile: s = q·kᵀ (q pre-scaled), soft-cap,
+    window, masks, ALiBi, T5 bias; P = exp(s - lse); dZ = P∘(dO·vᵀ - delta);
+    dS = dZ∘(1 - tanh²). The buckets are 0 without a T5 bias."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if HAS_SOFTCAP:
+        t = _tanh(s / softcap)
+        s = softcap * t
+    valid = row_ok[:, None] & col_ok[None, :]
+    valid = valid & (cols[None, :] >= qpos[:, None] - win_left)
+    valid = valid & (cols[None, :] <= qpos[:, None] + win_right)
+    if HAS_ALIBI:
+        s -= slope * tl.abs(qpos[:, None] - cols[None, :]).to(tl.float32)
+    bucket = tl.zeros((1, 1), tl.int32)
+    if HAS_RELATIVE_BIAS:
+        bucket = _relative_bias_bucket((cols[None, :] - qpos[:, None]).to(tl.int32), RELATIVE_BIAS_BUCKETS,
+                                       RELATIVE_BIAS_BIDIRECTIONAL, bias_max_exact, bias_log_span)  # fmt: skip
+        s += tl.load(bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0)
+    if HAS_MASK:
+        m_ptrs = (mask_ptr + b * stride_mb + h * stride_mh + rows[:, None] * stride_mq
+                  + cols[None, :] * stride_mk)  # fmt: skip
+        if MASK_IS_BOOL:
+            valid = valid & (tl.load(m_ptrs, mask=valid, other=0) != 0)
+        else:  # as the forward: a finite mask beyond fp32 saturates at fp32's largest
+            m_add = tl.load(m_ptrs, mask=valid, other=0.0)
+            m32 = m_add.to(tl.float32)
+            m32 = tl.where(m_add > FP32_MAX, FP32_MAX, m32)
+            m32 = tl.where((m_add < -FP32_MAX) & (m_add > float("-inf")), -FP32_MAX, m32)
+            s += m32
+    seen = lse > float("-inf")  # rows that saw no key have P = 0
+    ref = tl.where(seen, lse, 0.0)
+    p = tl.where(valid & seen[:, None], tl.exp2((s - ref[:, None]) * LOG2E), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    dz = p * (dp - delta[:, None])
+    ds = dz
+    if HAS_SOFTCAP:
+        ds = dz * (1.0 - t * t)
+    return p, dz, ds, bucket
+
+
+@triton.jit
+def _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row_ok, dcols,
+               vcols, scale):  # fmt: skip
+    """q·scale, dO, lse and delta of one block of rows of one (batch, query head)."""
+    base = (b * Hq + h) * Sq
+    q = tl.load(q_ptr + (base + rows[:, None]) * D + dcols[None, :],
+                mask=row_ok[:, None] & (dcols[None, :] < D), other=0.0) * scale  # fmt: skip
+    do = tl.load(do_ptr + (base + rows[:, None]) * Dv + vcols[None, :],
+                 mask=row_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+    lse = tl.load(lse_ptr + base + rows, mask=row_ok, other=float("-inf"))
+    delta = tl.load(delta_ptr + base + rows, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr, key_len_ptr,
+    alibi_ptr, bias_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, stride_biasb,
+    stride_biash, bias_max_exact, bias_log_span, scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr, RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    group = Hq // Hkv
+    end_keys = Sk
+    shift = query_shift
+    if HAS_KEY_LEN:
+        end_keys = tl.load(key_len_ptr + b)
+        if BOTTOM_RIGHT:
+            shift = end_keys - Sq
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < end_keys
+    dcols = tl.arange(0, BLOCK_D)
+    vcols = tl.arange(0, BLOCK_DV)
+    kv_row = (b * Hkv + hk) * Sk + cols
+    k = tl.load(k_ptr + kv_row[:, None] * D + dcols[None, :],
+                mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
+    v = tl.load(v_ptr + kv_row[:, None] * Dv + vcols[None, :],
+                mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    # the queries that can see a key of this block: j - win_right <= i + shift <= j + win_left
+    lo = tl.maximum(pid_n * BLOCK_N - win_right - shift, 0)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + win_left - shift, Sq)
+    for g in range(group):
+        h = hk * group + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah)
+        for start in range(lo, hi, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < Sq
+            q, do, lse, delta = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv,
+                                           rows, row_ok, dcols, vcols, scale)  # fmt: skip
+            p, dz, ds, bucket = _tile_grads(
+                q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, rows + shift, b, h,
+                mask_ptr, stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left,
+                win_right, bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
+                HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI, HAS_RELATIVE_BIAS,
+                RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_BIDIRECTIONAL,
+            )  # fmt: skip
+            dv += tl.dot(tl.trans(p), do, input_precision="ieee")
+            dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
+    tl.store(dk_ptr + kv_row[:, None] * D + dcols[None, :], dk,
+             mask=(cols[:, None] < Sk) & (dcols[None, :] < D))  # fmt: skip
+    tl.store(dv_ptr + kv_row[:, None] * Dv + vcols[None, :], dv,
+             mask=(cols[:, None] < Sk) & (vcols[None, :] < Dv))  # fmt: skip
+
+
+@triton.jit
+def _attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dtable_ptr, mask_ptr, key_len_ptr,
+    alibi_ptr, bias_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, stride_biasb,
+    stride_biash, bias_max_exact, bias_log_span, scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr, RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // (Hq // Hkv)
+    end_keys = Sk
+    shift = query_shift
+    if HAS_KEY_LEN:
+        end_keys = tl.load(key_len_ptr + b)
+        if BOTTOM_RIGHT:
+            shift = end_keys - Sq
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Sq
+    dcols = tl.arange(0, BLOCK_D)
+    vcols = tl.arange(0, BLOCK_DV)
+    q, do, lse, delta = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows,
+                                   row_ok, dcols, vcols, scale)  # fmt: skip
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    buckets = tl.arange(0, BLOCK_B)
+    dtable = tl.zeros((BLOCK_B,), tl.float32)
+    # the keys this block's queries can see: i + shift - win_left <= j <= i + shift + win_right
+    lo = tl.maximum(pid_m * BLOCK_M + shift - win_left, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + shift + win_right, end_keys)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < end_keys
+        kv_row = (b * Hkv + hk) * Sk + cols
+        k = tl.load(k_ptr + kv_row[:, None] * D + dcols[None, :],
+                    mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
+        v = tl.load(v_ptr + kv_row[:, None] * Dv + vcols[None, :],
+                    mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+        p, dz, ds, bucket = _tile_grads(
+            q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, rows + shift, b, h, mask_ptr,
+            stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left, win_right,
+            bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
+            HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI, HAS_RELATIVE_BIAS,
+            RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_BIDIRECTIONAL,
+        )  # fmt: skip
+        dq += tl.dot(ds, k, input_precision="ieee")
+        if HAS_RELATIVE_BIAS:  # dtable[n, h] += Σ dZ over this tile's (i, j) of bucket n
+            for n in tl.static_range(RELATIVE_BIAS_BUCKETS):
+                total = tl.sum(tl.sum(tl.where(bucket == n, dz, 0.0), 1), 0)
+                dtable = tl.where(buckets == n, dtable + total, dtable)
+    tl.store(dq_ptr + ((b * Hq + h) * Sq + rows[:, None]) * D + dcols[None, :], dq * scale,
+             mask=row_ok[:, None] & (dcols[None, :] < D))  # fmt: skip
+    if HAS_RELATIVE_BIAS:  # this program's share, summed over programs in a fixed order
+        tl.store(dtable_ptr + ((b * Hq + h) * tl.num_programs(0) + pid_m) * BLOCK_B + buckets,
+                 dtable)  # fmt: skip
+
+
+# (BLOCK_M, BLOCK_N, num_warps) of the dK/dV and the dQ kernel by head dim (64: D <= 64, 128,
+# 256), one pipeline stage: the largest tiles whose fp32 accumulators stay in registers on sm_90
+# with every feature on (`fastpe triton-report`: no spill but 4 stores in dQ at 256) and whose
+# shared memory fits sm_80 and sm_120. Under the interpreter: 16 x 16.
+_TILES = {
+    64: ((64, 32, 8), (64, 32, 8)),
+    128: ((32, 32, 8), (32, 16, 4)),
+    256: ((16, 16, 4), (16, 16, 4)),
+}
+
+
+def tiles(d: int, dv: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(dK/dV tiles, dQ tiles) the launcher uses at head dims d, dv (also read by the AOT
+    report)."""
+    if interpreted():
+        return (16, 16, 4), (16, 16, 4)
+    widest = max(d, dv)
+    return _TILES[64 if widest <= 64 else 128 if widest <= 128 else 256]
+
+
+def attention_backward_triton(
+    q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
+    key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
+    sinks=None,
+):  # fmt: skip
+    """Gradients of ``attention_triton``'s call (q and k already rotated) from its out, lse and
+    the gradients of its results, on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
+    ``mask`` None or bool/float broadcast to [B, Hq, Sq, Sk]; ``alibi_slopes`` [B, Hq];
+    ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
+    bidirectional); ``sinks`` [Hq]. Returns (dq, dk, dv) fp32, dsinks fp32 [Hq] or None and
+    the table's gradient fp32 [num_buckets, Hq] or None."""
+    batch, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    device = q.device
+    q, k, v, do = (x.float().contiguous() for x in (q, k, v, grad_out))
+    lse = lse.float().contiguous()
+    # D_i = Σ dO∘O - dlse: what every dZ of row i subtracts (docs/math.md#attention-backward)
+    delta = (do * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
+    delta = delta.contiguous()
+    dsinks = None
+    if sinks is not None:
+        dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2))
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv_ = torch.zeros_like(v)
+    unbounded = sq + sk + 1
+    win_left, win_right = (-1, -1) if window is None else window
+    win_left = unbounded if win_left < 0 else win_left
+    win_right = unbounded if win_right < 0 else win_right
+    if causal:
+        win_right = 0
+    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
+    mask_t = mask if mask is not None else dummy
+    alibi = alibi_slopes.float() if alibi_slopes is not None else dummy[0, 0]
+    key_len = (
+        key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
+    )
+    (kv_m, kv_n, kv_warps), (q_m, q_n, q_warps) = tiles(d, dv)
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+        table = table.float()
+    else:
+        table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
+    max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
+    block_b = next_pow2(num_buckets)
+    n_mblocks = triton.cdiv(sq, q_m)
+    dtable_part = torch.zeros(
+        (batch, hq, n_mblocks, block_b) if relative_bias is not None else (1,),
+        dtype=torch.float32, device=device,
+    )  # fmt: skip
+    common = dict(
+        HAS_SOFTCAP=softcap is not None, HAS_MASK=mask is not None,
+        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+        HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right,
+        HAS_ALIBI=alibi_slopes is not None, HAS_RELATIVE_BIAS=relative_bias is not None,
+        RELATIVE_BIAS_BUCKETS=num_buckets, RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
+        BLOCK_B=block_b, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_stages=1,
+    )  # fmt: skip
+    sizes = (hq, hkv, sq, sk, d, dv, sk - sq if bottom_right else 0, win_left, win_right,
+             *mask_t.stride(), alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1),
+             table.stride(0), table.stride(1), max_exact,
+             math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
+             float(scale), 1.0 if softcap is None else float(softcap))  # fmt: skip
+    if batch * hq * sq and sk:
+        _attention_dkdv_kernel[(triton.cdiv(sk, kv_n), batch * hkv)](
+            q, k, v, do, lse, delta, dk, dv_, mask_t, key_len, alibi, table, *sizes, **common,
+            BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps,
+        )  # fmt: skip
+        _attention_dq_kernel[(n_mblocks, batch * hq)](
+            q, k, v, do, lse, delta, dq, dtable_part, mask_t, key_len, alibi, table, *sizes,
+            **common, BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_warps,
+        )  # fmt: skip
+    dtable = None
+    if relative_bias is not None:
+        dtable = dtable_part.sum((0, 2))[:, :num_buckets].T.contiguous()
+    return dq, dk, dv_, dsinks, dtable
