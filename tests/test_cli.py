@@ -199,6 +199,16 @@ def test_bench_keeps_an_existing_json_until_the_run_ends(no_run, tmp_path):
     assert json.loads(out.read_text())["results"] == [_row()]
 
 
+def test_bench_cases_picks_cases_by_name(no_run, tmp_path, capsys):
+    argv = ["bench", "--json", str(tmp_path / "o.json"), "--plot", ""]
+    assert cli.main([*argv, "--ops", "attention", "--cases", "Sq1 ", "one token"]) == 0
+    names = [c.name for c in no_run[0][0]]
+    assert names and all(c.op == "attention" and "Sq1 " in c.name for c in no_run[0][0]), names
+    assert cli.main([*argv, "--cases", "no such case"]) == 2
+    _one_line_error(capsys, "--cases", "no such case")
+    assert len(no_run) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # fastpe bench: dtypes and timing spread, on tiny cases
 
