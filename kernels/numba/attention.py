@@ -325,18 +325,32 @@ def _row_max(s, r, n):
 
 # Row tiles up to this many rows (decoding: the query heads of one kv head at one position)
 # multiply by plain loops instead of BLAS: OpenBLAS packs the whole K / V tile on every call,
-# which for a few rows costs 2-3x the multiply itself (measured 12 µs against 4-6 µs per 4 x
-# 256 x 128 tile); from about 32 rows BLAS is faster.
+# which for a few rows costs several times the multiply itself (measured 12 µs against 2-2.5 µs
+# per 4 x 256 x 128 product); from about 32 rows BLAS is faster.
 SMALL_ROWS = 16
 
 
 @njit(cache=True, fastmath=_FLAGS)
 def _scores_small(qt, kt, s):
-    """s = qt·ktᵀ for a few rows: each key row is read once, from L1, for every query row."""
+    """s = qt·ktᵀ for a few rows, four keys at a time: each query element read serves four
+    independent sums (one key at a time was 2x slower: a horizontal sum per score)."""
     m, d = qt.shape
-    for c in range(kt.shape[0]):
+    n = kt.shape[0]
+    full = n - n % 4
+    zero = s.dtype.type(0.0)
+    for c in range(0, full, 4):
         for r in range(m):
-            total = s.dtype.type(0.0)
+            s0 = s1 = s2 = s3 = zero
+            for e in range(d):
+                x = qt[r, e]
+                s0 += x * kt[c, e]
+                s1 += x * kt[c + 1, e]
+                s2 += x * kt[c + 2, e]
+                s3 += x * kt[c + 3, e]
+            s[r, c], s[r, c + 1], s[r, c + 2], s[r, c + 3] = s0, s1, s2, s3
+    for c in range(full, n):
+        for r in range(m):
+            total = zero
             for e in range(d):
                 total += qt[r, e] * kt[c, e]
             s[r, c] = total
@@ -344,13 +358,23 @@ def _scores_small(qt, kt, s):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _weighted_values_small(p, vt, pv):
-    """pv = p·vt for a few rows: each value row is read once and added into every output row."""
+    """pv = p·vt for a few rows, four value rows at a time (they stay in L1 across the rows; one
+    at a time, the load and store of pv per multiply-add made it 2.5x slower)."""
     m, n = p.shape
+    dv = vt.shape[1]
     pv[:] = 0.0
-    for c in range(n):
+    full = n - n % 4
+    for c in range(0, full, 4):
+        for r in range(m):
+            w0, w1, w2, w3 = p[r, c], p[r, c + 1], p[r, c + 2], p[r, c + 3]
+            for e in range(dv):
+                pv[r, e] += (
+                    w0 * vt[c, e] + w1 * vt[c + 1, e] + w2 * vt[c + 2, e] + w3 * vt[c + 3, e]
+                )
+    for c in range(full, n):
         for r in range(m):
             w = p[r, c]
-            for e in range(vt.shape[1]):
+            for e in range(dv):
                 pv[r, e] += w * vt[c, e]
 
 
