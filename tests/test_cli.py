@@ -55,6 +55,15 @@ def _one_line_error(capsys, *words):
 # fastpe report
 
 
+def test_report_reads_a_single_run_row(tmp_path, capsys):
+    """`fastpe bench --ops generate` times each case once: its rows carry iqr_s = null, and the
+    report must print them (it refused the file)."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"results": [_row(iqr_s=None, min_s=0.010, runs=1)]}))
+    assert cli.main(["report", str(path)]) == 0
+    assert "| embed | 2x16 | fastpe[numba] | 10.00 ms |  | 10.00 ms |" in capsys.readouterr().out
+
+
 def test_report_missing_file(tmp_path, capsys):
     path = tmp_path / "absent.json"
     assert cli.main(["report", str(path)]) == 2
