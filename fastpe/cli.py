@@ -159,6 +159,10 @@ def bench(args) -> int:
     grid = bm.QUICK_GRID if args.quick else bm.FULL_GRID
     if args.ops:
         grid = [c for c in grid if c.op in args.ops]
+    if args.cases:
+        grid = [c for c in grid if any(text in c.name for text in args.cases)]
+        if not grid and not (args.ops and "generate" in args.ops):
+            return _fail("bench", f"--cases: no case of the grid contains {args.cases}")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -269,6 +273,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="OP",
         help="only these ops: %(choices)s ('generate', never run by default: model.generate() "
         "of a Llama-shaped random-weight model, fastpe attention vs SDPA, minutes on a CPU)",
+    )
+    b.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="TEXT",
+        help="only the cases whose name (op and case, as in the table) contains one of these "
+        "strings, e.g. 'Sq1 ' 'one token'",
     )
     b.add_argument(
         "--json", default="fastpe-bench.json", metavar="PATH", help="results file (%(default)s)"

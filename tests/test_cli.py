@@ -55,6 +55,15 @@ def _one_line_error(capsys, *words):
 # fastpe report
 
 
+def test_report_reads_a_single_run_row(tmp_path, capsys):
+    """`fastpe bench --ops generate` times each case once: its rows carry iqr_s = null, and the
+    report must print them (it refused the file)."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"results": [_row(iqr_s=None, min_s=0.010, runs=1)]}))
+    assert cli.main(["report", str(path)]) == 0
+    assert "| embed | 2x16 | fastpe[numba] | 10.00 ms |  | 10.00 ms |" in capsys.readouterr().out
+
+
 def test_report_missing_file(tmp_path, capsys):
     path = tmp_path / "absent.json"
     assert cli.main(["report", str(path)]) == 2
@@ -197,6 +206,16 @@ def test_bench_keeps_an_existing_json_until_the_run_ends(no_run, tmp_path):
     assert cli.main(["bench", "--json", str(out), "--plot", ""]) == 0
     assert len(no_run) == 1
     assert json.loads(out.read_text())["results"] == [_row()]
+
+
+def test_bench_cases_picks_cases_by_name(no_run, tmp_path, capsys):
+    argv = ["bench", "--json", str(tmp_path / "o.json"), "--plot", ""]
+    assert cli.main([*argv, "--ops", "attention", "--cases", "Sq1 ", "one token"]) == 0
+    names = [c.name for c in no_run[0][0]]
+    assert names and all(c.op == "attention" and "Sq1 " in c.name for c in no_run[0][0]), names
+    assert cli.main([*argv, "--cases", "no such case"]) == 2
+    _one_line_error(capsys, "--cases", "no such case")
+    assert len(no_run) == 1
 
 
 # ---------------------------------------------------------------------------------------------

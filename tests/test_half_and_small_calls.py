@@ -186,3 +186,50 @@ def test_half_attention_makes_no_float32_copy_of_its_inputs(backend, dtype, monk
     monkeypatch.setattr(torch.Tensor, "to", spy_to)
     out = fastpe.attention(q, k, v, causal=True, backend=backend)
     assert out.dtype == tdtype and not widened, widened
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                    ("float16", "float16"), ("bfloat16", "float16")])  # fmt: skip
+def test_apply_rope_pair_in_one_launch_equals_single_calls(layout, interleaved, dtypes, rng):
+    """A one-token (q, k) is rotated by one serial launch for both: bit for bit what two single
+    calls give (partial rotary, GQA head counts, strided bshd views, half bits of either type),
+    and within one rounding of the float64 oracle."""
+    pytest.importorskip("numba")
+    cos, sin = fastpe.rope_table(4096, 96, device="cpu")  # R 96 < D 128: the tail is copied
+    shape = (lambda h: (2, h, 1, 128)) if layout == "bhsd" else (lambda h: (2, 1, h, 128))
+    q, k = (torch.from_numpy(rng.standard_normal(shape(h)).astype(np.float32)).to(getattr(torch, t))
+            for h, t in zip((32, 8), dtypes, strict=True))  # fmt: skip
+    kw = {"positions": torch.tensor([[2048], [7]]), "interleaved": interleaved, "layout": layout}
+    got = fastpe.apply_rope((q, k), cos, sin, backend="numba", **kw)
+    for g, x, dtype in zip(got, (q, k), dtypes, strict=True):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        _same_bits(g, fastpe.apply_rope(x, cos, sin, backend="numba", **kw))
+        want = fastpe.apply_rope(x.double(), cos.double(), sin.double(), **kw, **O)
+        half_ulp = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+        tol = 2 * half_ulp * want.abs().max().item() + 1e-6
+        assert (g.double() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("threshold", [1 << 40, -1], ids=["serial", "parallel"])
+@pytest.mark.parametrize("sq", [1, 40], ids=["decode-loops", "prefill-blas"])
+def test_attention_serial_and_parallel_paths_match_the_oracle(threshold, sq, monkeypatch, rng):
+    """Decode-sized attention runs serially and unsplit, with its few-row tiles multiplied by
+    loops instead of BLAS; larger calls run in parallel, splitting the keys when the items cannot
+    fill the threads. Every combination, with window, soft-capping, sinks (counted once across
+    splits) and key lengths, must match the float64 oracle."""
+    pytest.importorskip("numba")
+    from fastpe.kernels.numba import attention as kernel
+
+    monkeypatch.setattr(kernel, "SERIAL_WORK", threshold)
+    # 2 (batch, kv head) items and 3 key tiles: split in two when parallel on 2+ threads (sq 1)
+    b, hq, hkv, sk, d = 1, 8, 2, 700, 32
+    q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32))
+               for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))  # fmt: skip
+    kw = {"causal": True, "window": (500, 0), "softcap": 3.0, "return_lse": True,
+          "sinks": torch.linspace(-1.0, 2.0, hq), "key_lengths": torch.tensor([613])}  # fmt: skip
+    got, got_lse = fastpe.attention(q, k, v, backend="numba", **kw)
+    want, want_lse = fastpe.attention(q, k, v, **kw, **O)
+    assert (got.double() - want.double()).abs().max().item() < 3e-5
+    assert (got_lse.double() - want_lse.double()).abs().max().item() < 3e-5

@@ -16,6 +16,7 @@ Adding a backend means adding its module to ``MODULES`` below (see docs/extendin
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -40,6 +41,7 @@ def unavailable_reason(name: str) -> str | None:
     return module(name).unavailable_reason()
 
 
+@functools.cache  # MODULES never change; this runs on every call, one-token calls included
 def auto_order(device_type: str) -> tuple[str, ...]:
     """Automatic candidates for inputs on ``device_type``: the kernel backends that serve it,
     then the oracle (which runs anything)."""

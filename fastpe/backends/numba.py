@@ -84,6 +84,26 @@ class ApplyRope(_Numba):
         ):
             return super().run_group(group)
         tables = (to_host_bits(first.cos, dtype), to_host_bits(first.sin, dtype))
+        second = group[-1]
+        if (
+            len(group) == 2
+            and not first.inplace
+            and second.positions is first.positions
+            and (second.layout, second.interleaved) == (first.layout, first.interleaved)
+        ):
+            # q and k of a decode step (records made by ``with_x``): one launch, positions
+            # converted once
+            from fastpe.kernels.numba.apply_rope import apply_rope_pair_numba
+
+            outs = apply_rope_pair_numba(
+                to_host_bits(first.x, dtype), to_host_bits(second.x, dtype), *tables,
+                first.positions.as_int64(first.batch, first.seq),
+                interleaved=first.interleaved, layout=first.layout,
+            )  # fmt: skip
+            return tuple(
+                from_host(out, inp.placement, inp.dtype)
+                for out, inp in zip(outs, group, strict=True)
+            )
         return tuple(self.run(inp, tables) for inp in group)
 
     def run(self, inp, tables=None):

@@ -59,6 +59,12 @@ FULL_GRID = [
     _attn(1, 8, 8, 4096, 4096, 128, True),
     _attn(4, 16, 16, 512, 512, 64, True),
     _attn(8, 32, 8, 1, 4096, 128, True),
+    # issue 12: one decode step of one layer (q and k rotated by one call at position 700 of a
+    # 4096-row table; one query against Sk keys), where per-call overhead and the start of a
+    # parallel region weigh as much as the work
+    Case("apply_rope", "q32+k8 S1 D128 at 700 (one token)", 1,
+         {"seq": 1, "q_heads": 32, "k_heads": 8, "dim": 128, "position": 700}),
+    *[_attn(1, 32, 8, 1, sk, 128, True) for sk in (512, 4096)],
     # issue 13: a sliding window costs S·W (compare with the full-causal row at S8192), and
     # soft-capping / sinks cost little over the same call without them
     _attn(1, 16, 16, 8192, 8192, 64, True),
@@ -120,8 +126,17 @@ def _no_arrays(p, rng):
 def _rope_arrays(p, rng):
     q = rng.standard_normal((1, p["q_heads"], p["seq"], p["dim"]))
     k = rng.standard_normal((1, p["k_heads"], p["seq"], p["dim"]))
-    cos, sin = fastpe.rope_table(p["seq"], p["dim"], dtype="float64", backend="numpy")
-    return {"q": q, "k": k, "cos": cos, "sin": sin}
+    # "position": tokens at position … position + seq - 1 of a 4096-row table (a decode step);
+    # "cos"/"sin" are the rows used, which transformers' baseline receives already gathered
+    start = p.get("position", 0)
+    rows = 4096 if "position" in p else p["seq"]
+    table_cos, table_sin = fastpe.rope_table(rows, p["dim"], dtype="float64", backend="numpy")
+    arrays = {"q": q, "k": k, "cos": table_cos[start : start + p["seq"]],
+              "sin": table_sin[start : start + p["seq"]]}  # fmt: skip
+    if "position" in p:
+        arrays.update(table_cos=table_cos, table_sin=table_sin,
+                      positions=np.arange(start, start + p["seq"])[None])  # fmt: skip
+    return arrays
 
 
 def _embed_arrays(p, rng):
@@ -170,8 +185,13 @@ def _attention_reference(p, x):
 
 
 def _apply_rope_call(p, x, backend, device):
-    cos, sin = x["cos"].float(), x["sin"].float()
     # q and k in one call, as transformers' apply_rotary_pos_emb takes them
+    if "position" in p:  # rows picked by position from the whole table, in the call
+        cos, sin = x["table_cos"].float(), x["table_sin"].float()
+        return lambda: fastpe.apply_rope(
+            (x["q"], x["k"]), cos, sin, positions=x["positions"], backend=backend
+        )
+    cos, sin = x["cos"].float(), x["sin"].float()
     return lambda: fastpe.apply_rope((x["q"], x["k"]), cos, sin, backend=backend)
 
 

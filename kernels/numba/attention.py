@@ -19,6 +19,7 @@ joins the first split's result only, so that it counts once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numba
@@ -136,25 +137,37 @@ def _exp2(x):
     return power if x == x else x
 
 
+# tanh(x) = x·P(x²)/Q(x²) on |x| <= 9 (beyond, tanh rounds to ±1 in float32): a degree 4/4
+# rational in x² fitted for fastpe (reweighted least squares on [0, 9]); max |error| 3.5e-7 when
+# evaluated in float32 Horner form over all floats, relative error 3.5e-7 near 0.
+_TP = (0.9999999066313059, 0.1337330185628074, 0.0034867033928936463, 2.0473735914323856e-05,
+       1.3186680775101323e-08)  # fmt: skip
+_TQ = (1.0, 0.46706598817046174, 0.02584244721282622, 0.0003271580086858343,
+       7.703708089501493e-07)  # fmt: skip
+
+
 @njit(cache=True, fastmath=_FLAGS, inline="always")
 def _tanh32(x):
-    """tanh in float32 from the vectorisable _exp2: (1 - e)/(1 + e) with e = exp(-2|x|), which
-    cancels near 0, so below |x| = 1/4 the odd Taylor series to x^9 (next term < 3e-9)."""
-    ax = abs(x)
-    e = _exp2(np.float32(-2.0 * LOG2E) * ax)
-    big = (np.float32(1.0) - e) / (np.float32(1.0) + e)
-    x2 = ax * ax
-    small = np.float32(62.0 / 2835.0)
-    small = small * x2 - np.float32(17.0 / 315.0)
-    small = small * x2 + np.float32(2.0 / 15.0)
-    small = small * x2 - np.float32(1.0 / 3.0)
-    small = ax + ax * x2 * small
-    t = small if ax < 0.25 else big
-    return t if x >= 0 else -t
+    """tanh in float32: one rational, no exp and no branch — half the cost of tanh through exp
+    (which cancels near 0 and needed a series there). NaN stays NaN (the clamps keep it)."""
+    x = x if not x > 9.0 else np.float32(9.0)
+    x = x if not x < -9.0 else np.float32(-9.0)
+    t = x * x
+    p = np.float32(_TP[4])
+    p = p * t + np.float32(_TP[3])
+    p = p * t + np.float32(_TP[2])
+    p = p * t + np.float32(_TP[1])
+    p = p * t + np.float32(_TP[0])
+    q = np.float32(_TQ[4])
+    q = q * t + np.float32(_TQ[3])
+    q = q * t + np.float32(_TQ[2])
+    q = q * t + np.float32(_TQ[1])
+    q = q * t + np.float32(_TQ[0])
+    return x * p / q
 
 
 # error_model="numpy": Python's error model guards every division against zero with a branch,
-# which stops LLVM vectorising the loop (20x slower); here the divisor 1 + e is >= 1.
+# which stops LLVM vectorising the loop (20x slower); here the divisor Q(x²) is >= 1.
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
 def _softcap(s, cap, is_f32):
     """s = cap·tanh(s / cap) on a tile (cap in the scores' units)."""
@@ -314,6 +327,61 @@ def _row_max(s, r, n):
     return mx
 
 
+# Row tiles up to this many rows (decoding: the query heads of one kv head at one position)
+# multiply by plain loops instead of BLAS: OpenBLAS packs the whole K / V tile on every call,
+# which for a few rows costs several times the multiply itself (measured 12 µs against 2-2.5 µs
+# per 4 x 256 x 128 product); from about 32 rows BLAS is faster.
+SMALL_ROWS = 16
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _scores_small(qt, kt, s):
+    """s = qt·ktᵀ for a few rows, four keys at a time: each query element read serves four
+    independent sums (one key at a time was 2x slower: a horizontal sum per score)."""
+    m, d = qt.shape
+    n = kt.shape[0]
+    full = n - n % 4
+    zero = s.dtype.type(0.0)
+    for c in range(0, full, 4):
+        for r in range(m):
+            s0 = s1 = s2 = s3 = zero
+            for e in range(d):
+                x = qt[r, e]
+                s0 += x * kt[c, e]
+                s1 += x * kt[c + 1, e]
+                s2 += x * kt[c + 2, e]
+                s3 += x * kt[c + 3, e]
+            s[r, c], s[r, c + 1], s[r, c + 2], s[r, c + 3] = s0, s1, s2, s3
+    for c in range(full, n):
+        for r in range(m):
+            total = zero
+            for e in range(d):
+                total += qt[r, e] * kt[c, e]
+            s[r, c] = total
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _weighted_values_small(p, vt, pv):
+    """pv = p·vt for a few rows, four value rows at a time (they stay in L1 across the rows; one
+    at a time, the load and store of pv per multiply-add made it 2.5x slower)."""
+    m, n = p.shape
+    dv = vt.shape[1]
+    pv[:] = 0.0
+    full = n - n % 4
+    for c in range(0, full, 4):
+        for r in range(m):
+            w0, w1, w2, w3 = p[r, c], p[r, c + 1], p[r, c + 2], p[r, c + 3]
+            for e in range(dv):
+                pv[r, e] += (
+                    w0 * vt[c, e] + w1 * vt[c + 1, e] + w2 * vt[c + 2, e] + w3 * vt[c + 3, e]
+                )
+    for c in range(full, n):
+        for r in range(m):
+            w = p[r, c]
+            for e in range(dv):
+                pv[r, e] += w * vt[c, e]
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
     qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
@@ -323,7 +391,10 @@ def _attend_tile(
     """One key tile for one row tile: S = Q·Kᵀ, soft-cap, masks, online-softmax update,
     O += P·V."""
     m, n = s.shape
-    np.dot(qt, kt.T, s)
+    if m <= SMALL_ROWS:
+        _scores_small(qt, kt, s)
+    else:
+        np.dot(qt, kt.T, s)
     if softcap > 0.0:
         _softcap(s, softcap * unit, is_f32)
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
@@ -364,7 +435,10 @@ def _attend_tile(
             else:
                 _exp_shifted_f64(s, shift, p, r, r + 1, n, totals, to_nat)
         row_sum[r] = row_sum[r] * alpha[r] + totals[r]
-    np.dot(p, vt, pv)
+    if m <= SMALL_ROWS:
+        _weighted_values_small(p, vt, pv)
+    else:
+        np.dot(p, vt, pv)
     for r in range(m):
         a = alpha[r]
         if a == 1.0:
@@ -505,6 +579,12 @@ def _merge_splits_numba(part_out, part_lse, out, lse):
                     out[b, h, i, c] += w * part_out[sp, b, h, i, c]
 
 
+# Calls with at most this many multiply-adds (B·Hq·Sq·Sk·(D + Dv): a decode step) run on the
+# calling thread, unsplit: a parallel region must wait for a worker, which can take far longer
+# than the call when torch's thread pool or another process holds the cores.
+SERIAL_WORK = 1 << 23
+
+
 def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
     """Query positions per tile (times `group` heads -> rows) and keys per tile.
 
@@ -602,8 +682,10 @@ def attention_numba(
     group = hq // hkv
     block_m, block_n = _block_sizes(sq, sk, group)
     n_mblocks = -(-sq // block_m)
-    # split keys when (batch, kv head, query block) items cannot keep every thread busy
-    threads = numba.get_num_threads()
+    # split keys when (batch, kv head, query block) items cannot keep every thread busy; a call
+    # too small to be worth waking the pool runs whole on the calling thread
+    serial = batch * hq * sq * sk * (d + dv) <= SERIAL_WORK
+    threads = 1 if serial else numba.get_num_threads()
     items = batch * hkv * n_mblocks
     key_tiles = -(-sk // block_n)
     n_splits = 1
@@ -655,8 +737,12 @@ def attention_numba(
         bias_offset = -first
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
-    with _single_threaded_blas():
-        _attention_numba(
+    kernel = _attention_numba.serial if serial else _attention_numba
+    # rows of a tile: the query heads of a kv head times the positions of a query block; tiles
+    # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads
+    uses_blas = group * block_m > SMALL_ROWS
+    with _single_threaded_blas() if uses_blas else contextlib.nullcontext():
+        kernel(
         q, k, v, out, lse, dtype.type(scale), win_left, win_right,
         0.0 if softcap is None else float(softcap), query_shift, key_len,
         mask is not None, mask_bool, mask_add, mask_is_bool, unit,
