@@ -153,7 +153,9 @@ def _apply_rope_group(xs, cos, sin, **options):
     _check_shared_batch_and_seq(xs, options["layout"])  # shapes only: runs under compile too
     backend = options.pop("backend")
     if _torch_graph(*xs, cos, sin, options["positions"]):
-        return tuple(apply_rope(x, cos, sin, backend=backend, **options) for x in xs)
+        from fastpe import torch_ops
+
+        return torch_ops.call_apply_rope_group(xs, cos, sin, backend=backend, **options)
     first = ApplyRopeInputs.build(xs[0], cos, sin, **options)
     group = [first, *(first.with_x(x) for x in xs[1:])]
     return dispatch.run_group(group, backend)

@@ -216,7 +216,7 @@ def _kernel_specs(kernel, dtype, d, variant):
         }  # fmt: skip
         consts = {
             "HAS_POSITIONS": variant != "neox", "INTERLEAVED": variant == "interleaved",
-            "COPY_TAIL": variant == "partial", "BLOCK_H": 16, "BLOCK_F": _next_pow2(rot_half, 1),
+            "COPY_TAIL": variant == "partial", "INVERSE": False, "BLOCK_H": 16, "BLOCK_F": _next_pow2(rot_half, 1),
             "BLOCK_TAIL": _next_pow2(min(d - 2 * rot_half, 64), 1),
         }  # fmt: skip
         return "apply_rope", "_apply_rope_kernel", values, consts
