@@ -159,6 +159,7 @@ def bench(args) -> int:
     grid = bm.QUICK_GRID if args.quick else bm.FULL_GRID
     if args.ops:
         grid = [c for c in grid if c.op in args.ops]
+    grid = bm.in_modes(grid, args.modes)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -269,6 +270,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="OP",
         help="only these ops: %(choices)s ('generate', never run by default: model.generate() "
         "of a Llama-shaped random-weight model, fastpe attention vs SDPA, minutes on a CPU)",
+    )
+    b.add_argument(
+        "--modes",
+        nargs="+",
+        choices=bm.MODES,
+        default=["forward"],
+        metavar="MODE",
+        help="what to time, as Liger reports it: %(choices)s (default: forward) — the call, the "
+        "gradients of a recorded call, or both; ops without a backward are timed forward only",
     )
     b.add_argument(
         "--json", default="fastpe-bench.json", metavar="PATH", help="results file (%(default)s)"

@@ -198,10 +198,16 @@ def _needs(flag) -> bool:
     return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
+def _forward_backend(backend: str) -> str:
+    """The explicit choice in force at the forward call (``backend=``, ``use_backend``,
+    $FASTPE_BACKEND), kept for the backward, which may run outside a ``use_backend`` block."""
+    return backend or dispatch.requested_backend(None) or ""
+
+
 def _setup_rope(ctx, inputs, output):
     _, cos, sin, positions, offset, interleaved, layout, backend = inputs
     ctx.save_for_backward(cos, sin, positions)
-    ctx.options = (offset, interleaved, layout, backend)
+    ctx.options = (offset, interleaved, layout, _forward_backend(backend))
 
 
 def _rotated_back(ctx, grads: list[Tensor]) -> list[Tensor] | None:
@@ -304,7 +310,7 @@ def _setup_embed(ctx, inputs, output):
         inputs
     )
     ctx.save_for_backward(ids, weight, positions, pe_table, tt_ids, tt_weight)
-    ctx.options = (offset, pe, scale, backend)
+    ctx.options = (offset, pe, scale, _forward_backend(backend))
 
 
 def _embed_backward(ctx, grad):
