@@ -493,3 +493,42 @@ def test_rope_attention_block_trains_like_transformers():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
     for a, b in zip(proj.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_embed_backward_few_hot_rows_in_parallel(backend):
+    """Two token types over 2048 tokens: rows too few to share out, so the Numba kernel splits
+    them into column blocks (a path the small grid does not reach)."""
+    gen = _gen(10)
+    weight, types = torch.randn(50, 256, generator=gen), torch.randn(2, 256, generator=gen)
+    ids = torch.randint(0, 50, (8, 256), generator=gen)
+    tt = torch.randint(0, 2, (8, 256), generator=gen)
+    grad = torch.randn(8, 256, 256, generator=gen)
+
+    def ours(w, tw):
+        return fastpe.embed(
+            ids, w, pe=None, token_type_ids=tt, token_type_weight=tw, backend=backend
+        )
+
+    got = _grads(ours, [weight, types], grad)
+    want = _grads(lambda w, tw: eager_embed(ids, w, None, None, None, 1.0, tt, tw),
+                  [weight.double(), types.double()], grad.double())  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        _close(g, w, 2e-6, "embed gradient")
+
+
+def test_backward_runs_on_the_forward_calls_backend(monkeypatch):
+    """A forward run inside use_backend(...) keeps that backend for its backward, which runs
+    after the block has closed."""
+    from fastpe.backends import REGISTRY
+
+    calls = []
+    impl = REGISTRY[("numpy", "embed_backward")]
+    real = impl.run
+    monkeypatch.setattr(impl, "run", lambda inp: calls.append(1) or real(inp))
+    weight = torch.randn(5, 4, requires_grad=True)
+    with fastpe.use_backend("numpy"):
+        out = fastpe.embed(torch.tensor([[1, 2]]), weight)
+    out.sum().backward()
+    assert calls == [1]
+    assert torch.equal(weight.grad[1], torch.ones(4))
