@@ -210,17 +210,21 @@ def _setup_rope(ctx, inputs, output):
     ctx.options = (offset, interleaved, layout, _forward_backend(backend))
 
 
-def _rotated_back(ctx, grads: list[Tensor]) -> list[Tensor] | None:
+def _rotated_back(ctx, grads: list[Tensor]) -> list[Tensor | None]:
+    """The gradients of the rotated tensors that need one (None for the others), in one call."""
     _refuse_grad(ctx, "apply_rope", {1: "cos", 2: "sin"})
-    if not _needs(ctx.needs_input_grad[0]):
-        return None
+    need = ctx.needs_input_grad[0]
+    need = list(need) if isinstance(need, (list, tuple)) else [need]
+    if not any(need):
+        return [None] * len(need)
     cos, sin, positions = ctx.saved_tensors
-    return apply_rope_backward_op(list(grads), cos, sin, positions, *ctx.options)
+    asked = [g for g, n in zip(grads, need, strict=True) if n]
+    found = iter(apply_rope_backward_op(asked, cos, sin, positions, *ctx.options))
+    return [next(found) if n else None for n in need]
 
 
 def _rope_backward(ctx, grad):
-    dx = _rotated_back(ctx, [grad])
-    return (None if dx is None else dx[0],) + (None,) * 7
+    return (_rotated_back(ctx, [grad])[0],) + (None,) * 7
 
 
 def _rope_group_backward(ctx, grads):

@@ -532,3 +532,17 @@ def test_backward_runs_on_the_forward_calls_backend(monkeypatch):
     out.sum().backward()
     assert calls == [1]
     assert torch.equal(weight.grad[1], torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_rope_group_with_a_frozen_tensor(backend):
+    gen = _gen(11)
+    q, k = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)
+    cos, sin = fastpe.rope_table(6, 8, device="cpu")
+    q.requires_grad_()
+    rq, rk = fastpe.apply_rope((q, k), cos, sin, backend=backend)
+    (dq,) = torch.autograd.grad((rq * rq.detach()).sum() + rk.sum(), [q])
+    assert k.grad is None
+    want = _grads(lambda x: eager_rope(x, cos, sin, torch.arange(6).expand(2, 6), False, "bhsd"),
+                  [q], rq.detach())  # fmt: skip
+    _close(dq, want[0], 2e-6, "dq")
