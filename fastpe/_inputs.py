@@ -144,6 +144,8 @@ class ApplyRopeInputs(_Inputs):
     inplace: bool
     dtype: str
     placement: Placement
+    # rotate by -θ: the gradient w.r.t. x, from the output's gradient as x (set by torch_ops)
+    inverse: bool = False
 
     @property
     def batch(self) -> int:
@@ -332,6 +334,44 @@ class EmbedInputs(_Inputs):
             token_type_ids=token_type_ids,
             token_type_weight=token_type_weight,
             dtype=_arrays.dtype_name(weight),
+            placement=placement,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class EmbedBackwardInputs(_Inputs):
+    """The gradients of one ``embed`` call (docs/math.md#gradients): the forward call's record,
+    the gradient of its output, and which of weight / pe_table / token_type_weight to return."""
+
+    op: ClassVar[str] = "embed_backward"
+    forward: EmbedInputs
+    grad: Any  # [B, S, D] in the output's (weight's) dtype
+    need_weight: bool
+    need_pe_table: bool
+    need_token_type_weight: bool
+    dtype: str
+    placement: Placement
+
+    @classmethod
+    def build(cls, forward: EmbedInputs, grad, *, weight, pe_table, token_type_weight):
+        grad = check_float_array("grad", grad, ndim=3)
+        expected = (forward.batch, forward.seq, forward.dim)
+        if tuple(grad.shape) != expected:
+            raise ValueError(
+                f"grad must have the output's shape {expected}; got {tuple(grad.shape)}"
+            )
+        if _arrays.dtype_name(grad) != forward.dtype:
+            raise TypeError(
+                f"grad must have the output's dtype {forward.dtype}; got {_arrays.dtype_name(grad)}"
+            )
+        placement = check_same_placement({"weight": forward.weight, "grad": grad})
+        return cls(
+            forward=forward,
+            grad=grad,
+            need_weight=bool(weight),
+            need_pe_table=bool(pe_table) and forward.pe == "table",
+            need_token_type_weight=bool(token_type_weight) and forward.token_type_ids is not None,
+            dtype=forward.dtype,
             placement=placement,
         )
 

@@ -130,6 +130,9 @@ def apply_rope(
     (head counts may differ, as with GQA) — rotated by one call and returned as a tuple, like
     transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``; the Triton backend rotates them in
     one launch.
+
+    Differentiable w.r.t. ``x`` under torch autograd (the gradient is rotated back by -θ);
+    cos/sin are constants and raise if backward needs their gradient (docs/math.md#gradients).
     """
     if isinstance(x, (tuple, list)):
         return _apply_rope_group(tuple(x), cos, sin, positions=positions, interleaved=interleaved,
@@ -153,7 +156,9 @@ def _apply_rope_group(xs, cos, sin, **options):
     _check_shared_batch_and_seq(xs, options["layout"])  # shapes only: runs under compile too
     backend = options.pop("backend")
     if _torch_graph(*xs, cos, sin, options["positions"]):
-        return tuple(apply_rope(x, cos, sin, backend=backend, **options) for x in xs)
+        from fastpe import torch_ops
+
+        return torch_ops.call_apply_rope_group(xs, cos, sin, backend=backend, **options)
     first = ApplyRopeInputs.build(xs[0], cos, sin, **options)
     group = [first, *(first.with_x(x) for x in xs[1:])]
     return dispatch.run_group(group, backend)
@@ -185,6 +190,9 @@ def embed(
     ``positions``: None (0 … S-1), an int offset (incremental decoding) or an int array [S] or
     [B, S]. ``scale`` is sqrt(D) for the paper / Marian / fairseq, 1 for BERT. An id, token type
     or (table) position outside its table raises IndexError naming the value.
+
+    Differentiable w.r.t. ``weight``, ``pe_table`` and ``token_type_weight`` under torch autograd
+    (deterministic scatter-adds, docs/math.md#embedding-gradients).
     """
     if _torch_graph(ids, weight, pe_table, positions, token_type_ids, token_type_weight):
         from fastpe import torch_ops

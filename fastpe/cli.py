@@ -163,6 +163,7 @@ def bench(args) -> int:
         grid = [c for c in grid if any(text in c.name for text in args.cases)]
         if not grid and not (args.ops and "generate" in args.ops):
             return _fail("bench", f"--cases: no case of the grid contains {args.cases}")
+    grid = bm.in_modes(grid, args.modes)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -280,6 +281,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="only the cases whose name (op and case, as in the table) contains one of these "
         "strings, e.g. 'Sq1 ' 'one token'",
+    )
+    b.add_argument(
+        "--modes",
+        nargs="+",
+        choices=bm.MODES,
+        default=["forward"],
+        metavar="MODE",
+        help="what to time, as Liger reports it: %(choices)s (default: forward) — the call, the "
+        "gradients of a recorded call, or both; ops without a backward are timed forward only",
     )
     b.add_argument(
         "--json", default="fastpe-bench.json", metavar="PATH", help="results file (%(default)s)"

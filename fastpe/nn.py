@@ -162,6 +162,9 @@ class FusedEmbedding(nn.Module):
     ``forward(input_ids, position_ids=None, token_type_ids=None, past_key_values_length=0)``:
     positions default to ``past_key_values_length + s`` (plus ``position_offset``, e.g. the
     padding offset of fairseq-style tables).
+
+    Trains: gradients reach ``weight``, ``pe_table`` and ``token_type_weight`` when they are
+    parameters that require grad (a plain tensor ``weight`` is wrapped as a frozen parameter).
     """
 
     def __init__(self, weight, *, pe="sinusoidal", pe_table=None, scale=1.0, base=10000.0,

@@ -113,6 +113,27 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.nd
     return out
 
 
+def apply_rope_backward(grad: np.ndarray, cos, sin, positions: np.ndarray, interleaved):
+    """Gradient of ``apply_rope`` w.r.t. x [B, H, S, D] from ``grad`` of its output.
+
+    Each pair is multiplied by the rotation R(θ) = [[c, -s], [s, c]], so its gradient is
+    R(θ)ᵀ = R(-θ): (g_a, g_b) -> (g_a·cos + g_b·sin, g_b·cos - g_a·sin); the tail passes through.
+    """
+    half = cos.shape[1]
+    c = cos[positions][:, None]
+    s = sin[positions][:, None]
+    out = grad.copy()
+    if interleaved:
+        ga, gb = grad[..., 0 : 2 * half : 2], grad[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2] = ga * c + gb * s
+        out[..., 1 : 2 * half : 2] = gb * c - ga * s
+    else:
+        ga, gb = grad[..., :half], grad[..., half : 2 * half]
+        out[..., :half] = ga * c + gb * s
+        out[..., half : 2 * half] = gb * c - ga * s
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # docs/math.md#embedding
 
@@ -127,6 +148,24 @@ def embed(ids, weight, positions, pe, pe_table, scale, base, layout, freq, tt_id
     if tt_ids is not None:
         out = out + tt_weight[tt_ids]
     return out
+
+
+def scatter_rows(index: np.ndarray, grad: np.ndarray, rows: int, scale: float = 1.0):
+    """The gradient of a row gather ``table[index]`` [..., D] from ``grad`` [..., D]:
+    ``out[r] = scale · Σ_{t : index[t] = r} grad[t]`` ([rows, D]; repeated rows accumulate)."""
+    out = np.zeros((rows, grad.shape[-1]), dtype=np.float64)
+    np.add.at(out, np.asarray(index).reshape(-1), grad.reshape(-1, grad.shape[-1]))
+    return scale * out
+
+
+def embed_backward(grad, ids, positions, pe, vocab, pe_rows, tt_ids, tt_rows, scale):
+    """Gradients of ``embed`` from ``grad`` [B, S, D] -> (d weight [V, D], d pe_table [P, D] or
+    None, d token_type_weight [T, D] or None). The sinusoidal PE and the ids / positions have no
+    gradient."""
+    d_weight = scatter_rows(ids, grad, vocab, scale)
+    d_pe = scatter_rows(positions, grad, pe_rows) if pe == "table" else None
+    d_types = None if tt_ids is None else scatter_rows(tt_ids, grad, tt_rows)
+    return d_weight, d_pe, d_types
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,13 +6,15 @@ dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution ti
 implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
 API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
 
-``attention`` has a backward (the ``attention_backward`` op, docs/math.md#attention-backward);
-the other ops have none yet: a graph that records them still runs forward, and ``backward()``
-through one raises a clear error instead of returning wrong or missing gradients.
+``apply_rope``, ``embed`` and ``attention`` have backward passes (``torch.library.register_autograd``,
+the pattern below ``_register_backward``; docs/math.md#gradients and #attention-backward);
+``merge_attention`` has none: a graph that records it still runs forward, and ``backward()``
+through it raises a clear error instead of returning wrong or missing gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -24,6 +26,7 @@ from fastpe._inputs import (
     ApplyRopeInputs,
     AttentionBackwardInputs,
     AttentionInputs,
+    EmbedBackwardInputs,
     EmbedInputs,
     MergeAttentionInputs,
     RopeTableInputs,
@@ -125,7 +128,122 @@ def _(x, cos, sin, positions, offset, interleaved, layout, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-torch.library.register_autograd("fastpe::apply_rope", _no_backward("apply_rope"))
+@torch.library.custom_op("fastpe::apply_rope_group", mutates_args=())
+def apply_rope_group_op(
+    xs: list[Tensor], cos: Tensor, sin: Tensor, positions: Tensor | None, offset: int,
+    interleaved: bool, layout: str, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """``apply_rope((q, k), ...)``: the tensors of one call in one op (one launch on Triton)."""
+    return _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, False)
+
+
+@apply_rope_group_op.register_fake
+def _(xs, cos, sin, positions, offset, interleaved, layout, backend):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+@torch.library.custom_op("fastpe::apply_rope_backward", mutates_args=())
+def apply_rope_backward_op(
+    grads: list[Tensor], cos: Tensor, sin: Tensor, positions: Tensor | None, offset: int,
+    interleaved: bool, layout: str, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """The gradients w.r.t. x of ``apply_rope`` / ``apply_rope_group``: each output gradient
+    rotated by -θ (docs/math.md#gradients), all of them in one kernel call."""
+    return _rotate_group(grads, cos, sin, positions, offset, interleaved, layout, backend, True)
+
+
+@apply_rope_backward_op.register_fake
+def _(grads, cos, sin, positions, offset, interleaved, layout, backend):
+    return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
+
+
+def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, inverse):
+    first = ApplyRopeInputs.build(
+        xs[0], cos, sin, positions=_positions(positions, offset), interleaved=interleaved,
+        layout=layout, inplace=False,
+    )  # fmt: skip
+    if inverse:
+        first = dataclasses.replace(first, inverse=True)
+    group = [first, *(first.with_x(x) for x in xs[1:])]
+    return list(dispatch.run_group(group, _backend(backend)))
+
+
+# Backward passes. Every differentiable op follows this pattern (the attention backward too):
+# - its backward kernels are a custom op of their own, ``fastpe::<op>_backward`` with a fake
+#   implementation, so torch.compile and opcheck see the backward as one opaque op as well;
+# - ``setup_context(ctx, inputs, output)`` saves what the backward reads (tensors through
+#   ``ctx.save_for_backward``, options as ctx attributes);
+# - ``backward(ctx, *grads)`` first calls ``_refuse_grad`` for inputs that need a gradient the op
+#   does not give, then calls ``fastpe::<op>_backward`` for the inputs in
+#   ``ctx.needs_input_grad`` and returns one entry per forward argument (None for the rest);
+# - ``_register_backward("<op>", setup_context, backward)`` replaces ``_no_backward``.
+
+
+def _register_backward(op_name: str, setup_context, backward) -> None:
+    torch.library.register_autograd(f"fastpe::{op_name}", backward, setup_context=setup_context)
+
+
+def _refuse_grad(ctx, op_name: str, constants: Mapping[int, str]) -> None:
+    """A RuntimeError, as torch's own "derivative not implemented", when an input fastpe treats
+    as a constant (``constants``: argument index -> name) needs a gradient."""
+    asked = [name for index, name in constants.items() if _needs(ctx.needs_input_grad[index])]
+    if asked:
+        raise RuntimeError(
+            f"fastpe.{op_name} has no gradient w.r.t. {' and '.join(asked)} (treated as constants; "
+            "docs/math.md#gradients); detach them (e.g. tables built under torch.no_grad()) or "
+            "compute that path with plain torch ops"
+        )
+
+
+def _needs(flag) -> bool:
+    return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
+
+
+def _forward_backend(backend: str) -> str:
+    """The explicit choice in force at the forward call (``backend=``, ``use_backend``,
+    $FASTPE_BACKEND), kept for the backward, which may run outside a ``use_backend`` block."""
+    return backend or dispatch.requested_backend(None) or ""
+
+
+def _setup_rope(ctx, inputs, output):
+    _, cos, sin, positions, offset, interleaved, layout, backend = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.options = (offset, interleaved, layout, _forward_backend(backend))
+
+
+def _rotated_back(ctx, grads: list[Tensor]) -> list[Tensor | None]:
+    """The gradients of the rotated tensors that need one (None for the others), in one call."""
+    _refuse_grad(ctx, "apply_rope", {1: "cos", 2: "sin"})
+    need = ctx.needs_input_grad[0]
+    need = list(need) if isinstance(need, (list, tuple)) else [need]
+    if not any(need):
+        return [None] * len(need)
+    cos, sin, positions = ctx.saved_tensors
+    asked = [g for g, n in zip(grads, need, strict=True) if n]
+    found = iter(apply_rope_backward_op(asked, cos, sin, positions, *ctx.options))
+    return [next(found) if n else None for n in need]
+
+
+def _rope_backward(ctx, grad):
+    return (_rotated_back(ctx, [grad])[0],) + (None,) * 7
+
+
+def _rope_group_backward(ctx, grads):
+    return (_rotated_back(ctx, grads),) + (None,) * 7
+
+
+_register_backward("apply_rope", _setup_rope, _rope_backward)
+_register_backward("apply_rope_group", _setup_rope, _rope_group_backward)
+
+
+def _rope_double_backward(ctx, grads):
+    # the backward is linear in its gradients: its own backward is the forward rotation
+    _refuse_grad(ctx, "apply_rope", {1: "cos", 2: "sin"})
+    cos, sin, positions = ctx.saved_tensors
+    return (apply_rope_group_op(list(grads), cos, sin, positions, *ctx.options),) + (None,) * 7
+
+
+_register_backward("apply_rope_backward", _setup_rope, _rope_double_backward)
 
 
 @torch.library.custom_op("fastpe::embed", mutates_args=())
@@ -161,7 +279,65 @@ def _(
     return weight.new_empty((ids.shape[0], ids.shape[1], weight.shape[1]))
 
 
-torch.library.register_autograd("fastpe::embed", _no_backward("embed"))
+@torch.library.custom_op("fastpe::embed_backward", mutates_args=())
+def embed_backward_op(
+    grad: Tensor, ids: Tensor, weight: Tensor, positions: Tensor | None, offset: int, pe: str,
+    pe_table: Tensor | None, scale: float, token_type_ids: Tensor | None,
+    token_type_weight: Tensor | None, need_weight: bool, need_pe_table: bool,
+    need_token_type_weight: bool, backend: str,
+) -> list[Tensor]:  # fmt: skip
+    """The gradients of ``embed`` w.r.t. weight, pe_table and token_type_weight (those asked
+    for, in that order): scatter-adds of ``grad`` over ids / positions / token types."""
+    forward = EmbedInputs.build(
+        ids, weight, positions=_positions(positions, offset), pe=pe or None, pe_table=pe_table,
+        scale=scale, base=10000.0, layout="interleaved", freq="paper",
+        token_type_ids=token_type_ids, token_type_weight=token_type_weight,
+    )  # fmt: skip
+    inputs = EmbedBackwardInputs.build(
+        forward, grad, weight=need_weight, pe_table=need_pe_table,
+        token_type_weight=need_token_type_weight,
+    )  # fmt: skip
+    grads = dispatch.run(inputs, _backend(backend))
+    return [g for g in grads if g is not None]
+
+
+@embed_backward_op.register_fake
+def _(grad, ids, weight, positions, offset, pe, pe_table, scale, token_type_ids,
+      token_type_weight, need_weight, need_pe_table, need_token_type_weight, backend):  # fmt: skip
+    tables = ((need_weight, weight), (need_pe_table, pe_table),
+              (need_token_type_weight, token_type_weight))  # fmt: skip
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for need, t in tables
+            if need and t is not None]  # fmt: skip
+
+
+def _setup_embed(ctx, inputs, output):
+    ids, weight, positions, offset, pe, pe_table, scale, _, _, _, tt_ids, tt_weight, backend = (
+        inputs
+    )
+    ctx.save_for_backward(ids, weight, positions, pe_table, tt_ids, tt_weight)
+    ctx.options = (offset, pe, scale, _forward_backend(backend))
+
+
+def _embed_backward(ctx, grad):
+    # ids, positions and token types are integers; the sinusoidal PE has no parameters
+    need = ctx.needs_input_grad
+    wanted = (need[1], need[5], need[11])  # weight, pe_table, token_type_weight
+    grads = [None] * 13
+    if not any(wanted):
+        return tuple(grads)
+    ids, weight, positions, pe_table, tt_ids, tt_weight = ctx.saved_tensors
+    offset, pe, scale, backend = ctx.options
+    found = iter(embed_backward_op(
+        grad, ids, weight, positions, offset, pe, pe_table, scale, tt_ids, tt_weight,
+        bool(wanted[0]), bool(wanted[1]), bool(wanted[2]), backend,
+    ))  # fmt: skip
+    for index, want in zip((1, 5, 11), wanted, strict=True):
+        if want:
+            grads[index] = next(found)
+    return tuple(grads)
+
+
+_register_backward("embed", _setup_embed, _embed_backward)
 
 
 @torch.library.custom_op("fastpe::attention", mutates_args=())
@@ -273,7 +449,7 @@ def _attention_setup_context(ctx, inputs, output):
         else:
             ctx.layout.append(None)
     ctx.constants = [None if isinstance(x, Tensor) else x for x in options]
-    ctx.backend = backend
+    ctx.backend = _forward_backend(backend)
     ctx.save_for_backward(*tensors)
 
 
@@ -301,9 +477,7 @@ def _attention_backward(ctx, grad_out, grad_lse):
     return (dq, dk, dv, *(grads.get(name) for name in _ATTENTION_OPTIONS), None)
 
 
-torch.library.register_autograd(
-    "fastpe::attention", _attention_backward, setup_context=_attention_setup_context
-)
+_register_backward("attention", _attention_setup_context, _attention_backward)
 torch.library.register_autograd("fastpe::attention_backward", _no_backward("attention_backward"))
 
 
@@ -398,6 +572,13 @@ def call_apply_rope(x, cos, sin, *, positions, interleaved, layout, inplace, bac
     tensor, offset = _split_positions(positions, x.device)
     out = apply_rope_op(x, cos, sin, tensor, offset or 0, interleaved, layout, backend or "")
     return x.copy_(out) if inplace else out
+
+
+def call_apply_rope_group(xs, cos, sin, *, positions, interleaved, layout, inplace, backend):
+    tensor, offset = _split_positions(positions, xs[0].device)
+    outs = apply_rope_group_op(list(xs), cos, sin, tensor, offset or 0, interleaved, layout,
+                               backend or "")  # fmt: skip
+    return tuple(x.copy_(out) for x, out in zip(xs, outs, strict=True)) if inplace else tuple(outs)
 
 
 def call_embed(ids, weight, *, positions, pe, pe_table, scale, base, layout, freq,

@@ -42,8 +42,8 @@ NO_SPILL_TARGETS = (80, 90)
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128, 256)
 _TRITON_TYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
-KERNELS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge",
-           "attention_dkdv", "attention_dq")  # fmt: skip
+KERNELS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "scatter_rows", "attention",
+           "merge", "attention_dkdv", "attention_dq")  # fmt: skip
 
 # the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
 # interleaved RoPE): the constexprs each one turns on
@@ -217,7 +217,7 @@ def _kernel_specs(kernel, dtype, d, variant):
         }  # fmt: skip
         consts = {
             "HAS_POSITIONS": variant != "neox", "INTERLEAVED": variant == "interleaved",
-            "COPY_TAIL": variant == "partial", "BLOCK_H": 16, "BLOCK_F": _next_pow2(rot_half, 1),
+            "COPY_TAIL": variant == "partial", "INVERSE": variant == "inverse", "BLOCK_H": 16, "BLOCK_F": _next_pow2(rot_half, 1),
             "BLOCK_TAIL": _next_pow2(min(d - 2 * rot_half, 64), 1),
         }  # fmt: skip
         return "apply_rope", "_apply_rope_kernel", values, consts
@@ -237,6 +237,10 @@ def _kernel_specs(kernel, dtype, d, variant):
         consts = {"PE_KIND": pe, "HAS_POSITIONS": positions, "HAS_TYPES": types,
                   "INTERLEAVED": True, "BLOCK_T": 16, "BLOCK_D": min(256, _next_pow2(d))}  # fmt: skip
         return "embed", "_embed_kernel", values, consts
+    if kernel == "scatter_rows":  # embed's backward: one program per (row, column block)
+        values = {"order_ptr": "*i64", "starts_ptr": "*i64", "rows_ptr": "*i64", "grad_ptr": t,
+                  "out_ptr": t, "dim": d, "scale": 1.0, "stride_grad": d, "stride_out": d}  # fmt: skip
+        return "embed", "_scatter_rows_kernel", values, {"BLOCK_D": min(256, _next_pow2(d))}
     if kernel == "merge":
         # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
         part = "*fp32" if variant == "split_kv" else t
@@ -280,8 +284,9 @@ def _kernel_specs(kernel, dtype, d, variant):
 KERNEL_VARIANTS = {
     "sinusoidal_table": ("interleaved", "concat"),
     "rope_table": ("default",),
-    "apply_rope": ("neox", "interleaved", "partial"),
+    "apply_rope": ("neox", "interleaved", "partial", "inverse"),
     "embed": ("sinusoidal", "table_positions", "none_types", "sinusoidal_types_positions"),
+    "scatter_rows": ("default",),
     "merge": ("split_kv", "merge_attention"),
     "attention_dkdv": ("causal", "everything"),
     "attention_dq": ("causal", "everything"),

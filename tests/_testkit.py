@@ -13,6 +13,9 @@ try:
 except ImportError:  # torch is optional; torch cases skip without it
     torch = None
 
+# The shared shape grid [B, H, S, D] of the per-backend tests: odd, prime, tile edges
+SHAPES = [(1, 1, 1, 2), (3, 7, 5, 12), (2, 4, 33, 64), (1, 2, 130, 40)]
+
 FRAMEWORKS = [
     "numpy",
     pytest.param("torch", marks=pytest.mark.skipif(torch is None, reason="torch not installed")),

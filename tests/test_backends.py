@@ -11,13 +11,12 @@ import math
 
 import numpy as np
 import pytest
-from _testkit import KERNEL_BACKENDS, to_fw, to_np, torch
+from _testkit import KERNEL_BACKENDS, SHAPES, to_fw, to_np, torch
 
 import fastpe
 
 O = {"backend": "numpy"}
 TOL = {"float32": 2e-6, "float64": 1e-12}
-SHAPES = [(1, 1, 1, 2), (3, 7, 5, 12), (2, 4, 33, 64), (1, 2, 130, 40)]  # odd, prime, tile edges
 
 
 def _close(got, want, tol, what=""):

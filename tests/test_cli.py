@@ -15,7 +15,7 @@ from fastpe import cli
 from fastpe.benchmarking import runner
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
-TINY = [c for c in bm.SMOKE_GRID if c.op in ("embed", "apply_rope")]
+TINY = [c for c in bm.SMOKE_GRID if c.op in ("embed", "apply_rope") and c.mode == "forward"]
 
 
 def _row(impl="fastpe[numba]", **extra):
@@ -247,6 +247,36 @@ def test_bench_bfloat16_on_cpu_skips_numpy(monkeypatch, fast_peaks, tmp_path, ca
     (skip,) = doc["skipped"]
     assert skip["op"] == "embed" and skip["impl"] == "numpy" and "bfloat16" in skip["reason"]
     assert "skipped: embed 2x16 vocab 100 d32 numpy: " in capsys.readouterr().out
+
+
+def test_bench_backward_and_full_modes(monkeypatch, fast_peaks, tmp_path):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bm, "QUICK_GRID", TINY + [c for c in bm.SMOKE_GRID if c.op == "attention"])
+    out = tmp_path / "out.json"
+    argv = [
+        "bench",
+        "--quick",
+        "--device",
+        "cpu",
+        "--modes",
+        "backward",
+        "full",
+        "--json",
+        str(out),
+    ]
+    assert cli.main([*argv, "--plot", ""]) == 0
+    doc = json.loads(out.read_text())
+    modes = {(r["op"], r["mode"]) for r in doc["results"]}
+    # attention has no backward yet: timed in no mode it lacks (and not forward: not asked)
+    assert modes == {(op, m) for op in ("apply_rope", "embed") for m in ("backward", "full")}
+    for r in doc["results"]:
+        assert r["case"].endswith(r["mode"]) and r["max_abs_error"] < 1e-4, r
+    assert {(s["impl"], s["reason"]) for s in doc["skipped"]} == {
+        ("numpy", "NumPy has no autograd")
+    }
+    summary = bm.format_summary(doc)
+    assert "| embed | 2x16 vocab 100 d32 backward | fastpe[numba] |" in summary
+    assert "| nn.Embedding |" in summary and "| transformers |" in summary
 
 
 def test_bench_skips_a_fastpe_backend_that_refuses_the_dtype(

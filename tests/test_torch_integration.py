@@ -90,15 +90,11 @@ def test_grad_inputs_run_forward_and_refuse_backward(qkv):
     q = q.clone().requires_grad_()
     out = fastpe.attention(q, k, v, causal=True)
     torch.testing.assert_close(out.detach(), fastpe.attention(q.detach(), k, v, causal=True))
-    # attention has a backward (tests/test_attention_backward.py); merge_attention has none
+    # attention, apply_rope and embed have backward passes (tests/test_attention_backward.py,
+    # tests/test_backward_rope_embed.py); merge_attention has none
     out, lse = fastpe.attention(q, k, v, causal=True, return_lse=True)
     with pytest.raises(RuntimeError, match="fastpe.merge_attention has no backward"):
         fastpe.merge_attention(out, lse, out, lse)[0].sum().backward()
-    cos, sin = fastpe.rope_table(16, 16, device="cpu")
-    with pytest.raises(RuntimeError, match="fastpe.apply_rope has no backward"):
-        fastpe.apply_rope(q, cos, sin).sum().backward()
-    with pytest.raises(RuntimeError, match="fastpe.embed has no backward"):
-        fastpe.embed(torch.tensor([[1, 2]]), torch.randn(5, 4, requires_grad=True)).sum().backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -3,12 +3,15 @@ fastpe gives the installed transformers' own logits, and the patch comes off cle
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
+import fastpe  # noqa: E402
 from fastpe.integrations.transformers_rope import patch_rotary  # noqa: E402
 
 
@@ -76,7 +79,7 @@ def test_patches_nest_and_restore_once():
     assert modeling_llama.apply_rotary_pos_emb is original
 
 
-def test_bfloat16_close_to_transformers_and_falls_back_for_gradients():
+def test_bfloat16_close_to_transformers_and_gradients(monkeypatch):
     q, k = (torch.randn(2, h, 9, 16).to(torch.bfloat16) for h in (4, 2))
     emb = modeling_llama.LlamaRotaryEmbedding(_tiny_llama().config)
     cos, sin = emb(q, torch.arange(9)[None].expand(2, 9))
@@ -84,16 +87,53 @@ def test_bfloat16_close_to_transformers_and_falls_back_for_gradients():
     original = modeling_llama.apply_rotary_pos_emb
     want = original(q.double(), k.double(), cos.double(), sin.double())
     eager = original(q, k, cos, sin)
+    qf, kf, cf, sf = (t.float() for t in (q, k, cos, sin))
+    grads = [torch.randn(qf.shape), torch.randn(kf.shape)]
+    want_grads = torch.autograd.grad(
+        original(qf.requires_grad_(), kf.requires_grad_(), cf, sf), [qf, kf], grads
+    )
+    calls = []
+    real = fastpe.apply_rope
+    monkeypatch.setattr(fastpe, "apply_rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with patch_rotary():
         got = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
-        qg = q.float().requires_grad_()
-        out = modeling_llama.apply_rotary_pos_emb(qg, k.float(), cos.float(), sin.float())
-        out[0].sum().backward()  # fell back to transformers' own function: it has a backward
-    assert qg.grad is not None
+        # q and k that need gradients go through fastpe, whose backward rotates them back
+        got_grads = torch.autograd.grad(
+            modeling_llama.apply_rotary_pos_emb(qf, kf, cf, sf), [qf, kf], grads
+        )
+        assert len(calls) == 2
+        # cos/sin that need gradients: transformers' own function (fastpe has none for tables)
+        cg = cf.clone().requires_grad_()
+        modeling_llama.apply_rotary_pos_emb(qf, kf, cg, sf)[0].sum().backward()
+        assert len(calls) == 2 and cg.grad is not None
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     for g, e, w in zip(got, eager, want, strict=True):
         assert g.dtype == torch.bfloat16
         # one rounding: no further from the float64 answer than transformers' bf16 arithmetic
         assert (g.double() - w).abs().max() <= (e.double() - w).abs().max()
+
+
+def test_patched_llama_trains_like_transformers(monkeypatch):
+    """A training step of a tiny Llama with the rotary patch: the same loss and parameter
+    gradients as transformers' own rotary application (q and k went through fastpe)."""
+    calls = []
+    real = fastpe.apply_rope
+    monkeypatch.setattr(fastpe, "apply_rope", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(2))
+    position_ids = torch.stack([torch.arange(21), 2 * torch.arange(21)])
+    results = []
+    for patched in (False, True):
+        model = _tiny_llama().train()
+        with patch_rotary() if patched else contextlib.nullcontext():
+            loss = model(input_ids=ids, position_ids=position_ids, labels=ids).loss
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want_loss, want), (loss, got) = results
+    assert len(calls) == 2  # one per layer
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_unknown_module_is_a_clear_error():

@@ -120,6 +120,7 @@ class ApplyRope(_Numba):
         out = apply_rope_numba(
             x, *tables, inp.positions.as_int64(inp.batch, inp.seq),
             interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
+            inverse=inp.inverse,
         )  # fmt: skip
         if direct:
             return inp.x
@@ -150,6 +151,28 @@ class Embed(_Numba):
             token_type_weight=to_host_bits(inp.token_type_weight, dtype) if has_types else None,
         )
         return from_host(out, inp.placement, inp.dtype)
+
+
+class EmbedBackward(_Numba):
+    op = "embed_backward"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.embed import scatter_rows_numba
+
+        fwd = inp.forward
+        dtype = compute_dtype(inp.dtype)
+        grad = to_host_bits(inp.grad, dtype)
+        rows = (
+            (inp.need_weight, lambda: _arrays.to_int64(fwd.ids), fwd.weight, fwd.scale),
+            (inp.need_pe_table, lambda: fwd.positions.as_int64(fwd.batch, fwd.seq), fwd.pe_table, 1.0),
+            (inp.need_token_type_weight, lambda: _arrays.to_int64(fwd.token_type_ids),
+             fwd.token_type_weight, 1.0),
+        )  # fmt: skip
+        return tuple(
+            from_host(scatter_rows_numba(index(), grad, table.shape[0], scale), inp.placement, inp.dtype)
+            if want else None
+            for want, index, table, scale in rows
+        )  # fmt: skip
 
 
 class Attention(_Numba):
@@ -266,5 +289,6 @@ class MergeAttention(_Numba):
 
 
 IMPLEMENTATIONS = (
-    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+    SinusoidalTable, RopeTable, ApplyRope, Embed, EmbedBackward, Attention, MergeAttention,
+    AttentionBackward,
 )  # fmt: skip

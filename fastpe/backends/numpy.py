@@ -62,9 +62,8 @@ class ApplyRope(_Numpy):
     def run(self, inp):
         x = _bhsd(to_float64(inp.x), inp.layout)
         positions = inp.positions.as_int64(inp.batch, inp.seq)
-        out = reference.apply_rope(
-            x, to_float64(inp.cos), to_float64(inp.sin), positions, inp.interleaved
-        )
+        rotate = reference.apply_rope_backward if inp.inverse else reference.apply_rope
+        out = rotate(x, to_float64(inp.cos), to_float64(inp.sin), positions, inp.interleaved)
         result = from_float64(_bhsd(out, inp.layout), inp.placement, inp.dtype)
         return write_inplace(inp.x, result) if inp.inplace else result
 
@@ -88,6 +87,30 @@ class Embed(_Numpy):
             to_float64(inp.token_type_weight) if tt else None,
         )
         return from_float64(out, inp.placement, inp.dtype)
+
+
+class EmbedBackward(_Numpy):
+    op = "embed_backward"
+
+    def run(self, inp):
+        fwd = inp.forward
+        tt = inp.need_token_type_weight
+        grads = reference.embed_backward(
+            to_float64(inp.grad),
+            _arrays.to_int64(fwd.ids),
+            fwd.positions.as_int64(fwd.batch, fwd.seq),
+            "table" if inp.need_pe_table else None,
+            fwd.weight.shape[0],
+            None if fwd.pe_table is None else fwd.pe_table.shape[0],
+            _arrays.to_int64(fwd.token_type_ids) if tt else None,
+            fwd.token_type_weight.shape[0] if tt else None,
+            fwd.scale,
+        )
+        wanted = (inp.need_weight, inp.need_pe_table, tt)
+        return tuple(
+            from_float64(g, inp.placement, inp.dtype) if want else None
+            for g, want in zip(grads, wanted, strict=True)
+        )
 
 
 class Attention(_Numpy):
@@ -176,5 +199,6 @@ class MergeAttention(_Numpy):
 
 
 IMPLEMENTATIONS = (
-    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+    SinusoidalTable, RopeTable, ApplyRope, Embed, EmbedBackward, Attention, MergeAttention,
+    AttentionBackward,
 )  # fmt: skip

@@ -100,6 +100,7 @@ class ApplyRope(_Triton):
         return apply_rope_triton(
             tuple(inp.x for inp in group), first.cos.contiguous(), first.sin.contiguous(), positions, offset,
             interleaved=first.interleaved, layout=first.layout, inplace=first.inplace,
+            inverse=first.inverse,
         )  # fmt: skip
 
 
@@ -119,6 +120,37 @@ class Embed(_Triton):
             token_type_ids=inp.token_type_ids if types else None,
             token_type_weight=inp.token_type_weight.contiguous() if types else None,
         )  # fmt: skip
+
+
+class EmbedBackward(_Triton):
+    op = "embed_backward"
+
+    def run(self, inp):
+        from fastpe.kernels.triton.embed import scatter_rows_triton
+
+        fwd = inp.forward
+        device = inp.grad.device
+        rows = (
+            (inp.need_weight, lambda: fwd.ids, fwd.weight, fwd.scale),
+            (inp.need_pe_table, lambda: _positions_tensor(fwd, device), fwd.pe_table, 1.0),
+            (inp.need_token_type_weight, lambda: fwd.token_type_ids, fwd.token_type_weight, 1.0),
+        )
+        return tuple(
+            scatter_rows_triton(index(), inp.grad, table.shape[0], scale) if want else None
+            for want, index, table, scale in rows
+        )
+
+
+def _positions_tensor(fwd, device):
+    """The [B, S] positions of an embed call as an int64 tensor on ``device``."""
+    import torch
+
+    positions = fwd.positions.on_device(device)
+    if positions.array is None:
+        return torch.arange(positions.offset, positions.offset + fwd.seq, device=device).expand(
+            fwd.batch, -1
+        )
+    return positions.array.expand(fwd.batch, fwd.seq)
 
 
 class Attention(_Triton):
@@ -206,5 +238,6 @@ class MergeAttention(_Triton):
 
 
 IMPLEMENTATIONS = (
-    SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention, AttentionBackward,
+    SinusoidalTable, RopeTable, ApplyRope, Embed, EmbedBackward, Attention, MergeAttention,
+    AttentionBackward,
 )  # fmt: skip

@@ -6,18 +6,21 @@ is compared with; ``runner``: which implementations run here, timing, peaks, the
 document; ``report``: tables and the plot of a results document.
 """
 
-from .baselines import BASELINES, TARGET_BASELINE, Baseline
+from .baselines import BASELINES, TARGET_BASELINE, Baseline, target_baseline
 from .cases import (
     FULL_GRID,
+    MODES,
     OPS,
     QUICK_GRID,
     SMOKE_GRID,
     Case,
     OpSpec,
     error_scale,
+    in_modes,
     make_inputs,
     max_error,
     reference,
+    with_mode,
     work,
 )
 from .report import caveats, format_summary, format_table, load_results, plot
@@ -36,6 +39,7 @@ from .runner import (
 __all__ = [
     "BASELINES",
     "FULL_GRID",
+    "MODES",
     "OPS",
     "QUICK_GRID",
     "SMOKE_GRID",
@@ -52,6 +56,7 @@ __all__ = [
     "format_table",
     "implementation_names",
     "implementations",
+    "in_modes",
     "load_results",
     "make_inputs",
     "max_error",
@@ -60,6 +65,8 @@ __all__ = [
     "reference",
     "resolve_device",
     "run_benchmarks",
+    "target_baseline",
     "time_callable",
+    "with_mode",
     "work",
 ]

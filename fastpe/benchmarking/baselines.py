@@ -107,6 +107,21 @@ def _torch_embed(case: Case, x: dict):
     return lambda: x["weight"][x["ids"]] * scale + pe
 
 
+def _nn_embedding(case: Case, x: dict):
+    """``nn.Embedding`` + PE: what a model's embedding layer runs (its backward is torch's
+    embedding_dense_backward, not index_put's)."""
+    import torch
+
+    p = case.params
+    scale = math.sqrt(p["dim"])
+    pe = torch.from_numpy(fastpe.sinusoidal_table(p["seq"], p["dim"])).to(x["weight"])
+    return lambda: torch.nn.functional.embedding(x["ids"], x["weight"]) * scale + pe
+
+
+def _forward_only(case: Case) -> str | None:
+    return None if case.mode == "forward" else "NumPy has no autograd"
+
+
 def _transformers_rope(case: Case, x: dict):
     import torch
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -173,8 +188,16 @@ BASELINES: dict[str, tuple[Baseline, ...]] = {
     ),
     "embed": (
         # reads the tensors' memory
-        Baseline("numpy", "numpy", _numpy_embed, devices=_CPU, dtypes=_NUMPY_DTYPES),
+        Baseline(
+            "numpy",
+            "numpy",
+            _numpy_embed,
+            devices=_CPU,
+            dtypes=_NUMPY_DTYPES,
+            cannot_run=_forward_only,
+        ),
         Baseline("torch eager", "torch", _torch_embed),
+        Baseline("nn.Embedding", "torch", _nn_embedding),
     ),
     "attention": (
         Baseline("torch SDPA", "torch", _torch_sdpa, cannot_run=_sdpa_cannot_run),
@@ -190,3 +213,12 @@ TARGET_BASELINE = {
     "embed": "torch eager",
     "attention": "torch SDPA",
 }
+# where the target of the backward and full modes is another baseline
+_GRAD_TARGET_BASELINE = {"embed": "nn.Embedding"}
+
+
+def target_baseline(op: str, mode: str = "forward") -> str | None:
+    """The baseline ``op``'s speed target in ``mode`` is stated against."""
+    if mode != "forward" and op in _GRAD_TARGET_BASELINE:
+        return _GRAD_TARGET_BASELINE[op]
+    return TARGET_BASELINE.get(op)

@@ -15,6 +15,12 @@ import numpy as np
 
 import fastpe
 
+# What a case times, as Liger-Kernel reports it: the call ("forward"), the gradients of an
+# already recorded call ("backward": torch.autograd.grad with retain_graph, so nothing is
+# accumulated into .grad), or both ("full"). A case's mode is ``params["mode"]`` (absent:
+# forward); ops whose OpSpec lists ``grad_inputs`` can be timed in every mode.
+MODES = ("forward", "backward", "full")
+
 
 @dataclass(frozen=True)
 class Case:
@@ -27,6 +33,28 @@ class Case:
     @property
     def name(self) -> str:
         return f"{self.op} {self.label}"
+
+    @property
+    def mode(self) -> str:
+        return self.params.get("mode", "forward")
+
+
+def with_mode(case: Case, mode: str) -> Case:
+    """``case`` timed in ``mode`` (a label and series of its own, so tables and plots keep the
+    modes apart)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "forward":
+        return case
+    if not OPS[case.op].grad_inputs:
+        raise ValueError(f"{case.op} has no backward to time in mode {mode!r}")
+    series = f"{case.series} {mode}" if case.series else mode
+    return Case(case.op, f"{case.label} {mode}", case.seq, {**case.params, "mode": mode}, series)
+
+
+def in_modes(grid, modes) -> list[Case]:
+    """Every case of ``grid`` in each of ``modes`` that its op has (forward always)."""
+    return [with_mode(c, m) for c in grid for m in modes if m == "forward" or OPS[c.op].grad_inputs]
 
 
 def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False):
@@ -84,12 +112,15 @@ QUICK_GRID = [
     _attn(1, 8, 8, 2048, 2048, 64, True, window=256),
 ]  # fmt: skip
 
-# Tiny shapes for `pytest bench --benchmark-disable` (the CI smoke run): every op, every impl.
+# Tiny shapes for `pytest bench --benchmark-disable` (the CI smoke run): every op, every impl,
+# every mode.
 SMOKE_GRID = [
     Case("sinusoidal_table", "64 x 32", 64, {"positions": 64, "dim": 32}),
     Case("rope_table", "64 x 16", 64, {"positions": 64, "rotary_dim": 16}),
-    Case("apply_rope", "q4+k2 S32 D16", 32, {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16}),
-    Case("embed", "2x16 vocab 100 d32", 16, {"batch": 2, "seq": 16, "vocab": 100, "dim": 32}),
+    *[Case("apply_rope", "q4+k2 S32 D16", 32, {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16, "mode": m})
+      for m in MODES],
+    *[Case("embed", "2x16 vocab 100 d32", 16, {"batch": 2, "seq": 16, "vocab": 100, "dim": 32, "mode": m})
+      for m in MODES],
     _attn(1, 4, 2, 32, 32, 16, True),
     _attn(2, 4, 2, 1, 64, 16, True),
     _attn(1, 4, 2, 48, 48, 16, True, window=8, softcap=5.0, sinks=True),
@@ -114,6 +145,11 @@ class OpSpec:
     compared: Callable[[dict, object], object] = lambda p, result: result
     # (params) -> magnitude of the outputs, which scales the error tolerance of the bench suites
     error_scale: Callable[[dict], float] = lambda p: 1.0
+    # inputs (names in `arrays`) that get gradients in the backward and full modes; () when the
+    # op has no backward
+    grad_inputs: tuple[str, ...] = ()
+    # work of the backward pass as a multiple of the forward's (full mode: 1 + this)
+    backward_work: float = 1.0
 
 
 _ORACLE = {"backend": "numpy"}
@@ -238,6 +274,7 @@ OPS: dict[str, OpSpec] = {
             fastpe.apply_rope(x[n], x["cos"], x["sin"], **_ORACLE) for n in ("q", "k")
         ),
         fastpe=_apply_rope_call,
+        grad_inputs=("q", "k"),
     ),
     "embed": OpSpec(
         arrays=_embed_arrays,
@@ -251,6 +288,7 @@ OPS: dict[str, OpSpec] = {
         ),
         # outputs are ~sqrt(D)·|w| in magnitude
         error_scale=lambda p: math.sqrt(p["dim"]) * 4,
+        grad_inputs=("weight",),
     ),
     "attention": OpSpec(
         arrays=_attention_arrays,
@@ -288,18 +326,60 @@ def make_inputs(case: Case, device: str = "cpu", dtype: str = "float32") -> dict
 
 
 def work(case: Case, itemsize: int = 4) -> tuple[float, str]:
-    """(amount, unit): bytes that must move for memory-bound ops, FLOPs for attention."""
-    return OPS[case.op].work(case.params, itemsize)
+    """(amount, unit): bytes that must move for memory-bound ops, FLOPs for attention; the
+    backward's is ``backward_work`` times the forward's, the full mode's the sum."""
+    amount, unit = OPS[case.op].work(case.params, itemsize)
+    factor = {"forward": 1.0, "backward": 0.0, "full": 1.0}[case.mode]
+    if case.mode != "forward":
+        factor += OPS[case.op].backward_work
+    return amount * factor, unit
+
+
+def with_grad(case: Case, inputs: dict) -> tuple[dict, list]:
+    """For the backward and full modes: ``inputs`` with fresh leaf copies of the op's
+    ``grad_inputs`` that require grad, and those leaves (each implementation gets its own)."""
+    inputs = dict(inputs)
+    leaves = []
+    for name in OPS[case.op].grad_inputs:
+        inputs[name] = inputs[name].detach().clone().requires_grad_()
+        leaves.append(inputs[name])
+    return inputs, leaves
+
+
+def autograd_call(fn: Callable, leaves: list, mode: str) -> Callable:
+    """``fn`` (a call recorded by autograd) as timed in ``mode``: it returns the gradients of
+    ``leaves`` for fixed random output gradients (the same for every implementation)."""
+    import torch
+
+    outputs = _as_tuple(fn())
+    generator = torch.Generator().manual_seed(0)
+    upstream = tuple(
+        torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o) for o in outputs
+    )
+    if mode == "backward":
+        return lambda: torch.autograd.grad(outputs, leaves, upstream, retain_graph=True)
+    return lambda: torch.autograd.grad(_as_tuple(fn()), leaves, upstream)
+
+
+def _as_tuple(result) -> tuple:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
 def reference(case: Case, inputs: dict):
-    """The float64 oracle's answer, cast to the inputs' dtype (attention: see ``_first_group``)."""
-    return OPS[case.op].reference(case.params, inputs)
+    """The float64 oracle's answer, cast to the inputs' dtype (attention: see ``_first_group``);
+    in the backward and full modes, the oracle's gradients (its hand-written backward)."""
+    if case.mode == "forward":
+        return OPS[case.op].reference(case.params, inputs)
+    inputs, leaves = with_grad(case, inputs)
+    device = str(leaves[0].device)
+    fn = OPS[case.op].fastpe(case.params, inputs, "numpy", device)
+    return autograd_call(fn, leaves, "backward")()
 
 
 def max_error(case: Case, result, expected) -> float:
     """Largest absolute difference between ``result`` (one array or a tuple) and the oracle's."""
-    result = OPS[case.op].compared(case.params, result)
+    if case.mode == "forward":
+        result = OPS[case.op].compared(case.params, result)
     pairs = (
         zip(result, expected, strict=True) if isinstance(expected, tuple) else [(result, expected)]
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .baselines import TARGET_BASELINE
+from .baselines import target_baseline
 
 
 def format_table(doc: dict, markdown: bool = False) -> str:
@@ -74,7 +74,7 @@ def format_summary(doc: dict) -> str:
     for r in rows:
         if not r["impl"].startswith("fastpe"):
             continue
-        name = TARGET_BASELINE.get(r["op"])
+        name = target_baseline(r["op"], r.get("mode", "forward"))
         base = next(
             (b for b in rows if (b["op"], b["case"], b["impl"]) == (r["op"], r["case"], name)), None
         )

@@ -17,7 +17,7 @@ import fastpe
 from fastpe.backends import kernel_backends, unavailable_reason
 
 from .baselines import BASELINES, Baseline
-from .cases import OPS, Case, make_inputs, max_error, reference, work
+from .cases import OPS, Case, autograd_call, make_inputs, max_error, reference, with_grad, work
 
 
 def fastpe_backends(device_type: str | None = None) -> dict[str, str | None]:
@@ -53,14 +53,23 @@ def implementations(
     case: Case, inputs: dict, device: str = "cpu", dtype: str = "float32"
 ) -> dict[str, Callable]:
     """Every runnable implementation of ``case``: fastpe's kernel backends and the baselines that
-    run on ``device`` and take ``dtype`` (the dtype ``inputs`` were made in)."""
-    found: dict[str, Callable] = {}
+    run on ``device`` and take ``dtype`` (the dtype ``inputs`` were made in). In the backward
+    and full modes each callable returns the gradients (``cases.autograd_call``)."""
+    builders: dict[str, Callable] = {}
     for backend, reason in fastpe_backends(device.split(":")[0]).items():
         if reason is None:
-            found[f"fastpe[{backend}]"] = OPS[case.op].fastpe(case.params, inputs, backend, device)
+            builders[f"fastpe[{backend}]"] = lambda x, backend=backend: OPS[case.op].fastpe(
+                case.params, x, backend, device
+            )
     for baseline in baselines_for(case.op, device, dtype)[0]:
         if baseline.cannot_run(case) is None:
-            found[baseline.name] = baseline.build(case, inputs)
+            builders[baseline.name] = lambda x, baseline=baseline: baseline.build(case, x)
+    if case.mode == "forward":
+        return {name: build(inputs) for name, build in builders.items()}
+    found = {}
+    for name, build in builders.items():
+        graded, leaves = with_grad(case, inputs)  # its own leaves: no shared graph
+        found[name] = autograd_call(build(graded), leaves, case.mode)
     return found
 
 
@@ -229,7 +238,8 @@ def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=p
             rate = amount / timing.median / 1e9
             peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["sgemm_gflops"]
             case_rows.append({
-                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series, "impl": name,
+                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series,
+                "mode": case.mode, "impl": name,
                 "median_s": timing.median, "iqr_s": timing.iqr, "min_s": timing.min,
                 "runs": timing.runs, "throughput": rate, "unit": unit,
                 "fraction_of_peak": rate / peak if device == "cpu" else None,

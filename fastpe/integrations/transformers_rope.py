@@ -12,8 +12,10 @@ The replacement rotates q and k in one ``fastpe.apply_rope((q, k), ...)`` call, 
 one rounding to q's dtype (transformers rounds after each multiply and add in half precision, so
 half-precision results differ in the last bit). transformers hands over cos/sin already gathered
 per token, ``[B or 1, S, D]`` with the two halves duplicated; fastpe reads their first halves as a
-table with one row per token. Anything else — halves that differ, a layout other than
-``unsqueeze_dim`` 1 or 2, inputs that need gradients — goes to the original function.
+table with one row per token. q and k that need gradients go through fastpe too (its backward
+rotates the gradients back, docs/math.md#rope-gradient). Anything else — halves that differ, a
+layout other than ``unsqueeze_dim`` 1 or 2, cos/sin that need gradients (fastpe treats the
+tables as constants) — goes to the original function.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _make_replacement(original):
             or cos.ndim != 3
             or cos.shape != sin.shape
             or cos.shape[-1] % 2
-            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
         ):
             return original(q, k, cos, sin, *args, **kwargs)
         batch, seq, dim = cos.shape

@@ -3,6 +3,7 @@
 Logical shapes: x, out [B, H, S, D] (a "bshd" tensor arrives as a transposed view);
 cos, sin [P, R/2]; positions [B, S] rows of cos/sin.
 (a, b) -> (a·cos - b·sin, b·cos + a·sin) on pairs (i, i + R/2) or (2i, 2i + 1); D - R tail copied.
+``inverse`` rotates by -θ instead (sin negated, an exact operation): the gradient w.r.t. x.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _narrow_impl(array, value):
     return lambda array, value: value
 
 
-def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
+def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail, inverse):
     batch, heads, seq, dim = x.shape
     half = cos.shape[1]
     for row in prange(batch * seq):
@@ -111,12 +112,16 @@ def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail):
             if interleaved:
                 for i in range(half):
                     c, sn = _widen(cos[p, i]), _widen(sin[p, i])
+                    if inverse:  # loop-invariant: LLVM unswitches it
+                        sn = -sn
                     a, o = _widen(x[b, h, s, 2 * i]), _widen(x[b, h, s, 2 * i + 1])
                     out[b, h, s, 2 * i] = _narrow(out, a * c - o * sn)
                     out[b, h, s, 2 * i + 1] = _narrow(out, o * c + a * sn)
             else:
                 for i in range(half):
                     c, sn = _widen(cos[p, i]), _widen(sin[p, i])
+                    if inverse:
+                        sn = -sn
                     a, o = _widen(x[b, h, s, i]), _widen(x[b, h, s, half + i])
                     out[b, h, s, i] = _narrow(out, a * c - o * sn)
                     out[b, h, s, half + i] = _narrow(out, o * c + a * sn)
@@ -145,14 +150,15 @@ def _apply_rope_pair(x1, out1, tail1, x2, out2, tail2, cos, sin, positions, inte
     _apply_rope_serial(x2, cos, sin, positions, out2, interleaved, tail2)
 
 
-def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None):
+def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, inverse=False):
     """Rotate x ("bhsd" [B,H,S,D] or "bshd" [B,S,H,D], any strides): float32, float64, or the
     bits of bfloat16 (uint16) or float16 (int16), computed in float32.
 
     ``positions`` int64 [B, S]; cos/sin are read in the compute dtype, or as half bits (widened
     per element: only the rows used are read). ``out=x`` rotates in place; an ``out`` of
     another dtype (float32 for half x) receives the unrounded rotation. Returns the output in
-    x's layout.
+    x's layout. ``inverse=True`` rotates by -θ: the gradient w.r.t. x of a rotation, computed
+    from the gradient of its output.
     """
     compute = np.float32 if x.dtype in HALF_BITS else x.dtype
     cos, sin = (
@@ -166,7 +172,7 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None):
     kernel = _apply_rope_kernel.serial if x.size <= SERIAL_ELEMENTS else _apply_rope_kernel
     kernel(
         as_bhsd(x), cos, sin, np.ascontiguousarray(positions, dtype=np.int64), as_bhsd(out),
-        interleaved, not inplace and 2 * cos.shape[1] < x.shape[3],
+        interleaved, not inplace and 2 * cos.shape[1] < x.shape[3], inverse,
     )  # fmt: skip
     return out
 

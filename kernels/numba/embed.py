@@ -176,3 +176,96 @@ def embed_numba(
         has_types, type_ids, type_weight, out,
     )  # fmt: skip
     return out.reshape(batch, seq, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: the gradient of a row gather, out[r] = scale · Σ_{t : index[t] = r} grad[t].
+# Tokens are sorted by row (stably) and each (row, column block) is summed by one iteration in
+# token order: no two iterations write the same element (no atomics), and every sum is taken in
+# the same order whatever the thread count, so the result is deterministic.
+
+
+def _accumulate(out, src, first):
+    """``out = src`` (``first``) or ``out += src``, src widened from half bits."""
+
+
+@overload(_accumulate)
+def _accumulate_impl(out, src, first):
+    if src.dtype in (types.uint16, types.int16):
+
+        def widening(out, src, first):
+            if first:
+                for c in range(out.size):
+                    out[c] = _widen(src[c])
+            else:
+                for c in range(out.size):
+                    out[c] += _widen(src[c])
+
+        return widening
+
+    # whole-slice operations: Numba vectorises these inside a prange body, where an indexed
+    # scalar loop over a 2-D array ran ~4x slower
+    def plain(out, src, first):
+        if first:
+            out[:] = src
+        else:
+            out += src
+
+    return plain
+
+
+def _scatter_rows_numba(order, starts, rows, grad, scale, acc, block):
+    dim = grad.shape[1]
+    blocks = (dim + block - 1) // block
+    for item in prange(rows.size * blocks):
+        g, first = item // blocks, (item % blocks) * block
+        last = min(dim, first + block)
+        out = acc[rows[g], first:last]
+        for j in range(starts[g], starts[g + 1]):
+            _accumulate(out, grad[order[j], first:last], j == starts[g])
+        out *= scale
+
+
+def _narrow_rows_numba(rows, acc, out):
+    for g in prange(rows.size):
+        r = rows[g]
+        for c in range(acc.shape[1]):
+            out[r, c] = _narrow(out, acc[r, c])
+
+
+_scatter_rows_kernel = njit(parallel=True, cache=True)(_scatter_rows_numba)
+_narrow_rows_kernel = njit(parallel=True, cache=True)(_narrow_rows_numba)
+
+
+def scatter_rows_numba(index, grad, num_rows, scale=1.0):
+    """The gradient of ``table[index]`` for a table of ``num_rows`` rows: index int [...],
+    grad [..., D] float32, float64 or half bits (uint16 / int16, summed in float32 and rounded
+    once). Returns [num_rows, D] in grad's dtype; rows no index names are zero."""
+    import numba
+
+    dim = grad.shape[-1]
+    flat = np.ascontiguousarray(index, dtype=np.int64).reshape(-1)
+    grad = grad.reshape(flat.size, dim)
+    half = grad.dtype in (np.uint16, np.int16)
+    compute = np.float32 if half else grad.dtype
+    # zero pages from calloc: rows no token names are never written by this call
+    acc = np.zeros((num_rows, dim), dtype=compute)
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    first = np.ones(flat.size, dtype=bool)  # where a run of equal rows starts
+    first[1:] = ordered[1:] != ordered[:-1]
+    starts = np.flatnonzero(first)
+    rows = ordered[starts]
+    starts = np.append(starts, flat.size).astype(np.int64)
+    # whole rows per iteration, unless there are too few rows to keep every thread busy (the
+    # two token types of BERT): then column blocks of at least 64
+    pieces = -(-4 * numba.get_num_threads() // max(rows.size, 1))
+    block = max(64, -(-dim // pieces)) if pieces > 1 else max(dim, 1)
+    small = grad.size <= SERIAL_ELEMENTS
+    kernel = _scatter_rows_kernel.serial if small else _scatter_rows_kernel
+    kernel(order.astype(np.int64), starts, rows, grad, np.dtype(compute).type(scale), acc, block)
+    if not half:
+        return acc
+    out = np.zeros((num_rows, dim), dtype=grad.dtype)  # all-zero bits: +0.0 in both half types
+    (_narrow_rows_kernel.serial if small else _narrow_rows_kernel)(rows, acc, out)
+    return out

@@ -3,6 +3,7 @@
 Logical shapes: x, out [B, H, S, D] (any strides; "bshd" tensors arrive as permuted strides);
 cos, sin [P, R/2]; positions [B, S] (stride 0 over B for a shared [S]) or offset + s.
 (a, b) -> (a·cos - b·sin, b·cos + a·sin) on pairs (i, i + R/2) or (2i, 2i + 1); tail copied.
+INVERSE rotates by -θ (sin negated, exact): the gradient w.r.t. x from the output's gradient.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2
 def _rotate_heads(
     x_ptr, out_ptr, cos_ptr, sin_ptr, b, s, p, h, heads, half, dim,
     stride_xb, stride_xh, stride_xs, stride_xd, stride_ob, stride_oh, stride_os, stride_od, stride_cos_p,
-    INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr, INVERSE: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """Rotate heads ``h`` [BLOCK_H] of one (batch b, position s) row of one tensor at row p."""
     f = tl.arange(0, BLOCK_F)
     c = tl.load(cos_ptr + p * stride_cos_p + f, mask=f < half, other=1.0).to(tl.float32)
     sn = tl.load(sin_ptr + p * stride_cos_p + f, mask=f < half, other=0.0).to(tl.float32)
+    if INVERSE:
+        sn = -sn
     if INTERLEAVED:
         col_a, col_b = 2 * f, 2 * f + 1
     else:
@@ -55,7 +59,7 @@ def _apply_rope_kernel(
     stride_x2b, stride_x2h, stride_x2s, stride_x2d, stride_o2b, stride_o2h, stride_o2s, stride_o2d,
     stride_cos_p, stride_pos_b, stride_pos_s,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """Axis 0: one (batch, position) row; axis 1: head blocks of tensor 1, then of tensor 2 (q
     and k in one launch; tensor 2 has zero heads when only one tensor is rotated)."""
@@ -72,12 +76,12 @@ def _apply_rope_kernel(
         h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         _rotate_heads(x1_ptr, out1_ptr, cos_ptr, sin_ptr, b, s, p, h, heads1, half, dim,
                       stride_x1b, stride_x1h, stride_x1s, stride_x1d, stride_o1b, stride_o1h, stride_o1s, stride_o1d,
-                      stride_cos_p, INTERLEAVED, COPY_TAIL, BLOCK_F, BLOCK_TAIL)  # fmt: skip
+                      stride_cos_p, INTERLEAVED, COPY_TAIL, INVERSE, BLOCK_F, BLOCK_TAIL)  # fmt: skip
     else:
         h = (block - blocks1) * BLOCK_H + tl.arange(0, BLOCK_H)
         _rotate_heads(x2_ptr, out2_ptr, cos_ptr, sin_ptr, b, s, p, h, heads2, half, dim,
                       stride_x2b, stride_x2h, stride_x2s, stride_x2d, stride_o2b, stride_o2h, stride_o2s, stride_o2d,
-                      stride_cos_p, INTERLEAVED, COPY_TAIL, BLOCK_F, BLOCK_TAIL)  # fmt: skip
+                      stride_cos_p, INTERLEAVED, COPY_TAIL, INVERSE, BLOCK_F, BLOCK_TAIL)  # fmt: skip
 
 
 def _bhsd_strides(t, layout):
@@ -89,15 +93,22 @@ def _heads_seq(x, layout):
     return (x.shape[1], x.shape[2]) if layout == "bhsd" else (x.shape[2], x.shape[1])
 
 
-def apply_rope_triton(xs, cos, sin, positions, pos_offset, *, interleaved, layout, inplace):
+def apply_rope_triton(
+    xs, cos, sin, positions, pos_offset, *, interleaved, layout, inplace, inverse=False
+):
     """Rotate one or two tensors ("bhsd" or "bshd", same batch and sequence) in one launch.
 
     ``positions``: int64 tensor [S] or [B, S], or None for ``pos_offset + s``. Returns a tuple
-    of rotated tensors (the inputs themselves when ``inplace``)."""
+    of rotated tensors (the inputs themselves when ``inplace``); ``inverse`` rotates by -θ."""
     if len(xs) > 2:  # the kernel has two slots: rotate larger groups two at a time
-        return apply_rope_triton(xs[:2], cos, sin, positions, pos_offset, interleaved=interleaved, layout=layout,
-                                 inplace=inplace) + apply_rope_triton(xs[2:], cos, sin, positions, pos_offset,
-                                 interleaved=interleaved, layout=layout, inplace=inplace)  # fmt: skip
+        options = {
+            "interleaved": interleaved,
+            "layout": layout,
+            "inplace": inplace,
+            "inverse": inverse,
+        }
+        return (apply_rope_triton(xs[:2], cos, sin, positions, pos_offset, **options)
+                + apply_rope_triton(xs[2:], cos, sin, positions, pos_offset, **options))  # fmt: skip
     x1 = xs[0]
     x2 = xs[1] if len(xs) == 2 else x1
     batch, dim, half = x1.shape[0], x1.shape[3], cos.shape[1]
@@ -127,7 +138,7 @@ def apply_rope_triton(xs, cos, sin, positions, pos_offset, *, interleaved, layou
             *_bhsd_strides(x2, layout), *_bhsd_strides(outs[1], layout),
             cos.stride(0), *pos_strides,
             HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved,
-            COPY_TAIL=outs[0] is not x1 and 2 * half < dim,
+            COPY_TAIL=outs[0] is not x1 and 2 * half < dim, INVERSE=inverse,
             BLOCK_H=block_h, BLOCK_F=next_pow2(half, 1), BLOCK_TAIL=next_pow2(min(dim - 2 * half, 64), 1),
         )  # fmt: skip
     results = []

@@ -102,3 +102,51 @@ def embed_triton(
             INTERLEAVED=interleaved, BLOCK_T=block_t, BLOCK_D=block_d,
         )  # fmt: skip
     return out.reshape(batch, seq, dim).to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: the gradient of a row gather, out[r] = scale · Σ_{t : index[t] = r} grad[t].
+# Tokens are sorted by row (stably, by torch) and one program sums one (row, column block) in
+# token order: no atomics, so the result is the same on every run (deterministic on GPU too).
+
+
+@triton.jit
+def _scatter_rows_kernel(
+    order_ptr, starts_ptr, rows_ptr, grad_ptr, out_ptr, dim, scale, stride_grad, stride_out,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    g = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    keep = cols < dim
+    first = tl.load(starts_ptr + g)
+    last = tl.load(starts_ptr + g + 1)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(first, last):
+        t = tl.load(order_ptr + j)
+        acc += tl.load(grad_ptr + t * stride_grad + cols, mask=keep, other=0.0).to(tl.float32)
+    r = tl.load(rows_ptr + g)
+    tl.store(out_ptr + r * stride_out + cols, (scale * acc).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def scatter_rows_triton(index, grad, num_rows, scale=1.0):
+    """The gradient of ``table[index]`` for a table of ``num_rows`` rows: index int [...], grad
+    [..., D] fp16/bf16/fp32 (summed in fp32, rounded once). Returns [num_rows, D] in grad's dtype;
+    rows no index names are zero."""
+    dim = grad.shape[-1]
+    flat = index.reshape(-1).to(torch.int64)
+    grad = grad.reshape(flat.numel(), dim)
+    if grad.stride(-1) != 1:  # e.g. an expanded gradient (stride 0)
+        grad = grad.contiguous()
+    ordered, order = torch.sort(flat, stable=True)
+    rows, counts = torch.unique_consecutive(ordered, return_counts=True)
+    starts = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=grad.device)
+    torch.cumsum(counts, 0, out=starts[1:])
+    store = torch.float32 if low_precision_via_fp32(grad.dtype) else grad.dtype
+    out = torch.zeros((num_rows, dim), dtype=store, device=grad.device)
+    block_d = min(256, next_pow2(dim))
+    if rows.numel():
+        _scatter_rows_kernel[(rows.numel(), triton.cdiv(dim, block_d))](
+            order, starts, rows, grad, out, dim, float(scale), grad.stride(0), out.stride(0),
+            BLOCK_D=block_d,
+        )  # fmt: skip
+    return out.to(grad.dtype)
