@@ -249,7 +249,13 @@ def attention(
     With ``return_lse=True`` returns ``(out, lse)``, lse [B, Hq, Sq] float32 natural-log
     log-sum-exp of the scores, for ``merge_attention``.
     """
-    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks):
+    # the tables inside the option dicts count too: a learned T5 table alone must be recorded
+    tables = [
+        d.get(key)
+        for d, key in ((relative_bias, "table"), (rope, "cos"), (rope, "sin"))
+        if isinstance(d, dict)
+    ]
+    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks, *tables):
         from fastpe import torch_ops
 
         return torch_ops.call_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,

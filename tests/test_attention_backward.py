@@ -228,6 +228,28 @@ def test_oracle_gradients_match_torch_autograd(case, shape):
     _check_close(got, want, 1e-10, f"oracle {case}")
 
 
+@pytest.mark.parametrize("backend", ["numpy", *KERNEL_BACKENDS])
+def test_a_learned_table_alone_gets_its_gradient(backend):
+    """Only the T5 table requires grad (q, k, v frozen): the call must still be recorded. The
+    public function looked for grad-requiring tensors among q, k, v, mask, key_lengths,
+    alibi_slopes and sinks only, so the output had no grad_fn and the table no gradient."""
+    rng = np.random.default_rng(11)
+    shape = SHAPES[0]
+    leaves, kw = _case(rng, shape, {"relative_bias": True, "causal": True})
+    table = leaves["table"].detach().requires_grad_()
+    frozen = {n: x.detach() for n, x in leaves.items()}
+    out, _ = _call({**frozen, "table": table}, kw, backend=backend)
+    grad_out = torch.from_numpy(rng.standard_normal(out.shape)).float()
+    (out * grad_out).sum().backward()
+
+    plain = {**{n: x.double() for n, x in frozen.items()}, "table": frozen["table"].double()}
+    plain["table"].requires_grad_()
+    eager_out, _ = _eager_from_case(plain, kw, shape)
+    (want,) = torch.autograd.grad((eager_out * grad_out.double()).sum(), [plain["table"]])
+    assert table.grad is not None
+    _check_close({"table": table.grad}, {"table": want}, 2e-5, f"{backend} table alone")
+
+
 @pytest.mark.parametrize(
     "features",
     [{"causal": True, "sinks": True, "softcap": 0.8, "window": (3, 1)},
