@@ -24,6 +24,7 @@ from fastpe._inputs import (
     SinusoidalTableInputs,
     _check_sinusoidal_dim,
 )
+from fastpe._inputs_serving import AttentionVarlenInputs
 from fastpe._validate import check_choice, check_float, check_int
 
 
@@ -273,7 +274,49 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     return dispatch.run(MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), backend)
 
 
-OPS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge_attention")
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+    causal_alignment="bottom_right", scale=None, rope=None, alibi_slopes=None, window=None,
+    softcap=None, sinks=None, return_lse=False, backend=None,
+):  # fmt: skip
+    """``attention`` of a packed batch of variable-length sequences
+    (docs/math.md#packed-variable-length-attention).
+
+    ``q`` [total_q, Hq, D], ``k`` [total_k, Hkv, D], ``v`` [total_k, Hkv, Dv]: sequence b is
+    rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] - 1`` of q and ``cu_seqlens_k[b] …
+    cu_seqlens_k[b+1] - 1`` of k and v (``cu_seqlens_*`` int32/int64 [B + 1], starting at 0,
+    non-decreasing, ending at the packed length). Each sequence attends only to its own keys,
+    with every option of ``attention`` applied per sequence: query i of sequence b sits at key
+    position ``i + Lk_b - Lq_b`` (``causal_alignment="bottom_right"``, FlashAttention's rule) or
+    ``i`` (``"top_left"``); ``alibi_slopes`` [Hq] or [B, Hq]; ``window``, ``softcap``,
+    ``sinks`` as in ``attention``. ``rope=dict(cos=, sin=, interleaved=False,
+    q_positions=None, k_positions=None)`` rotates q and k inside the call; positions default to
+    each token's index in its sequence (queries: their aligned position), or are int arrays
+    [total_q] / [total_k] (transformers' packed ``position_ids``). ``max_seqlen_*`` are
+    optional; given, they must be at least the longest sequence.
+
+    Returns out [total_q, Hq, Dv] in q's dtype; with ``return_lse=True`` also lse
+    [Hq, total_q] float32 (FlashAttention's varlen layout). No compute or memory is spent on
+    padding: there is none. ``cu_seqlens`` are read on the host (one sync on a GPU).
+    """
+    if _torch_graph(q, k, v, alibi_slopes, sinks):
+        raise NotImplementedError(
+            "attention_varlen has no autograd or torch.compile support yet; call it under "
+            "torch.no_grad() (inference), outside torch.compile"
+        )
+    inputs = AttentionVarlenInputs.build(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
+        scale=scale, rope=rope, alibi_slopes=alibi_slopes, window=window, softcap=softcap,
+        sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+OPS = (
+    "sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge_attention",
+    "attention_varlen",
+)  # fmt: skip
 
 
 def explain(op, *args, **kwargs) -> dispatch.Explanation:

@@ -195,3 +195,42 @@ class MergeAttention(_Numba):
 
 
 IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+
+
+def _rotated_packed(x, rope, positions, cos, sin):
+    """Packed x [T, H, D] (or its half bits) rotated at one position per token; half inputs
+    rotate into float32 (as Attention does: no rounding back to half before the scores)."""
+    from fastpe.kernels.numba.apply_rope import apply_rope_numba
+
+    wide = x.dtype in (np.uint16, np.int16)
+    return apply_rope_numba(
+        x[None], cos, sin, positions[None], interleaved=rope.interleaved, layout="bshd",
+        out=np.empty((1, *x.shape), np.float32) if wide else None,
+    )[0]  # fmt: skip
+
+
+class AttentionVarlen(_Numba):
+    op = "attention_varlen"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.attention_paged import attention_paged_numba
+
+        dtype = compute_dtype(inp.dtype)
+        q, k, v = (to_host_bits(t, dtype) for t in (inp.q, inp.k, inp.v))
+        if inp.rope is not None:
+            cos, sin = to_host(inp.rope.cos, dtype), to_host(inp.rope.sin, dtype)
+            q = _rotated_packed(q, inp.rope, inp.rope.q_positions, cos, sin)
+            k = _rotated_packed(k, inp.rope, inp.rope.k_positions, cos, sin)
+        out, lse = attention_paged_numba(
+            q, k, v, q_start=inp.cu_q[:-1], q_len=inp.q_lengths, k_len=inp.k_lengths,
+            page_start=inp.cu_k[:-1, None], page_size=max(inp.max_seqlen_k, 1),
+            scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right,
+            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
+        )  # fmt: skip
+        out = from_host(out, inp.placement, inp.dtype)
+        return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
+
+
+IMPLEMENTATIONS = (*IMPLEMENTATIONS, AttentionVarlen)

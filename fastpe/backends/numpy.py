@@ -139,3 +139,34 @@ class MergeAttention(_Numpy):
 
 
 IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+
+
+def _rotated_packed(x, rope, positions):
+    """Packed x [T, H, D] rotated at one position per token (float64)."""
+    cos, sin = to_float64(rope.cos), to_float64(rope.sin)
+    rotated = reference.apply_rope(
+        x.transpose(1, 0, 2)[None], cos, sin, positions[None], rope.interleaved
+    )
+    return rotated[0].transpose(1, 0, 2)
+
+
+class AttentionVarlen(_Numpy):
+    op = "attention_varlen"
+
+    def run(self, inp):
+        q, k, v = to_float64(inp.q), to_float64(inp.k), to_float64(inp.v)
+        if inp.rope is not None:
+            q = _rotated_packed(q, inp.rope, inp.rope.q_positions)
+            k = _rotated_packed(k, inp.rope, inp.rope.k_positions)
+        out, lse = reference.attention_varlen(
+            q, k, v, inp.cu_q, inp.cu_k, scale=inp.scale, causal=inp.causal,
+            bottom_right=inp.bottom_right,
+            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else to_float64(inp.sinks),
+        )  # fmt: skip
+        out = from_float64(out, inp.placement, inp.dtype)
+        return (out, from_float64(lse, inp.placement, "float32")) if inp.return_lse else out
+
+
+IMPLEMENTATIONS = (*IMPLEMENTATIONS, AttentionVarlen)
