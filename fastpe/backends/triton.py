@@ -170,3 +170,44 @@ class MergeAttention(_Triton):
 
 
 IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, MergeAttention)
+
+
+class AttentionVarlen(_Triton):
+    op = "attention_varlen"
+    max_head_dim = Attention.max_head_dim
+
+    def extra_reasons(self, inp):
+        d, dv = inp.q.shape[2], inp.v.shape[2]
+        if max(d, dv) > self.max_head_dim:
+            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
+        return []
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.kernels.triton.attention_varlen import attention_varlen_triton
+
+        device = inp.q.device
+        rope = inp.rope
+        if rope is not None:
+            rope = (
+                rope.cos, rope.sin, rope.interleaved,
+                torch.from_numpy(rope.q_positions).to(device),
+                torch.from_numpy(rope.k_positions).to(device),
+            )  # fmt: skip
+        sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else None
+        )
+        out, lse = attention_varlen_triton(
+            inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, scale=inp.scale, causal=inp.causal,
+            bottom_right=inp.bottom_right, rope=rope,
+            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(), num_sms=sms,
+        )  # fmt: skip
+        return (out, lse) if inp.return_lse else out
+
+
+IMPLEMENTATIONS = (*IMPLEMENTATIONS, AttentionVarlen)
