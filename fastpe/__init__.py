@@ -9,6 +9,7 @@ from fastpe import backends  # the registry; calling it, fastpe.backends(), repo
 from fastpe.api import (
     apply_rope,
     attention,
+    attention_kvcache,
     attention_varlen,
     embed,
     explain,
@@ -36,6 +37,7 @@ __all__ = [
     "BackendNotSupportedError",
     "apply_rope",
     "attention",
+    "attention_kvcache",
     "attention_varlen",
     "backends",
     "embed",

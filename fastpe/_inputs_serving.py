@@ -267,3 +267,257 @@ class AttentionVarlenInputs(_Inputs):
             dtype=dtype,
             placement=placement,
         )
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionKVCacheInputs(_Inputs):
+    """``flash_attn_with_kvcache``: queries [B, Sq, Hq, D] against a cache that is paged
+    (k_cache [num_blocks, block_size, Hkv, D] + block_table) or contiguous ([Bc, S, Hkv, D],
+    rows chosen by cache_batch_idx). Both are held as pages: a contiguous cache is one page of
+    S rows per cache row, its "block table" is cache_batch_idx[:, None]."""
+
+    op: ClassVar[str] = "attention_kvcache"
+    q: Any  # [B, Sq, Hq, D]
+    k_cache: Any
+    v_cache: Any
+    k: Any  # new keys [B, Sn, Hkv, D] or None
+    v: Any
+    cache_seqlens: np.ndarray  # host int64 [B]: keys already in the cache
+    page_table: np.ndarray  # host int64 [B, pages]
+    page_size: int
+    paged: bool
+    rotary: tuple | None  # (cos, sin, interleaved)
+    q_positions: np.ndarray | None  # host int64 [B, Sq] rows of the rotary tables
+    k_positions: np.ndarray | None  # host int64 [B, Sn]
+    scale: float
+    causal: bool
+    alibi_slopes: Any
+    window: tuple[int, int] | None
+    softcap: float | None
+    sinks: Any
+    return_lse: bool
+    dtype: str
+    placement: Placement
+
+    @property
+    def new_tokens(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    @property
+    def seqlens(self) -> np.ndarray:
+        """Keys each query row sees: the cache plus the appended tokens."""
+        return self.cache_seqlens + self.new_tokens
+
+    @property
+    def features(self) -> frozenset[str]:
+        return _features(
+            paged=self.paged,
+            append=self.k is not None,
+            rope=self.rotary is not None,
+            causal=self.causal,
+            gqa=self.q.shape[2] != self.k_cache.shape[2],
+            alibi=self.alibi_slopes is not None,
+            window=self.window is not None,
+            softcap=self.softcap is not None,
+            sinks=self.sinks is not None,
+            lse=self.return_lse,
+            value_dim_differs=self.q.shape[3] != self.v_cache.shape[3],
+        )
+
+    @classmethod
+    def build(
+        cls, q, k_cache, v_cache, *, k, v, cache_seqlens, block_table, cache_batch_idx,
+        rotary_cos, rotary_sin, rotary_interleaved, causal, scale, alibi_slopes, window,
+        softcap, sinks, return_lse,
+    ):  # fmt: skip
+        q = check_float_array("q", q, ndim=4)
+        k_cache = check_float_array("k_cache", k_cache, ndim=4)
+        v_cache = check_float_array("v_cache", v_cache, ndim=4)
+        batch, sq, hq, d = q.shape
+        rows, width, hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        if k_cache.shape[3] != d:
+            raise ValueError(f"k_cache's head dim {k_cache.shape[3]} must equal q's head dim {d}")
+        if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+            raise ValueError(
+                f"v_cache must match k_cache's first three dims {tuple(k_cache.shape[:3])}; "
+                f"got {tuple(v_cache.shape)}"
+            )
+        _check_heads("q", hq, "k_cache", hkv)
+        if d == 0:
+            raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
+        named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        if (k is None) != (v is None):
+            raise ValueError("k and v (new tokens to append) must be given together")
+        if k is not None:
+            k = check_float_array("k", k, ndim=4)
+            v = check_float_array("v", v, ndim=4)
+            if tuple(k.shape) != (batch, k.shape[1], hkv, d) or tuple(v.shape) != (
+                *k.shape[:3],
+                v_cache.shape[3],
+            ):
+                raise ValueError(
+                    f"k must be [B, S_new, Hkv, D] = [{batch}, S_new, {hkv}, {d}] and v "
+                    f"[B, S_new, Hkv, Dv]; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+                )
+            named.update(k=k, v=v)
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not _arrays.is_tensor(cache) and not cache.flags.writeable:
+                    raise ValueError(f"appending k/v writes into {name}; got a read-only array")
+                if _arrays.may_overlap(cache):
+                    raise ValueError(
+                        f"appending k/v writes into {name}, whose elements share memory "
+                        f"(strides {_arrays.strides(cache)}); pass a cache with distinct elements"
+                    )
+        dtype = _check_dtype_and_dims(named)
+        new = 0 if k is None else k.shape[1]
+        paged = block_table is not None
+        if paged:
+            if cache_batch_idx is not None:
+                raise ValueError("cache_batch_idx selects rows of a contiguous cache; "
+                                 "with block_table pages are chosen by the table")  # fmt: skip
+            table = _host_ints("block_table", block_table, ndim=2)
+            if table.shape[0] != batch:
+                raise ValueError(
+                    f"block_table must be [B, max_blocks] with B = {batch}; got {table.shape}"
+                )
+            page_size, capacity = width, table.shape[1] * width
+        else:
+            if cache_batch_idx is None:
+                if rows < batch:
+                    raise ValueError(
+                        f"k_cache has {rows} rows for a batch of {batch}; pass cache_batch_idx "
+                        "or a cache with at least B rows"
+                    )
+                table = np.arange(batch, dtype=np.int64)[:, None]
+            else:
+                index = _host_ints("cache_batch_idx", cache_batch_idx, ndim=1)
+                if index.shape != (batch,):
+                    raise ValueError(
+                        f"cache_batch_idx must have shape [B] = [{batch}]; got {index.shape}"
+                    )
+                check_range("cache_batch_idx", index, 0, rows, what=f"(k_cache has {rows} rows)")
+                table = index[:, None]
+            page_size, capacity = width, width
+        lengths = _check_cache_seqlens(cache_seqlens, batch, capacity, new)
+        total = lengths + new
+        pages = -(-total // page_size)  # pages each sequence reads
+        used = np.arange(table.shape[1])[None, :] < pages[:, None]
+        if paged:
+            bad = used & ((table < 0) | (table >= rows))
+            if bad.any():
+                b, p = (int(i) for i in np.argwhere(bad)[0])
+                raise IndexError(
+                    f"block_table contains {int(table[b, p])} at index [{b}, {p}], outside "
+                    f"[0, {rows}) (k_cache has {rows} blocks); sequence {b} reads its first "
+                    f"{int(pages[b])} blocks"
+                )
+        if new:
+            _check_no_shared_written_pages(table, used, lengths, total, page_size, paged)
+        rotary = q_positions = k_positions = None
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        if rotary_cos is not None:
+            if k is None:
+                raise ValueError(
+                    "rotary_cos/rotary_sin rotate the new k and q at their cache positions; "
+                    "they need k and v (keys already in the cache are stored rotated)"
+                )
+            cos, sin = check_rope_tables("rotary_", rotary_cos, rotary_sin, d)
+            k_positions = lengths[:, None] + np.arange(new)[None, :]
+            if causal or check_window(window) is not None:
+                q_positions = lengths[:, None] + np.arange(sq)[None, :]
+            else:  # FlashAttention: every query at the first new position
+                q_positions = np.broadcast_to(lengths[:, None], (batch, sq))
+            needed = int(max(k_positions.max(initial=0), q_positions.max(initial=0))) + 1
+            if needed > cos.shape[0]:
+                raise IndexError(
+                    f"rotary_cos/rotary_sin have {cos.shape[0]} rows; positions up to "
+                    f"{needed - 1} are needed (cache_seqlens + new tokens)"
+                )
+            rotary = (cos, sin, check_bool("rotary_interleaved", rotary_interleaved))
+            named.update(rotary_cos=cos, rotary_sin=sin)
+        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
+        sinks = None if sinks is None else _check_sinks(sinks, hq)
+        placement = check_same_placement(
+            {**named, "cache_seqlens": _arrays.as_array(cache_seqlens)
+             if not isinstance(cache_seqlens, (int, np.integer)) else None,
+             "block_table": None if block_table is None else _arrays.as_array(block_table),
+             "cache_batch_idx": None if cache_batch_idx is None else _arrays.as_array(cache_batch_idx),
+             "alibi_slopes": alibi_slopes, "sinks": sinks}
+        )  # fmt: skip
+        return cls(
+            q=q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            k=k,
+            v=v,
+            cache_seqlens=lengths,
+            page_table=table,
+            page_size=page_size,
+            paged=paged,
+            rotary=rotary,
+            q_positions=q_positions,
+            k_positions=k_positions,
+            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
+            causal=check_bool("causal", causal),
+            alibi_slopes=alibi_slopes,
+            window=check_window(window),
+            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
+            sinks=sinks,
+            return_lse=check_bool("return_lse", return_lse),
+            dtype=dtype,
+            placement=placement,
+        )
+
+    def written_rows(self):
+        """(block, offset) index arrays [B, Sn] where the new tokens go."""
+        pos = self.cache_seqlens[:, None] + np.arange(self.new_tokens)[None, :]
+        page = pos // self.page_size
+        block = np.take_along_axis(self.page_table, page, axis=1)
+        return block, pos - page * self.page_size
+
+
+def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new: int) -> np.ndarray:
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        lengths = np.full(batch, int(cache_seqlens), np.int64)
+    else:
+        lengths = _host_ints("cache_seqlens", cache_seqlens, ndim=1)
+        if lengths.shape != (batch,):
+            raise ValueError(
+                f"cache_seqlens must be an int or have shape [B] = [{batch}]; got {lengths.shape}"
+            )
+    low = int(lengths.min(initial=0))
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be >= 0; got {low}")
+    high = int((lengths + new).max(initial=0))
+    if high > capacity:
+        b = int(np.argmax(lengths + new))
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(lengths[b])} plus {new} new tokens needs {high} cache "
+            f"positions; the cache holds {capacity} per sequence"
+        )
+    return lengths
+
+
+def _check_no_shared_written_pages(table, used, lengths, total, page_size, paged) -> None:
+    """A page (cache row) that receives new tokens must belong to one sequence only: another
+    sequence reading or writing it would see, or race with, the write."""
+    blocks, counts = np.unique(table[used], return_counts=True)
+    shared = blocks[counts > 1]
+    if not shared.size:
+        return
+    what = "block_table block" if paged else "cache row (cache_batch_idx)"
+    pages = np.arange(table.shape[1])[None, :]
+    written = (pages >= (lengths // page_size)[:, None]) & (
+        pages <= ((total - 1) // page_size)[:, None]
+    )
+    written &= (total > lengths)[:, None]
+    clash = written & np.isin(table, shared)
+    if clash.any():
+        b, p = (int(i) for i in np.argwhere(clash)[0])
+        block = int(table[b, p])
+        users = sorted({int(i) for i in np.argwhere(used & (table == block))[:, 0]})
+        raise ValueError(
+            f"{what} {block} receives new tokens of sequence {b} but is also read by "
+            f"sequences {users} (or twice by one); pages that are appended to must not be shared"
+        )

@@ -10,6 +10,8 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
+
 from fastpe import reference
 from fastpe.backends.base import ALL_FLOAT, Implementation
 
@@ -211,3 +213,65 @@ class AttentionVarlen(_Triton):
 
 
 IMPLEMENTATIONS = (*IMPLEMENTATIONS, AttentionVarlen)
+
+
+class AttentionKVCache(_Triton):
+    """Contiguous caches only: the forward kernel reads the cache in place (key lengths =
+    cache_seqlens + new tokens, bottom-right aligned); a paged cache is refused."""
+
+    op = "attention_kvcache"
+    max_head_dim = Attention.max_head_dim
+    unsupported_features = frozenset({"paged"})
+
+    def extra_reasons(self, inp):
+        d, dv = inp.q.shape[3], inp.v_cache.shape[3]
+        if max(d, dv) > self.max_head_dim:
+            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
+        return []
+
+    def run(self, inp):
+        import torch
+
+        from fastpe.backends._kvcache import write_new_tokens
+        from fastpe.kernels.triton.apply_rope import apply_rope_triton
+        from fastpe.kernels.triton.attention import attention_triton
+
+        device = inp.q.device
+        q = inp.q
+        if inp.k is not None:
+            k_new = inp.k
+            if inp.rotary is not None:
+                cos, sin, interleaved = inp.rotary
+                cos, sin = cos.contiguous(), sin.contiguous()
+                kw = {"interleaved": interleaved, "layout": "bshd", "inplace": False}
+                positions = torch.from_numpy(np.ascontiguousarray(inp.k_positions)).to(device)
+                (k_new,) = apply_rope_triton((k_new,), cos, sin, positions, 0, **kw)
+                positions = torch.from_numpy(np.ascontiguousarray(inp.q_positions)).to(device)
+                (q,) = apply_rope_triton((q,), cos, sin, positions, 0, **kw)
+                q = q.to(inp.q.dtype)
+            write_new_tokens(inp, inp.k_cache, inp.v_cache, k_new, inp.v)
+        rows = inp.page_table[:, 0]
+        batch = q.shape[0]
+        if np.array_equal(rows, np.arange(batch)):
+            k, v = inp.k_cache[:batch], inp.v_cache[:batch]  # views: read in place
+        else:
+            index = torch.from_numpy(rows).to(device)
+            k, v = inp.k_cache[index], inp.v_cache[index]  # cache_batch_idx: gathered
+        sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else None
+        )
+        out, lse = attention_triton(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=inp.scale,
+            causal=inp.causal, bottom_right=True,
+            key_lengths=torch.from_numpy(inp.seqlens).to(device),
+            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(), num_sms=sms,
+        )  # fmt: skip
+        out = out.transpose(1, 2)
+        return (out, lse) if inp.return_lse else out
+
+
+IMPLEMENTATIONS = (*IMPLEMENTATIONS, AttentionKVCache)
