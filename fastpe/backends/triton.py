@@ -244,9 +244,9 @@ class AttentionKVCache(_Triton):
                 cos, sin, interleaved = inp.rotary
                 cos, sin = cos.contiguous(), sin.contiguous()
                 kw = {"interleaved": interleaved, "layout": "bshd", "inplace": False}
-                positions = torch.from_numpy(np.ascontiguousarray(inp.k_positions)).to(device)
+                positions = torch.from_numpy(np.array(inp.k_positions)).to(device)
                 (k_new,) = apply_rope_triton((k_new,), cos, sin, positions, 0, **kw)
-                positions = torch.from_numpy(np.ascontiguousarray(inp.q_positions)).to(device)
+                positions = torch.from_numpy(np.array(inp.q_positions)).to(device)
                 (q,) = apply_rope_triton((q,), cos, sin, positions, 0, **kw)
                 q = q.to(inp.q.dtype)
             write_new_tokens(inp, inp.k_cache, inp.v_cache, k_new, inp.v)
