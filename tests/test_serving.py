@@ -502,3 +502,29 @@ def test_triton_refuses_paged_cache_by_name():
     pytest.importorskip("triton")
     with pytest.raises(fastpe.BackendNotSupportedError, match="does not support paged"):
         _kv_call(backend="triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "lq,lk,hq,hkv",
+    [([40], [700], 1, 1), ([1, 1, 2], [900, 5, 300], 8, 2)],
+    ids=["prefill-split", "decode-split"],
+)
+def test_varlen_long_keys_with_every_option(backend, lq, lk, hq, hkv):
+    """Few work items over long keys: the Numba kernel splits the keys across threads and
+    merges the parts (thin decode tiles and BLAS tiles alike); ALiBi's lse correction and the
+    sink must survive the merge."""
+    torch.manual_seed(3)
+    cu_q, cu_k = cu(lq), cu(lk)
+    q = torch.randn(int(cu_q[-1]), hq, 32)
+    k, v = torch.randn(int(cu_k[-1]), hkv, 32), torch.randn(int(cu_k[-1]), hkv, 32)
+    alibi, sinks = torch.rand(len(lq), hq) * 0.1, torch.randn(hq)
+    out, lse = fastpe.attention_varlen(
+        q, k, v, cu_q, cu_k, causal=True, window=(600, 0), softcap=6.0, alibi_slopes=alibi,
+        sinks=sinks, return_lse=True, backend=backend,
+    )  # fmt: skip
+    want, want_lse = ref_varlen(q, k, v, cu_q, cu_k, causal=True, window=(600, 0), softcap=6.0,
+                                alibi=alibi)  # fmt: skip
+    total = torch.logaddexp(want_lse, sinks.double()[:, None])
+    close(out, want * torch.exp(want_lse - total).T[..., None], what="out")
+    close(lse, total, what="lse")
