@@ -528,3 +528,26 @@ def test_varlen_long_keys_with_every_option(backend, lq, lk, hq, hkv):
     total = torch.logaddexp(want_lse, sinks.double()[:, None])
     close(out, want * torch.exp(want_lse - total).T[..., None], what="out")
     close(lse, total, what="lse")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_kvcache_bfloat16_stores_rounded_rotated_keys(backend):
+    """Half caches: the new keys are rotated, rounded to the cache's dtype and stored; the
+    attention reads them back from the cache."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    k_cache = torch.randn(4, 8, 2, 16, dtype=torch.bfloat16)
+    v_cache = torch.randn(4, 8, 2, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1, 2, 16, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lengths = torch.tensor([9, 3], dtype=torch.int32)
+    angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(8.0) / 8)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = fastpe.attention_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table,
+                                   rotary_cos=cos, rotary_sin=sin, causal=True, backend=backend)  # fmt: skip
+    want, want_kc, want_vc = ref_kvcache(q, k_cache, v_cache, k, v, lengths, table, cos, sin,
+                                         False, True, (-1, -1))  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    close(out, want, atol=2e-2)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
