@@ -158,7 +158,7 @@ def test_varlen_lse_layout_is_heads_by_tokens():
     assert lse.shape == (3, 7) and lse.dtype == torch.float32
 
 
-@pytest.mark.parametrize("backend", ["numba"])
+@pytest.mark.parametrize("backend", ["numba", "triton"])
 def test_varlen_half_precision(backend):
     lq = np.array([5, 17, 1])
     cu_q = cu(lq)
@@ -498,12 +498,6 @@ def test_kvcache_read_only_numpy_cache_refused_when_appending():
         )  # fmt: skip
 
 
-def test_triton_refuses_paged_cache_by_name():
-    pytest.importorskip("triton")
-    with pytest.raises(fastpe.BackendNotSupportedError, match="does not support paged"):
-        _kv_call(backend="triton")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "lq,lk,hq,hkv",
@@ -530,7 +524,7 @@ def test_varlen_long_keys_with_every_option(backend, lq, lk, hq, hkv):
     close(lse, total, what="lse")
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kvcache_bfloat16_stores_rounded_rotated_keys(backend):
     """Half caches: the new keys are rotated, rounded to the cache's dtype and stored; the
     attention reads them back from the cache."""
