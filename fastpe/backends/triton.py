@@ -177,7 +177,7 @@ IMPLEMENTATIONS = (SinusoidalTable, RopeTable, ApplyRope, Embed, Attention, Merg
 def _host_int64(values, device):
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)  # small: a copy
 
 
 def _sms(device):
