@@ -9,6 +9,8 @@ from fastpe import backends  # the registry; calling it, fastpe.backends(), repo
 from fastpe.api import (
     apply_rope,
     attention,
+    attention_kvcache,
+    attention_varlen,
     embed,
     explain,
     merge_attention,
@@ -35,6 +37,8 @@ __all__ = [
     "BackendNotSupportedError",
     "apply_rope",
     "attention",
+    "attention_kvcache",
+    "attention_varlen",
     "backends",
     "embed",
     "explain",

@@ -24,6 +24,7 @@ from fastpe._inputs import (
     SinusoidalTableInputs,
     _check_sinusoidal_dim,
 )
+from fastpe._inputs_serving import AttentionKVCacheInputs, AttentionVarlenInputs
 from fastpe._validate import check_choice, check_float, check_int
 
 
@@ -287,7 +288,93 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     return dispatch.run(MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), backend)
 
 
-OPS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge_attention")
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+    causal_alignment="bottom_right", scale=None, rope=None, alibi_slopes=None, window=None,
+    softcap=None, sinks=None, return_lse=False, backend=None,
+):  # fmt: skip
+    """``attention`` of a packed batch of variable-length sequences
+    (docs/math.md#packed-variable-length-attention).
+
+    ``q`` [total_q, Hq, D], ``k`` [total_k, Hkv, D], ``v`` [total_k, Hkv, Dv]: sequence b is
+    rows ``cu_seqlens_q[b] … cu_seqlens_q[b+1] - 1`` of q and ``cu_seqlens_k[b] …
+    cu_seqlens_k[b+1] - 1`` of k and v (``cu_seqlens_*`` int32/int64 [B + 1], starting at 0,
+    non-decreasing, ending at the packed length). Each sequence attends only to its own keys,
+    with every option of ``attention`` applied per sequence: query i of sequence b sits at key
+    position ``i + Lk_b - Lq_b`` (``causal_alignment="bottom_right"``, FlashAttention's rule) or
+    ``i`` (``"top_left"``); ``alibi_slopes`` [Hq] or [B, Hq]; ``window``, ``softcap``,
+    ``sinks`` as in ``attention``. ``rope=dict(cos=, sin=, interleaved=False,
+    q_positions=None, k_positions=None)`` rotates q and k inside the call; positions default to
+    each token's index in its sequence (queries: their aligned position), or are int arrays
+    [total_q] / [total_k] (transformers' packed ``position_ids``). ``max_seqlen_*`` are
+    optional; given, they must be at least the longest sequence.
+
+    Returns out [total_q, Hq, Dv] in q's dtype; with ``return_lse=True`` also lse
+    [Hq, total_q] float32 (FlashAttention's varlen layout). No compute or memory is spent on
+    padding: there is none. ``cu_seqlens`` are read on the host (one sync on a GPU).
+    """
+    if _torch_graph(q, k, v, alibi_slopes, sinks):
+        raise NotImplementedError(
+            "attention_varlen has no autograd or torch.compile support yet; call it under "
+            "torch.no_grad() (inference), outside torch.compile"
+        )
+    inputs = AttentionVarlenInputs.build(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
+        scale=scale, rope=rope, alibi_slopes=alibi_slopes, window=window, softcap=softcap,
+        sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+def attention_kvcache(
+    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+    cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+    causal=False, scale=None, alibi_slopes=None, window=None, softcap=None, sinks=None,
+    return_lse=False, backend=None,
+):  # fmt: skip
+    """Attention of new queries against a KV cache, optionally appending new keys/values first
+    (FlashAttention's ``flash_attn_with_kvcache``; docs/math.md#kv-cache-attention).
+
+    ``q`` [B, Sq, Hq, D]. The cache is paged — ``k_cache``/``v_cache`` [num_blocks,
+    block_size, Hkv, D/Dv] with ``block_table`` int [B, max_blocks] (key j of sequence b is
+    ``k_cache[block_table[b, j // block_size], j % block_size]``) — or contiguous —
+    [B_cache, S_cache, Hkv, D/Dv], sequence b reading row ``cache_batch_idx[b]`` (default b).
+    ``cache_seqlens`` (int or int [B]) keys are already in the cache.
+
+    ``k``, ``v`` [B, S_new, Hkv, D/Dv], if given, are written into the caches at positions
+    ``cache_seqlens[b] … cache_seqlens[b] + S_new - 1`` **in place** — the only input this
+    function modifies, and only at those positions — and then attended to: each sequence sees
+    ``L_b = cache_seqlens[b] + S_new`` keys. ``rotary_cos``/``rotary_sin`` [P, R/2] (only with
+    k) rotate the new keys at their cache positions before they are stored, and q at positions
+    ``cache_seqlens[b] + i`` when ``causal`` or ``window`` is set, else all at
+    ``cache_seqlens[b]`` (FlashAttention's rule); ``rotary_interleaved`` pairs (2i, 2i+1).
+
+    Query i sits at key position ``i + L_b - Sq`` (bottom-right, as FlashAttention) for
+    ``causal``, ``window``, ALiBi. Returns out [B, Sq, Hq, Dv]; with ``return_lse=True`` also
+    lse [B, Hq, Sq] float32. Unused block-table entries (past a sequence's last page) are never
+    read; read ones must lie in [0, num_blocks); a page receiving new tokens must not be used by
+    another sequence.
+    """
+    if _torch_graph(q, k_cache, v_cache, k, v, alibi_slopes, sinks):
+        raise NotImplementedError(
+            "attention_kvcache has no autograd or torch.compile support (an inference op); "
+            "call it under torch.no_grad(), outside torch.compile"
+        )
+    inputs = AttentionKVCacheInputs.build(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, causal=causal, scale=scale,
+        alibi_slopes=alibi_slopes, window=window, softcap=softcap, sinks=sinks,
+        return_lse=return_lse,
+    )  # fmt: skip
+    return dispatch.run(inputs, backend)
+
+
+OPS = (
+    "sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge_attention",
+    "attention_varlen", "attention_kvcache",
+)  # fmt: skip
 
 
 def explain(op, *args, **kwargs) -> dispatch.Explanation:

@@ -400,3 +400,34 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
         with np.errstate(invalid="ignore"):  # inf · 0 where w = 0, discarded
             out = out + np.where(w > 0.0, part * w, 0.0)
     return np.where(np.isnan(lse)[..., None], np.nan, out), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/math.md#packed-variable-length-attention
+
+
+def attention_varlen(
+    q, k, v, cu_q, cu_k, *, scale, causal, bottom_right, alibi_slopes=None, window=None,
+    softcap=None, sinks=None,
+):  # fmt: skip
+    """``attention`` of each packed sequence on its own, float64.
+
+    q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; sequence b is rows cu_q[b] … cu_q[b+1]-1 of
+    q and cu_k[b] … cu_k[b+1]-1 of k and v; ``alibi_slopes`` [B, Hq]; other options as
+    ``attention``, applied per sequence. Returns out [Tq, Hq, Dv] and lse [Hq, Tq]
+    (FlashAttention's varlen layout).
+    """
+    total_q, hq, _ = q.shape
+    out = np.zeros((total_q, hq, v.shape[2]))
+    lse = np.full((hq, total_q), -np.inf)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        part, part_lse = attention(
+            *(x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys])),
+            scale=scale, causal=causal, bottom_right=bottom_right,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes[b : b + 1],
+            window=window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+        out[rows] = part[0].transpose(1, 0, 2)
+        lse[:, rows] = part_lse[0]
+    return out, lse

@@ -43,7 +43,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128, 256)
 _TRITON_TYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 KERNELS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "scatter_rows", "attention",
-           "merge", "attention_dkdv", "attention_dq")  # fmt: skip
+           "merge", "attention_dkdv", "attention_dq", "attention_paged")  # fmt: skip
 
 # the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
 # interleaved RoPE): the constexprs each one turns on
@@ -278,6 +278,32 @@ def _kernel_specs(kernel, dtype, d, variant):
         }  # fmt: skip
         name = "_attention_dkdv_kernel" if kernel == "attention_dkdv" else "_attention_dq_kernel"
         return "attention_backward", name, values, consts
+    if kernel == "attention_paged":
+        from fastpe.kernels.triton.attention_paged import block_sizes
+
+        block_m, block_n = block_sizes(1 if variant == "decode" else 1024, d, dtype == "float32")
+        hq, hkv, rows = 32, 8, 8 * 4096
+        values = {
+            "q_ptr": t, "k_ptr": t, "v_ptr": t, "out_ptr": t, "lse_ptr": "*fp32",
+            "q_start_ptr": "*i64", "q_len_ptr": "*i64", "k_len_ptr": "*i64", "page_ptr": "*i64",
+            "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "Hq": hq, "group": hq // hkv, "D": d,
+            "Dv": d, "page_size": 16, "keys_per_split": 4096, "win_left": 8193, "win_right": 0,
+            "stride_qt": hq * d, "stride_qh": d, "stride_qd": 1,
+            "stride_kr": hkv * d, "stride_kh": d, "stride_kd": 1,
+            "stride_vr": hkv * d, "stride_vh": d, "stride_vd": 1,
+            "stride_osplit": rows * hq * d, "stride_ot": hq * d, "stride_oh": d, "stride_od": 1,
+            "stride_lsplit": rows * hq, "stride_lt": hq, "stride_lh": 1,
+            "stride_pb": 256, "stride_pp": 1, "stride_ab": 0, "stride_ah": 1,
+            "scale": 0.125, "softcap": 50.0,
+        }  # fmt: skip
+        everything = variant == "everything"
+        consts = {
+            "CAUSAL": True, "HAS_WINDOW": everything, "HAS_SOFTCAP": everything,
+            "HAS_SINKS": everything, "BOTTOM_RIGHT": True, "HAS_ALIBI": everything,
+            "DOT_FP32": dtype == "float32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+            "BLOCK_D": _next_pow2(d), "BLOCK_DV": _next_pow2(d),
+        }  # fmt: skip
+        return "attention_paged", "_attention_paged_kernel", values, consts
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -290,6 +316,7 @@ KERNEL_VARIANTS = {
     "merge": ("split_kv", "merge_attention"),
     "attention_dkdv": ("causal", "everything"),
     "attention_dq": ("causal", "everything"),
+    "attention_paged": ("decode", "prefill", "everything"),
 }
 _BLOCK_NAMES = (
     "BLOCK_M",

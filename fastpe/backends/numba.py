@@ -89,7 +89,8 @@ class ApplyRope(_Numba):
             len(group) == 2
             and not first.inplace
             and second.positions is first.positions
-            and (second.layout, second.interleaved) == (first.layout, first.interleaved)
+            and (second.layout, second.interleaved, second.inverse)
+            == (first.layout, first.interleaved, first.inverse)
         ):
             # q and k of a decode step (records made by ``with_x``): one launch, positions
             # converted once
@@ -98,7 +99,7 @@ class ApplyRope(_Numba):
             outs = apply_rope_pair_numba(
                 to_host_bits(first.x, dtype), to_host_bits(second.x, dtype), *tables,
                 first.positions.as_int64(first.batch, first.seq),
-                interleaved=first.interleaved, layout=first.layout,
+                interleaved=first.interleaved, layout=first.layout, inverse=first.inverse,
             )  # fmt: skip
             return tuple(
                 from_host(out, inp.placement, inp.dtype)
@@ -288,7 +289,94 @@ class MergeAttention(_Numba):
         return from_host(out, inp.placement, inp.dtype), from_host(lse, inp.placement, "float32")
 
 
+def _rotated_packed(x, rope, positions, cos, sin):
+    """Packed x [T, H, D] (or its half bits) rotated at one position per token; half inputs
+    rotate into float32 (as Attention does: no rounding back to half before the scores)."""
+    from fastpe.kernels.numba.apply_rope import apply_rope_numba
+
+    wide = x.dtype in (np.uint16, np.int16)
+    return apply_rope_numba(
+        x[None], cos, sin, positions[None], interleaved=rope.interleaved, layout="bshd",
+        out=np.empty((1, *x.shape), np.float32) if wide else None,
+    )[0]  # fmt: skip
+
+
+class AttentionVarlen(_Numba):
+    op = "attention_varlen"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.attention_paged import attention_paged_numba
+
+        dtype = compute_dtype(inp.dtype)
+        q, k, v = (to_host_bits(t, dtype) for t in (inp.q, inp.k, inp.v))
+        if inp.rope is not None:
+            cos, sin = to_host(inp.rope.cos, dtype), to_host(inp.rope.sin, dtype)
+            q = _rotated_packed(q, inp.rope, inp.rope.q_positions, cos, sin)
+            k = _rotated_packed(k, inp.rope, inp.rope.k_positions, cos, sin)
+        out, lse = attention_paged_numba(
+            q, k, v, q_start=inp.cu_q[:-1], q_len=inp.q_lengths, k_len=inp.k_lengths,
+            page_start=inp.cu_k[:-1, None], page_size=max(inp.max_seqlen_k, 1),
+            scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right,
+            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
+        )  # fmt: skip
+        out = from_host(out, inp.placement, inp.dtype)
+        return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
+
+
+class AttentionKVCache(_Numba):
+    op = "attention_kvcache"
+
+    def run(self, inp):
+        from fastpe.backends._kvcache import write_new_tokens
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+        from fastpe.kernels.numba.attention_paged import attention_paged_numba
+
+        batch, sq, hq, d = inp.q.shape
+        dtype = compute_dtype(inp.dtype)
+        # CPU caches come back as views of the caller's memory (half types as their bits)
+        q, k_cache, v_cache = (to_host_bits(t, dtype) for t in (inp.q, inp.k_cache, inp.v_cache))
+        if inp.k is not None:
+            k_new, v_new = to_host_bits(inp.k, dtype), to_host_bits(inp.v, dtype)
+            if inp.rotary is not None:
+                cos, sin, interleaved = inp.rotary
+                cos, sin = to_host(cos, dtype), to_host(sin, dtype)
+                # keys are stored rotated and rounded to the cache's dtype (half bits stay bits)
+                k_new = apply_rope_numba(k_new, cos, sin, inp.k_positions,
+                                         interleaved=interleaved, layout="bshd")  # fmt: skip
+                wide = q.dtype in (np.uint16, np.int16)
+                q = apply_rope_numba(q, cos, sin, inp.q_positions, interleaved=interleaved,
+                                     layout="bshd",
+                                     out=np.empty(q.shape, np.float32) if wide else None)  # fmt: skip
+            write_new_tokens(inp, k_cache, v_cache, k_new, v_new)
+        hkv = k_cache.shape[2]
+        out, lse = attention_paged_numba(
+            q.reshape(batch * sq, hq, d),
+            k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, v_cache.shape[3]),
+            q_start=np.arange(batch, dtype=np.int64) * sq, q_len=np.full(batch, sq, np.int64),
+            k_len=inp.seqlens, page_start=inp.page_table * inp.page_size,
+            page_size=inp.page_size, scale=inp.scale, causal=inp.causal, bottom_right=True,
+            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
+        )  # fmt: skip
+        out = from_host(out.reshape(batch, sq, hq, -1), inp.placement, inp.dtype)
+        if not inp.return_lse:
+            return out
+        lse = np.ascontiguousarray(lse.reshape(hq, batch, sq).transpose(1, 0, 2))
+        return out, from_host(lse, inp.placement, "float32")
+
+
 IMPLEMENTATIONS = (
-    SinusoidalTable, RopeTable, ApplyRope, Embed, EmbedBackward, Attention, MergeAttention,
+    SinusoidalTable,
+    RopeTable,
+    ApplyRope,
+    Embed,
+    EmbedBackward,
+    Attention,
     AttentionBackward,
-)  # fmt: skip
+    MergeAttention,
+    AttentionVarlen,
+    AttentionKVCache,
+)

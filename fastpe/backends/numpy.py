@@ -198,7 +198,88 @@ class MergeAttention(_Numpy):
         )
 
 
+def _rotated_packed(x, rope, positions):
+    """Packed x [T, H, D] rotated at one position per token (float64)."""
+    cos, sin = to_float64(rope.cos), to_float64(rope.sin)
+    rotated = reference.apply_rope(
+        x.transpose(1, 0, 2)[None], cos, sin, positions[None], rope.interleaved
+    )
+    return rotated[0].transpose(1, 0, 2)
+
+
+class AttentionVarlen(_Numpy):
+    op = "attention_varlen"
+
+    def run(self, inp):
+        q, k, v = to_float64(inp.q), to_float64(inp.k), to_float64(inp.v)
+        if inp.rope is not None:
+            q = _rotated_packed(q, inp.rope, inp.rope.q_positions)
+            k = _rotated_packed(k, inp.rope, inp.rope.k_positions)
+        out, lse = reference.attention_varlen(
+            q, k, v, inp.cu_q, inp.cu_k, scale=inp.scale, causal=inp.causal,
+            bottom_right=inp.bottom_right,
+            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else to_float64(inp.sinks),
+        )  # fmt: skip
+        out = from_float64(out, inp.placement, inp.dtype)
+        return (out, from_float64(lse, inp.placement, "float32")) if inp.return_lse else out
+
+
+class AttentionKVCache(_Numpy):
+    op = "attention_kvcache"
+
+    def run(self, inp):
+        from fastpe.backends._kvcache import write_new_tokens
+
+        batch, sq, hq, d = inp.q.shape
+        q = to_float64(inp.q)
+        if inp.k is not None:
+            k_new = to_float64(inp.k)
+            if inp.rotary is not None:
+                cos, sin, interleaved = inp.rotary
+                cos, sin = to_float64(cos), to_float64(sin)
+                k_new = reference.apply_rope(
+                    k_new.transpose(0, 2, 1, 3), cos, sin, inp.k_positions, interleaved
+                ).transpose(0, 2, 1, 3)
+                q = reference.apply_rope(
+                    q.transpose(0, 2, 1, 3), cos, sin, inp.q_positions, interleaved
+                ).transpose(0, 2, 1, 3)
+            # stored in the cache's dtype first, then read back: what later steps will see
+            write_new_tokens(
+                inp, inp.k_cache, inp.v_cache, from_float64(k_new, inp.placement, inp.dtype), inp.v
+            )
+        k_cache, v_cache = to_float64(inp.k_cache), to_float64(inp.v_cache)
+        lengths = inp.seqlens
+        keys = [np.arange(n) for n in lengths]
+        blocks = [inp.page_table[b, j // inp.page_size] for b, j in enumerate(keys)]
+        offsets = [j % inp.page_size for j in keys]
+        k = np.concatenate([k_cache[p, o] for p, o in zip(blocks, offsets, strict=True)])
+        v = np.concatenate([v_cache[p, o] for p, o in zip(blocks, offsets, strict=True)])
+        cu_k = np.concatenate([[0], np.cumsum(lengths)])
+        out, lse = reference.attention_varlen(
+            q.reshape(batch * sq, hq, d), k, v, np.arange(batch + 1) * sq, cu_k,
+            scale=inp.scale, causal=inp.causal, bottom_right=True,
+            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else to_float64(inp.sinks),
+        )  # fmt: skip
+        out = from_float64(out.reshape(batch, sq, hq, -1), inp.placement, inp.dtype)
+        if not inp.return_lse:
+            return out
+        lse = lse.reshape(hq, batch, sq).transpose(1, 0, 2)
+        return out, from_float64(lse, inp.placement, "float32")
+
+
 IMPLEMENTATIONS = (
-    SinusoidalTable, RopeTable, ApplyRope, Embed, EmbedBackward, Attention, MergeAttention,
+    SinusoidalTable,
+    RopeTable,
+    ApplyRope,
+    Embed,
+    EmbedBackward,
+    Attention,
     AttentionBackward,
-)  # fmt: skip
+    MergeAttention,
+    AttentionVarlen,
+    AttentionKVCache,
+)

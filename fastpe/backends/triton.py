@@ -10,6 +10,8 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
+
 from fastpe import reference
 from fastpe.backends.base import ALL_FLOAT, Implementation
 
@@ -237,7 +239,126 @@ class MergeAttention(_Triton):
         return merge_attention_triton(inp.out_a, inp.lse_a.float(), inp.out_b, inp.lse_b.float())
 
 
+def _host_int64(values, device):
+    import torch
+
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)  # small: a copy
+
+
+def _sms(device):
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class AttentionVarlen(_Triton):
+    op = "attention_varlen"
+    max_head_dim = Attention.max_head_dim
+
+    def extra_reasons(self, inp):
+        d, dv = inp.q.shape[2], inp.v.shape[2]
+        if max(d, dv) > self.max_head_dim:
+            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
+        return []
+
+    def run(self, inp):
+        from fastpe.kernels.triton.apply_rope import apply_rope_triton
+        from fastpe.kernels.triton.attention_paged import attention_paged_triton
+
+        device = inp.q.device
+        q, k = inp.q, inp.k
+        if inp.rope is not None:
+            rope = inp.rope
+            cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+            kw = {"interleaved": rope.interleaved, "layout": "bshd", "inplace": False}
+            for name, positions in (("q", rope.q_positions), ("k", rope.k_positions)):
+                x = q if name == "q" else k
+                (rotated,) = apply_rope_triton((x[None],), cos, sin,
+                                               _host_int64(positions, device)[None], 0, **kw)  # fmt: skip
+                # fp32 under the interpreter for bf16 (see low_precision_via_fp32)
+                rotated = rotated[0] if rotated.dtype == x.dtype else rotated[0].to(x.dtype)
+                q, k = (rotated, k) if name == "q" else (q, rotated)
+        out, lse = attention_paged_triton(
+            q, k, inp.v, q_start=_host_int64(inp.cu_q[:-1], device),
+            q_len=_host_int64(inp.q_lengths, device), k_len=_host_int64(inp.k_lengths, device),
+            page_start=_host_int64(inp.cu_k[:-1, None], device),
+            page_size=max(inp.max_seqlen_k, 1), scale=inp.scale, causal=inp.causal,
+            bottom_right=inp.bottom_right,
+            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
+            num_sms=_sms(device),
+        )  # fmt: skip
+        return (out, lse) if inp.return_lse else out
+
+
+class AttentionKVCache(_Triton):
+    """Paged and contiguous caches through one kernel reading keys via the page table."""
+
+    op = "attention_kvcache"
+    max_head_dim = Attention.max_head_dim
+
+    def extra_reasons(self, inp):
+        d, dv = inp.q.shape[3], inp.v_cache.shape[3]
+        if max(d, dv) > self.max_head_dim:
+            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
+        return []
+
+    def run(self, inp):
+        from fastpe.backends._kvcache import write_new_tokens
+        from fastpe.kernels.triton.apply_rope import apply_rope_triton
+        from fastpe.kernels.triton.attention_paged import attention_paged_triton
+
+        device = inp.q.device
+        batch, sq, hq, d = inp.q.shape
+        q = inp.q
+        if inp.k is not None:
+            k_new = inp.k
+            if inp.rotary is not None:
+                cos, sin, interleaved = inp.rotary
+                cos, sin = cos.contiguous(), sin.contiguous()
+                kw = {"interleaved": interleaved, "layout": "bshd", "inplace": False}
+                (k_new,) = apply_rope_triton(
+                    (k_new,), cos, sin, _host_int64(inp.k_positions, device), 0, **kw
+                )
+                (q,) = apply_rope_triton(
+                    (q,), cos, sin, _host_int64(inp.q_positions, device), 0, **kw
+                )
+                q = q.to(inp.q.dtype)
+            write_new_tokens(inp, inp.k_cache, inp.v_cache, k_new, inp.v)
+        hkv = inp.k_cache.shape[2]
+        # [blocks, block_size, Hkv, D] -> rows: a view for caches contiguous in their first two
+        # dims (else reshape copies, after the write above)
+        k_rows = inp.k_cache.reshape(-1, hkv, d)
+        v_rows = inp.v_cache.reshape(-1, hkv, inp.v_cache.shape[3])
+        out, lse = attention_paged_triton(
+            q.reshape(batch * sq, hq, d), k_rows, v_rows,
+            q_start=_host_int64(np.arange(batch) * sq, device),
+            q_len=_host_int64(np.full(batch, sq), device), k_len=_host_int64(inp.seqlens, device),
+            page_start=_host_int64(inp.page_table * inp.page_size, device),
+            page_size=inp.page_size, scale=inp.scale, causal=inp.causal, bottom_right=True,
+            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
+            num_sms=_sms(device),
+        )  # fmt: skip
+        out = out.reshape(batch, sq, hq, -1)
+        if not inp.return_lse:
+            return out
+        return out, lse.reshape(hq, batch, sq).transpose(0, 1)
+
+
 IMPLEMENTATIONS = (
-    SinusoidalTable, RopeTable, ApplyRope, Embed, EmbedBackward, Attention, MergeAttention,
+    SinusoidalTable,
+    RopeTable,
+    ApplyRope,
+    Embed,
+    EmbedBackward,
+    Attention,
     AttentionBackward,
-)  # fmt: skip
+    MergeAttention,
+    AttentionVarlen,
+    AttentionKVCache,
+)

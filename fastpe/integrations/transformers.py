@@ -18,6 +18,14 @@ kernel, which then never visits keys outside the window. Gemma 2's ``softcap`` a
 Training works (fastpe.attention has a backward; gpt-oss's sinks get their gradient), except
 with dropout and with a learned T5 ``position_bias``, which reaches fastpe as an additive mask
 (masks get no gradient): both are refused by name.
+
+Padding-free packed batches: when the model is called with FlashAttention's sequence
+boundaries — ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, which transformers forwards
+to the attention function, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+produces them — the packed batch ``[1, total, ...]`` runs through ``fastpe.attention_varlen``:
+each sequence attends only to itself, and no cross-sequence score is computed. (Packed
+``position_ids`` without those kwargs still work, through the block-diagonal mask transformers
+builds; that path computes every score of the packed row.)
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
         raise NotImplementedError(
             f"fastpe attention has no dropout (got dropout={dropout} in training mode)"
         )
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        return _packed_forward(module, query, key, value, cu_q, cu_k, kwargs, scaling, is_causal,
+                               sliding_window, softcap, s_aux)  # fmt: skip
     position_bias = kwargs.get("position_bias")
     causal = False
     window = None
@@ -71,6 +83,29 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
         scale=scaling, window=window, softcap=softcap, sinks=s_aux,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_forward(module, query, key, value, cu_q, cu_k, kwargs, scaling, is_causal,
+                    sliding_window, softcap, s_aux):  # fmt: skip
+    """A padding-free packed batch: query [1, Hq, total_q, D], key/value [1, Hkv, total_k, D],
+    sequence boundaries cu_q/cu_k (FlashAttention's varlen convention, bottom-right causal)."""
+    if cu_q is None or cu_k is None:
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be given together")
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"cu_seq_lens_q/cu_seq_lens_k describe one packed row; got a batch of {query.shape[0]}"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("a T5 position_bias with packed sequences is not supported")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = (int(sliding_window) - 1, 0) if causal and sliding_window is not None else None
+    out = fastpe.attention_varlen(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k,
+        max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"),
+        causal=causal, causal_alignment="bottom_right", scale=scaling, window=window,
+        softcap=softcap, sinks=s_aux,
+    )  # fmt: skip
+    return out[None], None
 
 
 def fastpe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,

@@ -143,11 +143,20 @@ _apply_rope_serial = _apply_rope_kernel.serial
 
 
 @njit(cache=True)
-def _apply_rope_pair(x1, out1, tail1, x2, out2, tail2, cos, sin, positions, interleaved):
+def _apply_rope_pair(x1, out1, tail1, x2, out2, tail2, cos, sin, positions, interleaved, inverse):
     """Two arrays that share tables and positions (q and k of a decode step) in one launch: a
     one-token call costs about as much to launch as to compute."""
-    _apply_rope_serial(x1, cos, sin, positions, out1, interleaved, tail1)
-    _apply_rope_serial(x2, cos, sin, positions, out2, interleaved, tail2)
+    _apply_rope_serial(x1, cos, sin, positions, out1, interleaved, tail1, inverse)
+    _apply_rope_serial(x2, cos, sin, positions, out2, interleaved, tail2, inverse)
+
+
+def _tables(cos, sin, x):
+    """cos/sin as the kernels read them: contiguous, in x's compute dtype or as half bits."""
+    compute = np.float32 if x.dtype in HALF_BITS else x.dtype
+    return tuple(
+        np.ascontiguousarray(t) if t.dtype in HALF_BITS else np.ascontiguousarray(t, dtype=compute)
+        for t in (cos, sin)
+    )
 
 
 def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, inverse=False):
@@ -160,11 +169,7 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, i
     x's layout. ``inverse=True`` rotates by -θ: the gradient w.r.t. x of a rotation, computed
     from the gradient of its output.
     """
-    compute = np.float32 if x.dtype in HALF_BITS else x.dtype
-    cos, sin = (
-        np.ascontiguousarray(t) if t.dtype in HALF_BITS else np.ascontiguousarray(t, dtype=compute)
-        for t in (cos, sin)
-    )
+    cos, sin = _tables(cos, sin, x)
     inplace = out is x
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)  # C order in the caller's layout
@@ -177,25 +182,23 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, i
     return out
 
 
-def apply_rope_pair_numba(x1, x2, cos, sin, positions, *, interleaved, layout):
+def apply_rope_pair_numba(x1, x2, cos, sin, positions, *, interleaved, layout, inverse=False):
     """``apply_rope_numba`` on two arrays with the same tables and positions (new outputs, not in
     place): one serial launch when both are small, else one call each."""
     if x1.size + x2.size > SERIAL_ELEMENTS:
         return tuple(
-            apply_rope_numba(x, cos, sin, positions, interleaved=interleaved, layout=layout)
+            apply_rope_numba(
+                x, cos, sin, positions, interleaved=interleaved, layout=layout, inverse=inverse
+            )  # fmt: skip
             for x in (x1, x2)
         )
-    compute = np.float32 if x1.dtype in HALF_BITS else x1.dtype
-    cos, sin = (
-        np.ascontiguousarray(t) if t.dtype in HALF_BITS else np.ascontiguousarray(t, dtype=compute)
-        for t in (cos, sin)
-    )
+    cos, sin = _tables(cos, sin, x1)
     as_bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.swapaxes(1, 2))
     out1, out2 = np.empty(x1.shape, dtype=x1.dtype), np.empty(x2.shape, dtype=x2.dtype)
     rotary = 2 * cos.shape[1]
     _apply_rope_pair(
         as_bhsd(x1), as_bhsd(out1), rotary < x1.shape[3], as_bhsd(x2), as_bhsd(out2),
         rotary < x2.shape[3], cos, sin, np.ascontiguousarray(positions, dtype=np.int64),
-        interleaved,
+        interleaved, inverse,
     )  # fmt: skip
     return out1, out2

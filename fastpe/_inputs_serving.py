@@ -1,0 +1,523 @@
+"""Validated inputs of the serving ops: packed variable-length attention and KV-cache attention.
+
+Kept apart from ``_inputs.py`` (same conventions, same helpers). Sequence boundaries
+(``cu_seqlens``), cache lengths and block tables are read on the host once, here: every later
+index computation trusts them, so these checks are what keeps the kernels inside their tensors.
+On a GPU that read is one host sync per call (FlashAttention itself reads ``max_seqlen`` from
+the caller instead; we check the values because a wrong boundary is an out-of-bounds access).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from fastpe import _arrays
+from fastpe._arrays import Placement
+from fastpe._inputs import (
+    CAUSAL_ALIGNMENTS,
+    _check_alibi,
+    _check_sinks,
+    _features,
+    _Inputs,
+    check_window,
+)
+from fastpe._options import Rope, check_rope_tables
+from fastpe._validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_float_array,
+    check_int,
+    check_int_array,
+    check_range,
+    check_same_placement,
+)
+
+
+def _host_ints(name: str, x, *, ndim: int) -> np.ndarray:
+    x = check_int_array(name, x, ndim=ndim)
+    return _arrays.to_int64(x)
+
+
+def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
+    """``cu`` int32/int64 [B + 1]: starts at 0, non-decreasing, ends at ``total`` (the packed
+    length). Returned as host int64."""
+    cu_array = check_int_array(name, cu, ndim=1)
+    if _arrays.dtype_name(cu_array) not in ("int32", "int64"):
+        raise TypeError(f"{name} must be int32 or int64; got {_arrays.dtype_name(cu_array)}")
+    values = _arrays.to_int64(cu_array)
+    if values.shape[0] < 1:
+        raise ValueError(f"{name} must have B + 1 >= 1 entries; got an empty array")
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {name}[0] = {int(values[0])}")
+    steps = np.diff(values)
+    if (steps < 0).any():
+        at = int(np.argmax(steps < 0)) + 1
+        raise ValueError(
+            f"{name} must be non-decreasing; got {name}[{at}] = {int(values[at])} < "
+            f"{name}[{at - 1}] = {int(values[at - 1])}"
+        )
+    if values[-1] != total:
+        raise ValueError(
+            f"{name} must end at the packed length {total}; got {name}[-1] = {int(values[-1])}"
+        )
+    return values
+
+
+def _check_max_seqlen(name: str, value, lengths: np.ndarray) -> int:
+    longest = int(lengths.max(initial=0))
+    if value is None:
+        return longest
+    value = check_int(name, value, minimum=0)
+    if value < longest:
+        raise ValueError(
+            f"{name} = {value} is smaller than the longest sequence ({longest}); pass at least "
+            f"{longest} or None"
+        )
+    return value
+
+
+class PackedRope(NamedTuple):
+    """Fused RoPE of a packed batch: tables and one host position per packed token."""
+
+    cos: Any  # [P, R/2]
+    sin: Any
+    interleaved: bool
+    q_positions: np.ndarray  # int64 [Tq]
+    k_positions: np.ndarray  # int64 [Tk]
+
+    @classmethod
+    def build(cls, value, *, head_dim, q_default, k_default):
+        Rope.check_keys(value)
+        cos, sin = check_rope_tables("rope['", value["cos"], value["sin"], head_dim)
+        rows = cos.shape[0]
+        positions = []
+        for key, default in (("q_positions", q_default), ("k_positions", k_default)):
+            given = value.get(key)
+            name = f"rope[{key!r}]"
+            if given is None:
+                pos = default
+            else:
+                if isinstance(given, (int, np.integer)):
+                    raise TypeError(
+                        f"{name} must be None (positions restart at each sequence) or an int "
+                        f"array [{default.shape[0]}] of one position per packed token; got {given}"
+                    )
+                array = check_int_array(name, given, ndim=(1, 2))
+                pos = _arrays.to_int64(array).reshape(-1)
+                if array.ndim == 2 and array.shape[0] != 1 or pos.shape != default.shape:
+                    raise ValueError(
+                        f"{name} must have shape [{default.shape[0]}] (one per packed token); "
+                        f"got {tuple(array.shape)}"
+                    )
+            check_range(name, pos, 0, rows, what=f"(rope cos/sin have {rows} rows)")
+            positions.append(pos)
+        return cls(
+            cos, sin, check_bool("rope['interleaved']", value.get("interleaved", False)), *positions
+        )
+
+
+def _default_positions(cu: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """Per packed token: its index within its sequence plus that sequence's shift, clamped at 0."""
+    lengths = np.diff(cu)
+    index = np.arange(cu[-1]) - np.repeat(cu[:-1], lengths)
+    return np.maximum(index + np.repeat(shift, lengths), 0)
+
+
+def _check_dtype_and_dims(named: dict) -> str:
+    dtypes = {name: _arrays.dtype_name(x) for name, x in named.items()}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n}: {d}" for n, d in dtypes.items())
+        raise TypeError(f"{', '.join(named)} must share one dtype; got {listing}")
+    return next(iter(dtypes.values()))
+
+
+def _check_heads(q_name, hq, k_name, hkv):
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"{q_name} heads ({hq}) must be a multiple of {k_name} heads ({hkv}) for "
+            "grouped-query attention"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionVarlenInputs(_Inputs):
+    op: ClassVar[str] = "attention_varlen"
+    q: Any  # [Tq, Hq, D]
+    k: Any  # [Tk, Hkv, D]
+    v: Any  # [Tk, Hkv, Dv]
+    cu_q: np.ndarray  # host int64 [B + 1]
+    cu_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    scale: float
+    causal: bool
+    bottom_right: bool
+    rope: PackedRope | None
+    alibi_slopes: Any  # [B, Hq] or None
+    window: tuple[int, int] | None
+    softcap: float | None
+    sinks: Any
+    return_lse: bool
+    dtype: str
+    placement: Placement
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+    @property
+    def q_lengths(self) -> np.ndarray:
+        return np.diff(self.cu_q)
+
+    @property
+    def k_lengths(self) -> np.ndarray:
+        return np.diff(self.cu_k)
+
+    @property
+    def features(self) -> frozenset[str]:
+        return _features(
+            causal=self.causal,
+            gqa=self.q.shape[1] != self.k.shape[1],
+            rope=self.rope is not None,
+            alibi=self.alibi_slopes is not None,
+            window=self.window is not None,
+            softcap=self.softcap is not None,
+            sinks=self.sinks is not None,
+            lse=self.return_lse,
+            value_dim_differs=self.q.shape[2] != self.v.shape[2],
+        )
+
+    @classmethod
+    def build(
+        cls, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal,
+        causal_alignment, scale, rope, alibi_slopes, window, softcap, sinks, return_lse,
+    ):  # fmt: skip
+        q = check_float_array("q", q, ndim=3)
+        k = check_float_array("k", k, ndim=3)
+        v = check_float_array("v", v, ndim=3)
+        dtype = _check_dtype_and_dims({"q": q, "k": k, "v": v})
+        total_q, hq, d = q.shape
+        total_k, hkv = k.shape[0], k.shape[1]
+        if k.shape[2] != d:
+            raise ValueError(f"k's head dim {k.shape[2]} must equal q's head dim {d}")
+        if tuple(v.shape[:2]) != (total_k, hkv):
+            raise ValueError(
+                f"v must be [total_k, Hkv, Dv] matching k's {tuple(k.shape[:2])}; "
+                f"got {tuple(v.shape)}"
+            )
+        _check_heads("q", hq, "k/v", hkv)
+        if d == 0:
+            raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must both have B + 1 entries; got "
+                f"{cu_q.shape[0]} and {cu_k.shape[0]}"
+            )
+        batch = cu_q.shape[0] - 1
+        q_len, k_len = np.diff(cu_q), np.diff(cu_k)
+        bottom_right = (
+            check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS) == "bottom_right"
+        )
+        packed_rope = None
+        if rope is not None:
+            shift = k_len - q_len if bottom_right else np.zeros(batch, np.int64)
+            packed_rope = PackedRope.build(
+                rope, head_dim=d, q_default=_default_positions(cu_q, shift),
+                k_default=_default_positions(cu_k, np.zeros(batch, np.int64)),
+            )  # fmt: skip
+        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
+        sinks = None if sinks is None else _check_sinks(sinks, hq)
+        placement = check_same_placement(
+            {
+                "q": q,
+                "k": k,
+                "v": v,
+                "cu_seqlens_q": _arrays.as_array(cu_seqlens_q),
+                "cu_seqlens_k": _arrays.as_array(cu_seqlens_k),
+                "rope['cos']": None if packed_rope is None else packed_rope.cos,
+                "rope['sin']": None if packed_rope is None else packed_rope.sin,
+                "alibi_slopes": alibi_slopes,
+                "sinks": sinks,
+            }
+        )
+        return cls(
+            q=q,
+            k=k,
+            v=v,
+            cu_q=cu_q,
+            cu_k=cu_k,
+            max_seqlen_q=_check_max_seqlen("max_seqlen_q", max_seqlen_q, q_len),
+            max_seqlen_k=_check_max_seqlen("max_seqlen_k", max_seqlen_k, k_len),
+            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
+            causal=check_bool("causal", causal),
+            bottom_right=bottom_right,
+            rope=packed_rope,
+            alibi_slopes=alibi_slopes,
+            window=check_window(window),
+            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
+            sinks=sinks,
+            return_lse=check_bool("return_lse", return_lse),
+            dtype=dtype,
+            placement=placement,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionKVCacheInputs(_Inputs):
+    """``flash_attn_with_kvcache``: queries [B, Sq, Hq, D] against a cache that is paged
+    (k_cache [num_blocks, block_size, Hkv, D] + block_table) or contiguous ([Bc, S, Hkv, D],
+    rows chosen by cache_batch_idx). Both are held as pages: a contiguous cache is one page of
+    S rows per cache row, its "block table" is cache_batch_idx[:, None]."""
+
+    op: ClassVar[str] = "attention_kvcache"
+    q: Any  # [B, Sq, Hq, D]
+    k_cache: Any
+    v_cache: Any
+    k: Any  # new keys [B, Sn, Hkv, D] or None
+    v: Any
+    cache_seqlens: np.ndarray  # host int64 [B]: keys already in the cache
+    page_table: np.ndarray  # host int64 [B, pages]
+    page_size: int
+    paged: bool
+    rotary: tuple | None  # (cos, sin, interleaved)
+    q_positions: np.ndarray | None  # host int64 [B, Sq] rows of the rotary tables
+    k_positions: np.ndarray | None  # host int64 [B, Sn]
+    scale: float
+    causal: bool
+    alibi_slopes: Any
+    window: tuple[int, int] | None
+    softcap: float | None
+    sinks: Any
+    return_lse: bool
+    dtype: str
+    placement: Placement
+
+    @property
+    def new_tokens(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    @property
+    def seqlens(self) -> np.ndarray:
+        """Keys each query row sees: the cache plus the appended tokens."""
+        return self.cache_seqlens + self.new_tokens
+
+    @property
+    def features(self) -> frozenset[str]:
+        return _features(
+            paged=self.paged,
+            append=self.k is not None,
+            rope=self.rotary is not None,
+            causal=self.causal,
+            gqa=self.q.shape[2] != self.k_cache.shape[2],
+            alibi=self.alibi_slopes is not None,
+            window=self.window is not None,
+            softcap=self.softcap is not None,
+            sinks=self.sinks is not None,
+            lse=self.return_lse,
+            value_dim_differs=self.q.shape[3] != self.v_cache.shape[3],
+        )
+
+    @classmethod
+    def build(
+        cls, q, k_cache, v_cache, *, k, v, cache_seqlens, block_table, cache_batch_idx,
+        rotary_cos, rotary_sin, rotary_interleaved, causal, scale, alibi_slopes, window,
+        softcap, sinks, return_lse,
+    ):  # fmt: skip
+        q = check_float_array("q", q, ndim=4)
+        k_cache = check_float_array("k_cache", k_cache, ndim=4)
+        v_cache = check_float_array("v_cache", v_cache, ndim=4)
+        batch, sq, hq, d = q.shape
+        rows, width, hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        if k_cache.shape[3] != d:
+            raise ValueError(f"k_cache's head dim {k_cache.shape[3]} must equal q's head dim {d}")
+        if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+            raise ValueError(
+                f"v_cache must match k_cache's first three dims {tuple(k_cache.shape[:3])}; "
+                f"got {tuple(v_cache.shape)}"
+            )
+        _check_heads("q", hq, "k_cache", hkv)
+        if d == 0:
+            raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
+        named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        if (k is None) != (v is None):
+            raise ValueError("k and v (new tokens to append) must be given together")
+        if k is not None:
+            k = check_float_array("k", k, ndim=4)
+            v = check_float_array("v", v, ndim=4)
+            if tuple(k.shape) != (batch, k.shape[1], hkv, d) or tuple(v.shape) != (
+                *k.shape[:3],
+                v_cache.shape[3],
+            ):
+                raise ValueError(
+                    f"k must be [B, S_new, Hkv, D] = [{batch}, S_new, {hkv}, {d}] and v "
+                    f"[B, S_new, Hkv, Dv]; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+                )
+            named.update(k=k, v=v)
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not _arrays.is_tensor(cache) and not cache.flags.writeable:
+                    raise ValueError(f"appending k/v writes into {name}; got a read-only array")
+                if _arrays.may_overlap(cache):
+                    raise ValueError(
+                        f"appending k/v writes into {name}, whose elements share memory "
+                        f"(strides {_arrays.strides(cache)}); pass a cache with distinct elements"
+                    )
+        dtype = _check_dtype_and_dims(named)
+        new = 0 if k is None else k.shape[1]
+        paged = block_table is not None
+        if paged:
+            if cache_batch_idx is not None:
+                raise ValueError("cache_batch_idx selects rows of a contiguous cache; "
+                                 "with block_table pages are chosen by the table")  # fmt: skip
+            table = _host_ints("block_table", block_table, ndim=2)
+            if table.shape[0] != batch:
+                raise ValueError(
+                    f"block_table must be [B, max_blocks] with B = {batch}; got {table.shape}"
+                )
+            page_size, capacity = width, table.shape[1] * width
+        else:
+            if cache_batch_idx is None:
+                if rows < batch:
+                    raise ValueError(
+                        f"k_cache has {rows} rows for a batch of {batch}; pass cache_batch_idx "
+                        "or a cache with at least B rows"
+                    )
+                table = np.arange(batch, dtype=np.int64)[:, None]
+            else:
+                index = _host_ints("cache_batch_idx", cache_batch_idx, ndim=1)
+                if index.shape != (batch,):
+                    raise ValueError(
+                        f"cache_batch_idx must have shape [B] = [{batch}]; got {index.shape}"
+                    )
+                check_range("cache_batch_idx", index, 0, rows, what=f"(k_cache has {rows} rows)")
+                table = index[:, None]
+            page_size, capacity = width, width
+        lengths = _check_cache_seqlens(cache_seqlens, batch, capacity, new)
+        total = lengths + new
+        pages = -(-total // page_size)  # pages each sequence reads
+        used = np.arange(table.shape[1])[None, :] < pages[:, None]
+        if paged:
+            bad = used & ((table < 0) | (table >= rows))
+            if bad.any():
+                b, p = (int(i) for i in np.argwhere(bad)[0])
+                raise IndexError(
+                    f"block_table contains {int(table[b, p])} at index [{b}, {p}], outside "
+                    f"[0, {rows}) (k_cache has {rows} blocks); sequence {b} reads its first "
+                    f"{int(pages[b])} blocks"
+                )
+        if new:
+            _check_no_shared_written_pages(table, used, lengths, total, page_size, paged)
+        rotary = q_positions = k_positions = None
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        if rotary_cos is not None:
+            if k is None:
+                raise ValueError(
+                    "rotary_cos/rotary_sin rotate the new k and q at their cache positions; "
+                    "they need k and v (keys already in the cache are stored rotated)"
+                )
+            cos, sin = check_rope_tables("rotary_", rotary_cos, rotary_sin, d)
+            k_positions = lengths[:, None] + np.arange(new)[None, :]
+            if causal or check_window(window) is not None:
+                q_positions = lengths[:, None] + np.arange(sq)[None, :]
+            else:  # FlashAttention: every query at the first new position
+                q_positions = np.broadcast_to(lengths[:, None], (batch, sq))
+            needed = int(max(k_positions.max(initial=0), q_positions.max(initial=0))) + 1
+            if needed > cos.shape[0]:
+                raise IndexError(
+                    f"rotary_cos/rotary_sin have {cos.shape[0]} rows; positions up to "
+                    f"{needed - 1} are needed (cache_seqlens + new tokens)"
+                )
+            rotary = (cos, sin, check_bool("rotary_interleaved", rotary_interleaved))
+            named.update(rotary_cos=cos, rotary_sin=sin)
+        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
+        sinks = None if sinks is None else _check_sinks(sinks, hq)
+        placement = check_same_placement(
+            {**named, "cache_seqlens": _arrays.as_array(cache_seqlens)
+             if not isinstance(cache_seqlens, (int, np.integer)) else None,
+             "block_table": None if block_table is None else _arrays.as_array(block_table),
+             "cache_batch_idx": None if cache_batch_idx is None else _arrays.as_array(cache_batch_idx),
+             "alibi_slopes": alibi_slopes, "sinks": sinks}
+        )  # fmt: skip
+        return cls(
+            q=q,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            k=k,
+            v=v,
+            cache_seqlens=lengths,
+            page_table=table,
+            page_size=page_size,
+            paged=paged,
+            rotary=rotary,
+            q_positions=q_positions,
+            k_positions=k_positions,
+            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
+            causal=check_bool("causal", causal),
+            alibi_slopes=alibi_slopes,
+            window=check_window(window),
+            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
+            sinks=sinks,
+            return_lse=check_bool("return_lse", return_lse),
+            dtype=dtype,
+            placement=placement,
+        )
+
+    def written_rows(self):
+        """(block, offset) index arrays [B, Sn] where the new tokens go."""
+        pos = self.cache_seqlens[:, None] + np.arange(self.new_tokens)[None, :]
+        page = pos // self.page_size
+        block = np.take_along_axis(self.page_table, page, axis=1)
+        return block, pos - page * self.page_size
+
+
+def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new: int) -> np.ndarray:
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        lengths = np.full(batch, int(cache_seqlens), np.int64)
+    else:
+        lengths = _host_ints("cache_seqlens", cache_seqlens, ndim=1)
+        if lengths.shape != (batch,):
+            raise ValueError(
+                f"cache_seqlens must be an int or have shape [B] = [{batch}]; got {lengths.shape}"
+            )
+    low = int(lengths.min(initial=0))
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be >= 0; got {low}")
+    high = int((lengths + new).max(initial=0))
+    if high > capacity:
+        b = int(np.argmax(lengths + new))
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(lengths[b])} plus {new} new tokens needs {high} cache "
+            f"positions; the cache holds {capacity} per sequence"
+        )
+    return lengths
+
+
+def _check_no_shared_written_pages(table, used, lengths, total, page_size, paged) -> None:
+    """A page (cache row) that receives new tokens must belong to one sequence only: another
+    sequence reading or writing it would see, or race with, the write."""
+    blocks, counts = np.unique(table[used], return_counts=True)
+    shared = blocks[counts > 1]
+    if not shared.size:
+        return
+    what = "block_table block" if paged else "cache row (cache_batch_idx)"
+    pages = np.arange(table.shape[1])[None, :]
+    written = (pages >= (lengths // page_size)[:, None]) & (
+        pages <= ((total - 1) // page_size)[:, None]
+    )
+    written &= (total > lengths)[:, None]
+    clash = written & np.isin(table, shared)
+    if clash.any():
+        b, p = (int(i) for i in np.argwhere(clash)[0])
+        block = int(table[b, p])
+        users = sorted({int(i) for i in np.argwhere(used & (table == block))[:, 0]})
+        raise ValueError(
+            f"{what} {block} receives new tokens of sequence {b} but is also read by "
+            f"sequences {users} (or twice by one); pages that are appended to must not be shared"
+        )

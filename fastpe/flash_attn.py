@@ -1,0 +1,185 @@
+"""FlashAttention 2's Python entry points on fastpe's kernels (docs/README.md#flashattention-compatible-functions).
+
+Code written for ``flash_attn`` runs unchanged with ``from fastpe.flash_attn import
+flash_attn_func, ...``: same signatures, layouts ([B, S, H, D]; packed [total, H, D]),
+defaults and semantics — ``causal`` aligned bottom-right when seqlen_q != seqlen_k,
+``window_size=(left, right)`` with -1 unbounded, ``softcap=0.0`` off, ``alibi_slopes`` [H] or
+[B, H], GQA/MQA through fewer k/v heads. The backend is fastpe's choice (``fastpe.use_backend``
+or $FASTPE_BACKEND pick one). Forward only: no autograd.
+
+Refused with a ValueError: ``dropout_p > 0`` (no dropout), ``return_attn_probs=True`` (use
+``fastpe.attention``/``attention_varlen(..., return_lse=True)`` for the log-sum-exp),
+``block_table`` in ``flash_attn_varlen_func`` and ``cache_leftpad`` in
+``flash_attn_with_kvcache``. ``deterministic`` and ``num_splits`` are accepted and ignored (the
+forward pass is deterministic; splits are chosen by the kernels).
+"""
+
+from __future__ import annotations
+
+from fastpe import _arrays
+from fastpe.api import attention, attention_kvcache, attention_varlen
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs) -> dict:
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"dropout_p must be 0.0: fastpe.flash_attn has no attention dropout (inference and "
+            f"dropout-free training); got dropout_p={dropout_p!r}"
+        )
+    if return_attn_probs:
+        raise ValueError(
+            "return_attn_probs=True is not supported (FlashAttention returns those "
+            "probabilities for testing only); for the log-sum-exp call fastpe.attention or "
+            "fastpe.attention_varlen with return_lse=True"
+        )
+    if softcap is None or softcap < 0:
+        raise ValueError(f"softcap must be a float >= 0 (0.0 = off); got {softcap!r}")
+    return {
+        "scale": softmax_scale,
+        "window": None if window_size is None else tuple(window_size),
+        "softcap": softcap if softcap > 0 else None,
+    }
+
+
+def _bhsd(x):
+    """[B, S, H, D] <-> [B, H, S, D] (a view)."""
+    return _arrays.as_array(x).swapaxes(1, 2)
+
+
+def _contiguous(x):
+    if _arrays.is_tensor(x):
+        return x.contiguous()
+    import numpy as np
+
+    return np.ascontiguousarray(x)
+
+
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):  # fmt: skip
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, Hq, D]."""
+    options = _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs)
+    out = attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), causal=causal, causal_alignment="bottom_right",
+        alibi_slopes=alibi_slopes, **options,
+    )  # fmt: skip
+    return _contiguous(_bhsd(out))
+
+
+def flash_attn_qkvpacked_func(
+    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):  # fmt: skip
+    """qkv [B, S, 3, H, D] -> out [B, S, H, D]."""
+    qkv = _packed("qkv", qkv, 3, ndim=5)
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):  # fmt: skip
+    """q [B, Sq, Hq, D], kv [B, Sk, 2, Hkv, D] -> out [B, Sq, Hq, D]."""
+    kv = _packed("kv", kv, 2, ndim=5)
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)  # fmt: skip
+
+
+def _packed(name, x, count, *, ndim):
+    x = _arrays.as_array(x)
+    axis = ndim - 3
+    if x.ndim != ndim or x.shape[axis] != count:
+        want = "[B, S, 3, H, D]" if ndim == 5 and count == 3 else None
+        want = want or {(5, 2): "[B, S, 2, Hkv, D]", (4, 3): "[total, 3, H, D]",
+                        (4, 2): "[total_k, 2, Hkv, D]"}[(ndim, count)]  # fmt: skip
+        raise ValueError(f"{name} must be {want}; got shape {tuple(x.shape)}")
+    return x
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+    deterministic=False, return_attn_probs=False, block_table=None,
+):  # fmt: skip
+    """q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens int32 [B + 1] -> out
+    [total_q, Hq, D]."""
+    options = _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs)
+    if block_table is not None:
+        raise ValueError(
+            "block_table in flash_attn_varlen_func (paged keys for packed queries) is not "
+            "supported; use flash_attn_with_kvcache(q, k_cache, v_cache, block_table=...)"
+        )
+    return attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment="bottom_right",
+        alibi_slopes=alibi_slopes, **options,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False,
+):  # fmt: skip
+    """qkv [total, 3, H, D] -> out [total, H, D]."""
+    qkv = _packed("qkv", qkv, 3, ndim=4)
+    return flash_attn_varlen_func(
+        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+    deterministic=False, return_attn_probs=False,
+):  # fmt: skip
+    """q [total_q, Hq, D], kv [total_k, 2, Hkv, D] -> out [total_q, Hq, D]."""
+    kv = _packed("kv", kv, 2, ndim=4)
+    return flash_attn_varlen_func(
+        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+    num_splits=0, return_softmax_lse=False,
+):  # fmt: skip
+    """q [B, Sq, Hq, D]; k_cache/v_cache [B_cache, S_cache, Hkv, D] or, with block_table
+    [B, max_blocks], [num_blocks, block_size, Hkv, D]; k/v [B, S_new, Hkv, D] are appended
+    into the caches in place at cache_seqlens (see fastpe.attention_kvcache). Returns out
+    [B, Sq, Hq, D] (and lse [B, Hq, Sq] with return_softmax_lse)."""
+    options = _options(0.0, softmax_scale, window_size, softcap, False)
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not supported; pass caches that start at position 0")
+    if cache_seqlens is None:  # FlashAttention: the whole cache is valid
+        width = _arrays.as_array(k_cache).shape[1]
+        cache_seqlens = width * (
+            1 if block_table is None else _arrays.as_array(block_table).shape[1]
+        )
+        cache_seqlens -= 0 if k is None else _arrays.as_array(k).shape[1]
+    return attention_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, causal=causal, alibi_slopes=alibi_slopes,
+        return_lse=return_softmax_lse, **options,
+    )  # fmt: skip

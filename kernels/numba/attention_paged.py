@@ -1,0 +1,408 @@
+"""Flash-style attention over packed queries and keys read through a page table (Numba, CPU).
+
+One kernel serves packed variable-length batches (``attention_varlen``) and KV caches, paged
+or contiguous (``attention_kvcache``). Logical shapes:
+
+- q [Tq, Hq, D]: the queries of sequence b are rows q_start[b] … q_start[b] + q_len[b] - 1;
+- k [R, Hkv, D], v [R, Hkv, Dv]: physical key rows. Key j of sequence b (j < k_len[b]) is row
+  ``page_start[b, j // page_size] + j % page_size``. A packed batch is one page per sequence
+  (page_start[b, 0] = cu_seqlens_k[b]); a paged cache is [num_blocks·block_size, Hkv, D] with
+  page_start = block_table·block_size; a contiguous cache [B, S, Hkv, D] is one page of S rows
+  per sequence.
+- out [Tq, Hq, Dv] (FlashAttention's layout), lse [Hq, Tq] (float32, natural log).
+
+Work items are (sequence, block of its queries) pairs listed on the host — a sequence has as
+many items as its own query blocks, so no thread spends time on another sequence's padding —
+times kv heads times key splits. Each item gathers its key tiles (rows of one head, widened
+from half bits as they are read) into a scratch tile and runs the forward kernel's tile step
+(``_attend_tile``: S = Q·Kᵀ by BLAS, soft-cap, ALiBi, window/causal edges, online softmax,
+O += P·V): only keys below k_len[b] are ever read, so pages past a sequence's length and
+unused block-table entries are never touched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from fastpe.kernels.numba.attention import (
+    _FLAGS,
+    LOG2E,
+    _apply_tile_masks,
+    _attend_tile,
+    _dummy,
+    _exp_shifted,
+    _exp_shifted_f64,
+    _merge_splits_numba,
+    _nearest_key_distance,
+    _row_max,
+    _softcap,
+    _widen,
+)
+from numba import prange
+
+# Row tiles of at most this many rows (decoding: Sq x group) read keys and values in place,
+# with plain loops, instead of gathering them for BLAS: a product this thin is bound by memory,
+# and the gather would read and write every key a second time.
+DIRECT_ROWS = 8
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst):
+    """dst[r] = row (b, j0 + r) of head hk of src, through the page table, widened."""
+    width = src.shape[2]
+    r = 0
+    while r < n:
+        j = j0 + r
+        page = j // page_size
+        row = page_start[b, page] + j - page * page_size
+        run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        for t in range(run):
+            source = src[row + t, hk]
+            target = dst[r + t]
+            for c in range(width):
+                target[c] = _widen(source[c])
+        r += run
+    return dst[:n]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
+    """The online-softmax step of ``_attend_tile`` on one head's masked scores s [m, n]: p =
+    the weights against each row's running reference, row sums updated, acc rescaled (the
+    caller then adds P·V)."""
+    m = s.shape[0]
+    alpha, totals, ref = work[0], work[1], work[3]
+    to_nat = 1.0 / unit
+    to_log2 = s.dtype.type(LOG2E * to_nat)
+    for r in range(m):
+        alpha[r] = 1.0
+        if row_max[r] == -np.inf:
+            row_max[r] = _row_max(s, r, n)
+        ref[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
+    if is_f32:
+        _exp_shifted(s, ref, p, 0, m, n, totals, to_log2)
+    else:
+        _exp_shifted_f64(s, ref, p, 0, m, n, totals, to_nat)
+    for r in range(m):
+        if totals[r] > n:  # the reference fell behind: redo this row exactly
+            mx = max(row_max[r], _row_max(s, r, n))
+            alpha[r] = math.exp((row_max[r] - mx) * to_nat)
+            row_max[r] = mx
+            ref[r] = mx
+            if is_f32:
+                _exp_shifted(s, ref, p, r, r + 1, n, totals, to_log2)
+            else:
+                _exp_shifted_f64(s, ref, p, r, r + 1, n, totals, to_nat)
+        row_sum[r] = row_sum[r] * alpha[r] + totals[r]
+        a = alpha[r]
+        if a != 1.0:
+            for c in range(acc.shape[1]):
+                acc[r, c] *= a
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_direct(
+    qt, k, v, b, j0, n, page_start, page_size, s, p, acc, row_max, row_sum, work, group, i0,
+    npos, shift, win_left, win_right, softcap, unit, has_alibi, alibi, length, mask_bool,
+    mask_add, bias, is_f32,
+):  # fmt: skip
+    """One key tile for thin row tiles of every kv head at once (qt [Hkv, m, D], s/p
+    [Hkv, m, n], acc [Hkv, m, Dv]), reading k and v through the page table in place: a cache
+    row holds all kv heads side by side, so one pass over the rows streams them in order."""
+    hkv, m, d = qt.shape
+    dv = v.shape[2]
+    zero = s.dtype.type(0.0)
+    c0 = 0
+    while c0 < n:
+        j = j0 + c0
+        page = j // page_size
+        row = page_start[b, page] + j - page * page_size
+        run = min(n - c0, (page + 1) * page_size - j)
+        for t in range(run):
+            for hk in range(hkv):
+                key = k[row + t, hk]
+                for r in range(m):
+                    total = zero
+                    for c in range(d):
+                        total += qt[hk, r, c] * _widen(key[c])
+                    s[hk, r, c0 + t] = total
+        c0 += run
+    mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308
+    for hk in range(hkv):
+        if softcap > 0.0:
+            _softcap(s[hk], softcap * unit, is_f32)
+        _apply_tile_masks(
+            s[hk], b, hk, group, i0, npos, j0, n, shift, win_left, win_right, False, mask_bool,
+            mask_add, False, mask_limit, unit, has_alibi, alibi, length, False, bias, 0,
+        )  # fmt: skip
+        _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, unit, is_f32)
+    c0 = 0
+    while c0 < n:
+        j = j0 + c0
+        page = j // page_size
+        row = page_start[b, page] + j - page * page_size
+        run = min(n - c0, (page + 1) * page_size - j)
+        for t in range(run):
+            for hk in range(hkv):
+                value = v[row + t, hk]
+                for r in range(m):
+                    w = p[hk, r, c0 + t]
+                    if w != 0.0:
+                        for c in range(dv):
+                            acc[hk, r, c] += w * _widen(value[c])
+        c0 += run
+
+
+@njit(cache=True)
+def _finish_rows(
+    acc, row_max, row_sum, part_out, part_lse, split, row0, hk, group, npos, i0, shift, length,
+    b, unit, has_alibi, alibi, has_sinks, sinks,
+):  # fmt: skip
+    """out = acc / row sum and lse for one kv head's rows (group heads x npos queries)."""
+    dv = acc.shape[1]
+    for g in range(group):
+        h = hk * group + g
+        for r in range(npos):
+            row = g * npos + r
+            total = row_sum[row]
+            sink = sinks[h] if has_sinks and split == 0 else -np.inf  # counted once
+            if total != 0.0:  # NaN too: an overflowed score must show
+                lse_row = row_max[row] / unit + math.log(total)
+                if has_alibi:  # the common ALiBi part the tile step leaves out
+                    lse_row -= alibi[b, h] / unit * _nearest_key_distance(i0 + r + shift, length)
+                inv = 1.0 / total
+                if sink > -np.inf:
+                    top = max(lse_row, sink)
+                    lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
+                    inv *= math.exp(lse_row - lse_with)
+                    lse_row = lse_with
+                for c in range(dv):
+                    part_out[split, row0 + r, h, c] = acc[row, c] * inv
+                part_lse[split, row0 + r, h] = lse_row
+            else:
+                for c in range(dv):
+                    part_out[split, row0 + r, h, c] = 0.0
+                part_lse[split, row0 + r, h] = sink
+
+
+@njit(parallel=True, cache=True, fastmath=_FLAGS)
+def _attention_paged_direct_numba(
+    q, k, v, part_out, part_lse, q_start, q_len, k_len, page_start, page_size, item_seq,
+    item_i0, scale, win_left, win_right, softcap, bottom_right, unit, has_alibi, alibi,
+    has_sinks, sinks, block_m, block_n, n_splits, is_f32,
+):  # fmt: skip
+    """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
+    kv head, so that each cache row is read once, in order."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, dv = k.shape[1], v.shape[2]
+    group = hq // hkv
+    n_items = item_seq.shape[0]
+    mask_bool = np.zeros((1, 1, 1, 1), dtype=np.bool_)
+    mask_add = np.zeros((1, 1, 1, 1), dtype=part_out.dtype)
+    bias = np.zeros((1, 1), dtype=part_out.dtype)
+    for work_item in prange(n_items * n_splits):
+        split = work_item % n_splits
+        item = work_item // n_splits
+        b = item_seq[item]
+        i0 = item_i0[item]
+        npos = min(block_m, q_len[b] - i0)
+        m = group * npos
+        length = k_len[b]
+        shift = length - q_len[b] if bottom_right else 0
+        first_pos = i0 + shift
+        j_lo = max(first_pos - win_left, 0)
+        j_end = max(min(length, first_pos + npos + win_right), j_lo)
+        tiles = (j_end - j_lo + block_n - 1) // block_n
+        per_split = (tiles + n_splits - 1) // n_splits
+        j_begin = min(j_lo + split * per_split * block_n, j_end)
+        j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
+
+        row0 = q_start[b] + i0
+        qt = np.empty((hkv, m, d), dtype=part_out.dtype)
+        scale_units = part_out.dtype.type(scale * unit)
+        for hk in range(hkv):
+            for g in range(group):
+                for r in range(npos):
+                    for c in range(d):
+                        qt[hk, g * npos + r, c] = (
+                            _widen(q[row0 + r, hk * group + g, c]) * scale_units
+                        )
+        acc = np.zeros((hkv, m, dv), dtype=part_out.dtype)
+        row_max = np.full((hkv, m), -np.inf, dtype=part_out.dtype)
+        row_sum = np.zeros((hkv, m), dtype=part_out.dtype)
+        work = np.empty((hkv, 4, m), dtype=part_out.dtype)
+        s_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
+        p_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
+        tail = (j_stop - j_begin) % block_n
+        s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
+        p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
+        for j0 in range(j_begin, j_stop, block_n):
+            if j_stop - j0 >= block_n:
+                _attend_direct(
+                    qt, k, v, b, j0, block_n, page_start, page_size, s_full, p_full, acc,
+                    row_max, row_sum, work, group, i0, npos, shift, win_left, win_right,
+                    softcap, unit, has_alibi, alibi, length, mask_bool, mask_add, bias, is_f32,
+                )  # fmt: skip
+            else:
+                _attend_direct(
+                    qt, k, v, b, j0, tail, page_start, page_size, s_tail, p_tail, acc,
+                    row_max, row_sum, work, group, i0, npos, shift, win_left, win_right,
+                    softcap, unit, has_alibi, alibi, length, mask_bool, mask_add, bias, is_f32,
+                )  # fmt: skip
+        for hk in range(hkv):
+            _finish_rows(
+                acc[hk], row_max[hk], row_sum[hk], part_out, part_lse, split, row0, hk, group,
+                npos, i0, shift, length, b, unit, has_alibi, alibi, has_sinks, sinks,
+            )  # fmt: skip
+
+
+@njit(parallel=True, cache=True, fastmath=_FLAGS)
+def _attention_paged_numba(
+    q, k, v, part_out, part_lse, q_start, q_len, k_len, page_start, page_size, item_seq,
+    item_i0, scale, win_left, win_right, softcap, bottom_right, unit, has_alibi, alibi,
+    has_sinks, sinks, block_m, block_n, n_splits, is_f32,
+):  # fmt: skip
+    hq, d = q.shape[1], q.shape[2]
+    hkv, dv = k.shape[1], v.shape[2]
+    group = hq // hkv
+    n_items = item_seq.shape[0]
+    mask_bool = np.zeros((1, 1, 1, 1), dtype=np.bool_)
+    mask_add = np.zeros((1, 1, 1, 1), dtype=part_out.dtype)
+    bias = np.zeros((1, 1), dtype=part_out.dtype)
+    for work_item in prange(n_items * hkv * n_splits):
+        split = work_item % n_splits
+        rest = work_item // n_splits
+        hk = rest % hkv
+        item = rest // hkv
+        b = item_seq[item]
+        i0 = item_i0[item]
+        npos = min(block_m, q_len[b] - i0)
+        m = group * npos
+        length = k_len[b]
+        shift = length - q_len[b] if bottom_right else 0
+        first_pos = i0 + shift
+        j_lo = max(first_pos - win_left, 0)
+        j_end = max(min(length, first_pos + npos + win_right), j_lo)
+        tiles = (j_end - j_lo + block_n - 1) // block_n
+        per_split = (tiles + n_splits - 1) // n_splits
+        j_begin = min(j_lo + split * per_split * block_n, j_end)
+        j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
+
+        row0 = q_start[b] + i0
+        qt = np.empty((m, d), dtype=part_out.dtype)
+        scale_units = part_out.dtype.type(scale * unit)
+        for g in range(group):
+            for r in range(npos):
+                for c in range(d):
+                    qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
+        acc = np.zeros((m, dv), dtype=part_out.dtype)
+        row_max = np.full(m, -np.inf, dtype=part_out.dtype)
+        row_sum = np.zeros(m, dtype=part_out.dtype)
+        work = np.empty((4, m), dtype=part_out.dtype)
+        pv = np.empty((m, dv), dtype=part_out.dtype)
+        s_full = np.empty((m, block_n), dtype=part_out.dtype)
+        p_full = np.empty((m, block_n), dtype=part_out.dtype)
+        tail = (j_stop - j_begin) % block_n
+        s_tail = np.empty((m, tail), dtype=part_out.dtype)
+        p_tail = np.empty((m, tail), dtype=part_out.dtype)
+        k_tile = np.empty((block_n, d), dtype=part_out.dtype)
+        v_tile = np.empty((block_n, dv), dtype=part_out.dtype)
+        for j0 in range(j_begin, j_stop, block_n):
+            n = min(block_n, j_stop - j0)
+            kt = _gather_keys(k, hk, b, j0, n, page_start, page_size, k_tile)
+            vt = _gather_keys(v, hk, b, j0, n, page_start, page_size, v_tile)
+            if n == block_n:
+                _attend_tile(
+                    qt, kt, vt, s_full, p_full, pv, acc, row_max, row_sum, work,
+                    b, hk, group, i0, npos, j0, shift, win_left, win_right, softcap,
+                    False, mask_bool, mask_add, False, unit, has_alibi, alibi, length,
+                    False, bias, 0, is_f32,
+                )  # fmt: skip
+            else:
+                _attend_tile(
+                    qt, kt, vt, s_tail, p_tail, pv, acc, row_max, row_sum, work,
+                    b, hk, group, i0, npos, j0, shift, win_left, win_right, softcap,
+                    False, mask_bool, mask_add, False, unit, has_alibi, alibi, length,
+                    False, bias, 0, is_f32,
+                )  # fmt: skip
+        _finish_rows(
+            acc, row_max, row_sum, part_out, part_lse, split, row0, hk, group, npos, i0, shift,
+            length, b, unit, has_alibi, alibi, has_sinks, sinks,
+        )  # fmt: skip
+
+
+def attention_paged_numba(
+    q, k, v, *, q_start, q_len, k_len, page_start, page_size, scale, causal, bottom_right,
+    alibi_slopes=None, window=None, softcap=None, sinks=None,
+):  # fmt: skip
+    """Launch on NumPy arrays (float32, float64, or bfloat16 / float16 bits as uint16 / int16,
+    computed in float32). Shapes as in the module docstring; q_start, q_len, k_len int64 [B],
+    page_start int64 [B, pages] (entries past a sequence's last key page are never read);
+    ``alibi_slopes`` float64 [B, Hq] or None; ``window`` None or (left, right), -1 unbounded;
+    ``sinks`` float64 [Hq] or None. Query i of sequence b sits at key position
+    i + k_len[b] - q_len[b] when ``bottom_right``, i otherwise. Returns (out [Tq, Hq, Dv] in the
+    compute dtype, lse float32 [Hq, Tq])."""
+    dtype = np.dtype(np.float32) if v.dtype in (np.uint16, np.int16) else v.dtype
+    total_q, hq, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    group = hq // hkv
+    q_len = np.ascontiguousarray(q_len, np.int64)
+    k_len = np.ascontiguousarray(k_len, np.int64)
+    batch = q_len.shape[0]
+    max_q = int(q_len.max(initial=0))
+    max_k = int(k_len.max(initial=0))
+    if total_q * hq == 0 or max_k == 0:
+        lse = np.full((hq, total_q), -np.inf, np.float32)
+        if sinks is not None:
+            lse[...] = np.asarray(sinks, np.float32)[:, None]
+        return np.zeros((total_q, hq, dv), dtype), lse
+    block_m = max(1, min(max_q, max(128 // group, 16)))
+    block_n = min(256, max_k)
+    blocks = -(-q_len // block_m)
+    item_seq = np.repeat(np.arange(batch, dtype=np.int64), blocks)
+    item_i0 = (
+        np.arange(item_seq.shape[0]) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    ) * block_m
+    # thin row tiles (decoding) take every kv head in one item, so that each cache row is read
+    # once and in order; split keys when the items cannot keep every thread busy
+    direct = group * block_m <= DIRECT_ROWS
+    threads = numba.get_num_threads()
+    items = item_seq.shape[0] * (1 if direct else hkv)
+    key_tiles = -(-max_k // block_n)
+    n_splits = 1
+    if items < 2 * threads and key_tiles > 1:
+        n_splits = min(key_tiles, -(-2 * threads // items))
+    unbounded = max_q + max_k + 1
+    win_left, win_right = (-1, -1) if window is None else window
+    win_left = unbounded if win_left < 0 else win_left
+    win_right = unbounded if win_right < 0 else win_right
+    if causal:
+        win_right = 0
+    unit = 1.4426950408889634  # scores in log2 units, as the forward kernel
+    alibi = _dummy(dtype, 2)
+    if alibi_slopes is not None:
+        alibi = np.ascontiguousarray(alibi_slopes * unit, dtype=dtype)
+    part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
+    part_lse = np.empty((n_splits, total_q, hq), dtype=np.float32)
+    has_sinks = sinks is not None
+    sinks = _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64)
+    kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
+    with single_threaded_blas():
+        kernel(
+            q, k, v, part_out, part_lse, np.ascontiguousarray(q_start, np.int64), q_len, k_len,
+            np.ascontiguousarray(page_start, np.int64), int(page_size), item_seq, item_i0,
+            dtype.type(scale), win_left, win_right, 0.0 if softcap is None else float(softcap),
+            bool(bottom_right), unit, alibi_slopes is not None, alibi, has_sinks, sinks,
+            block_m, block_n, n_splits, dtype == np.float32,
+        )  # fmt: skip
+    if n_splits == 1:
+        out, lse = part_out[0], part_lse[0]
+    else:
+        out = np.empty((1, total_q, hq, dv), dtype=dtype)
+        lse = np.empty((1, total_q, hq), dtype=np.float32)
+        _merge_splits_numba(part_out[:, None], part_lse[:, None], out, lse)
+        out, lse = out[0], lse[0]
+    return out, np.ascontiguousarray(lse.T)
