@@ -340,6 +340,29 @@ def _embed_backward(ctx, grad):
 _register_backward("embed", _setup_embed, _embed_backward)
 
 
+def _attention_inputs(
+    q, k, v, causal, causal_alignment, mask, key_lengths, scale, rope_cos, rope_sin,
+    rope_interleaved, rope_q_positions, rope_q_positions_offset, rope_k_positions,
+    rope_k_positions_offset, alibi_slopes, relative_bias_table, relative_bias_num_buckets,
+    relative_bias_max_distance, relative_bias_bidirectional, window_left, window_right, softcap,
+    sinks,
+) -> AttentionInputs:  # fmt: skip
+    """The validated forward record of the attention schema's arguments (with lse: the backward
+    needs it)."""
+    rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
+                             rope_q_positions_offset, rope_k_positions, rope_k_positions_offset)  # fmt: skip
+    relative_bias = _relative_bias_from_schema(
+        relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
+        relative_bias_bidirectional,
+    )  # fmt: skip
+    return AttentionInputs.build(
+        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
+        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias, return_lse=True, window=(window_left, window_right),
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("fastpe::attention", mutates_args=())
 def attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
@@ -351,17 +374,11 @@ def attention_op(
     relative_bias_bidirectional: bool, window_left: int, window_right: int,
     softcap: float | None, sinks: Tensor | None, backend: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-                             rope_q_positions_offset, rope_k_positions, rope_k_positions_offset)  # fmt: skip
-    relative_bias = _relative_bias_from_schema(
-        relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
-        relative_bias_bidirectional,
-    )  # fmt: skip
-    inputs = AttentionInputs.build(
-        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
-        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias, return_lse=True, window=(window_left, window_right),
-        softcap=softcap, sinks=sinks,
+    inputs = _attention_inputs(
+        q, k, v, causal, causal_alignment, mask, key_lengths, scale, rope_cos, rope_sin, rope_interleaved,
+        rope_q_positions, rope_q_positions_offset, rope_k_positions, rope_k_positions_offset,
+        alibi_slopes, relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
+        relative_bias_bidirectional, window_left, window_right, softcap, sinks,
     )  # fmt: skip
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
@@ -401,17 +418,11 @@ def attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv, dsinks, d relative_bias_table) of one attention_op call; the last two are
     empty when the call had no sinks / no table."""
-    rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-                             rope_q_positions_offset, rope_k_positions, rope_k_positions_offset)  # fmt: skip
-    relative_bias = _relative_bias_from_schema(
-        relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
-        relative_bias_bidirectional,
-    )  # fmt: skip
-    forward = AttentionInputs.build(
-        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
-        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias, return_lse=True, window=(window_left, window_right),
-        softcap=softcap, sinks=sinks,
+    forward = _attention_inputs(
+        q, k, v, causal, causal_alignment, mask, key_lengths, scale, rope_cos, rope_sin, rope_interleaved,
+        rope_q_positions, rope_q_positions_offset, rope_k_positions, rope_k_positions_offset,
+        alibi_slopes, relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
+        relative_bias_bidirectional, window_left, window_right, softcap, sinks,
     )  # fmt: skip
     inputs = AttentionBackwardInputs.build(
         forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse

@@ -616,6 +616,35 @@ def _dummy(dtype, ndim):
     return np.zeros((1,) * ndim, dtype=dtype)
 
 
+def key_splits(items: int, key_tiles: int, threads: int) -> int:
+    """Parts to split each work item's keys into: when the items alone cannot keep every thread
+    busy (twice over, for balance), never more parts than key tiles."""
+    if items < 2 * threads and key_tiles > 1:
+        return min(key_tiles, -(-2 * threads // items))
+    return 1
+
+
+def key_lengths_and_shift(key_lengths, batch: int, sq: int, sk: int, bottom_right: bool):
+    """(key lengths int64 [B], each query's offset on the key axis [B]). FlashAttention's rule
+    for a ragged KV cache when ``bottom_right``: the queries are the last Sq of each sequence."""
+    key_len = (
+        np.full(batch, sk, dtype=np.int64)
+        if key_lengths is None
+        else np.ascontiguousarray(key_lengths, dtype=np.int64)
+    )
+    return key_len, key_len - sq if bottom_right else np.zeros(batch, np.int64)
+
+
+def window_edges(window, causal: bool, unbounded: int) -> tuple[int, int]:
+    """(left, right) window edges as offsets from each query's position; -1 (unbounded on that
+    side) becomes ``unbounded``, any offset that reaches past every key from every query (e.g.
+    Sq + Sk + 1); the causal rule is a right edge of 0."""
+    left, right = (-1, -1) if window is None else window
+    left = unbounded if left < 0 else left
+    right = unbounded if right < 0 else right
+    return left, 0 if causal else right
+
+
 @njit(cache=True)
 def _relative_bias_by_distance_numba(table, first, count, bidirectional, num_buckets, max_distance):
     """bias[h, t] = table[bucket(first + t), h] for key-minus-query distances first … first+count-1.
@@ -688,24 +717,9 @@ def attention_numba(
     threads = 1 if serial else numba.get_num_threads()
     items = batch * hkv * n_mblocks
     key_tiles = -(-sk // block_n)
-    n_splits = 1
-    if items < 2 * threads and key_tiles > 1:
-        n_splits = min(key_tiles, -(-2 * threads // items))
-    key_len = (
-        np.full(batch, sk, dtype=np.int64)
-        if key_lengths is None
-        else np.ascontiguousarray(key_lengths, dtype=np.int64)
-    )
-    # FlashAttention's rule for a ragged KV cache: the queries are the last Sq of each sequence
-    query_shift = key_len - sq if bottom_right else np.zeros(batch, np.int64)
-    # window edges as offsets from each query's position; "unbounded" is any offset that
-    # reaches past every key from every query (|qpos - j| < Sq + Sk)
-    unbounded = sq + sk + 1
-    win_left, win_right = (-1, -1) if window is None else window
-    win_left = unbounded if win_left < 0 else win_left
-    win_right = unbounded if win_right < 0 else win_right
-    if causal:
-        win_right = 0
+    n_splits = key_splits(items, key_tiles, threads)
+    key_len, query_shift = key_lengths_and_shift(key_lengths, batch, sq, sk, bottom_right)
+    win_left, win_right = window_edges(window, causal, unbounded=sq + sk + 1)
     mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     limit = float(np.finfo(dtype).max)

@@ -28,11 +28,15 @@ from fastpe.kernels.numba.attention import (
     _FLAGS,
     LOG2E,
     _apply_tile_masks,
+    _dummy,
     _exp2,
     _load_tile,
     _nearest_key_distance,
     _relative_bias_by_distance_numba,
     _widen,
+    key_lengths_and_shift,
+    key_splits,
+    window_edges,
 )
 from numba import prange
 
@@ -196,10 +200,6 @@ def _widened(x):
     return np.asarray(x, np.float32)
 
 
-def _dummy(dtype, ndim):
-    return np.zeros((1,) * ndim, dtype=dtype)
-
-
 def attention_backward_numba(
     q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
     key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
@@ -228,18 +228,8 @@ def attention_backward_numba(
         sink_weight = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
         dsinks = -(sink_weight * delta).sum(axis=(0, 2))
 
-    key_len = (
-        np.full(batch, sk, dtype=np.int64)
-        if key_lengths is None
-        else np.ascontiguousarray(key_lengths, dtype=np.int64)
-    )
-    query_shift = key_len - sq if bottom_right else np.zeros(batch, np.int64)
-    unbounded = sq + sk + 1
-    win_left, win_right = (-1, -1) if window is None else window
-    win_left = unbounded if win_left < 0 else win_left
-    win_right = unbounded if win_right < 0 else win_right
-    if causal:
-        win_right = 0
+    key_len, query_shift = key_lengths_and_shift(key_lengths, batch, sq, sk, bottom_right)
+    win_left, win_right = window_edges(window, causal, unbounded=sq + sk + 1)
     mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     if mask is not None:
@@ -267,9 +257,7 @@ def attention_backward_numba(
     block_n = max(1, min(256, sk))
     threads = numba.get_num_threads()
     key_tiles = -(-sk // block_n)
-    n_splits = 1
-    if batch * hkv < 2 * threads and key_tiles > 1:
-        n_splits = min(key_tiles, -(-2 * threads // (batch * hkv)))
+    n_splits = key_splits(batch * hkv, key_tiles, threads)
     items = batch * hkv * n_splits
     dq_part = np.zeros((n_splits, batch, hq, sq, d), dtype=dtype)
     dk = np.zeros((batch, hkv, sk, d), dtype=dtype)

@@ -40,6 +40,8 @@ from fastpe.kernels.numba.attention import (
     _row_max,
     _softcap,
     _widen,
+    key_splits,
+    window_edges,
 )
 from numba import prange
 
@@ -372,15 +374,8 @@ def attention_paged_numba(
     threads = numba.get_num_threads()
     items = item_seq.shape[0] * (1 if direct else hkv)
     key_tiles = -(-max_k // block_n)
-    n_splits = 1
-    if items < 2 * threads and key_tiles > 1:
-        n_splits = min(key_tiles, -(-2 * threads // items))
-    unbounded = max_q + max_k + 1
-    win_left, win_right = (-1, -1) if window is None else window
-    win_left = unbounded if win_left < 0 else win_left
-    win_right = unbounded if win_right < 0 else win_right
-    if causal:
-        win_right = 0
+    n_splits = key_splits(items, key_tiles, threads)
+    win_left, win_right = window_edges(window, causal, unbounded=max_q + max_k + 1)
     unit = 1.4426950408889634  # scores in log2 units, as the forward kernel
     alibi = _dummy(dtype, 2)
     if alibi_slopes is not None:
