@@ -313,11 +313,16 @@ def attention_varlen(
     [Hq, total_q] float32 (FlashAttention's varlen layout). No compute or memory is spent on
     padding: there is none. ``cu_seqlens`` are read on the host (one sync on a GPU).
     """
-    if _torch_graph(q, k, v, alibi_slopes, sinks):
-        raise NotImplementedError(
-            "attention_varlen has no autograd or torch.compile support yet; call it under "
-            "torch.no_grad() (inference), outside torch.compile"
-        )
+    tables = [rope.get(key) for key in ("cos", "sin")] if isinstance(rope, dict) else []
+    if _torch_graph(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *tables):
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
+            scale=scale, rope=rope, alibi_slopes=alibi_slopes, window=window, softcap=softcap,
+            sinks=sinks, return_lse=return_lse, backend=backend,
+        )  # fmt: skip
     inputs = AttentionVarlenInputs.build(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
