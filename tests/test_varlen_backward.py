@@ -221,16 +221,24 @@ def test_opcheck_with_autograd():
     )  # fmt: skip
 
 
-def test_compiles_with_cu_seqlens_as_inputs():
-    """Under torch.compile the call is one opaque op (no graph break on the host reads)."""
-    q = torch.randn(7, 2, 4)
-    cu = _cu([3, 4])
+def test_compiled_backward_matches_eager_autograd():
+    """torch.compile(fullgraph=True) through the forward and backward ops (one opaque op each,
+    no graph break on the host reads of cu_seqlens), gradients as plain eager attention."""
+    tensors, kwargs, weights = _inputs(torch.float64, {"causal": True, "sinks": True})
+    cu_q, cu_k = _cu(Q_LENGTHS), _cu(K_LENGTHS)
+    _, want = _grads(
+        lambda q, k, v, **kw: eager_varlen(q, k, v, cu_q, cu_k, **kw), tensors, kwargs, weights
+    )
     compiled = torch.compile(
-        lambda q, cu: fastpe.attention_varlen(q, q, q, cu, cu, causal=True), fullgraph=True
-    )
-    torch.testing.assert_close(
-        compiled(q, cu), fastpe.attention_varlen(q, q, q, cu, cu, causal=True)
-    )
+        lambda q, k, v, cu_q, cu_k, **kw: fastpe.attention_varlen(
+            q, k, v, cu_q, cu_k, return_lse=True, backend="numpy", **kw
+        ),
+        fullgraph=True, backend="aot_eager",
+    )  # fmt: skip
+    _, got = _grads(lambda q, k, v, **kw: compiled(q, k, v, cu_q, cu_k, **kw), tensors, kwargs,
+                    weights)  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,3 +295,19 @@ def test_packed_training_step_matches_sdpa_per_sequence():
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_flash_attn_varlen_func_has_gradients():
+    """FlashAttention's entry point differentiates through attention_varlen (GQA, causal)."""
+    from fastpe.flash_attn import flash_attn_varlen_func
+
+    tensors, kwargs, weights = _inputs(torch.float64, {"causal": True})
+    cu_q, cu_k = _cu(Q_LENGTHS), _cu(K_LENGTHS)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(Q_LENGTHS), max(K_LENGTHS), causal=True)
+    (out * weights[0]).sum().backward()
+    want = [t.clone().requires_grad_() for t in tensors]
+    want_out, _ = eager_varlen(*want, cu_q, cu_k, causal=True)
+    (want_out * weights[0]).sum().backward()
+    for g, w in zip(leaves, want, strict=True):
+        torch.testing.assert_close(g.grad, w.grad, atol=1e-6, rtol=1e-6)
