@@ -6,10 +6,11 @@ dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution ti
 implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
 API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
 
-``apply_rope``, ``embed`` and ``attention`` have backward passes (``torch.library.register_autograd``,
+``apply_rope``, ``embed``, ``attention`` and ``attention_varlen`` have backward passes (``torch.library.register_autograd``,
 the pattern below ``_register_backward``; docs/math.md#gradients and #attention-backward);
 ``merge_attention`` has none: a graph that records it still runs forward, and ``backward()``
 through it raises a clear error instead of returning wrong or missing gradients.
+``attention_kvcache`` writes into its caches (declared ``mutates_args``) and has no backward.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fastpe._inputs import (
     check_window,
 )
 from fastpe._options import RelativeBias, Rope
-from fastpe._validate import check_float
+from fastpe._validate import check_bool, check_float
 
 
 def _no_backward(op_name: str):
@@ -879,5 +880,66 @@ def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
         _varlen_positions("rope['q_positions']", rope.get("q_positions"), q.device),
         _varlen_positions("rope['k_positions']", rope.get("k_positions"), q.device),
         alibi_slopes, *window, softcap, sinks, backend or "",
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_kvcache: an inference op that writes new k/v into the caches (declared mutations,
+# so torch.compile functionalizes it); no backward (autograd refuses it at the call).
+
+
+@torch.library.custom_op("fastpe::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_kvcache_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+    cache_seqlens: Tensor | None, cache_seqlens_int: int, block_table: Tensor | None,
+    cache_batch_idx: Tensor | None, rotary_cos: Tensor | None, rotary_sin: Tensor | None,
+    rotary_interleaved: bool, causal: bool, scale: float | None, alibi_slopes: Tensor | None,
+    window_left: int, window_right: int, softcap: float | None, sinks: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from fastpe._inputs_serving import AttentionKVCacheInputs
+
+    inputs = AttentionKVCacheInputs.build(
+        q, k_cache, v_cache, k=k, v=v,
+        cache_seqlens=cache_seqlens_int if cache_seqlens is None else cache_seqlens,
+        block_table=block_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+        scale=scale, alibi_slopes=alibi_slopes, window=(window_left, window_right),
+        softcap=softcap, sinks=sinks, return_lse=True,
+    )  # fmt: skip
+    out, lse = dispatch.run(inputs, _backend(backend))
+    return out, lse
+
+
+@attention_kvcache_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_cache.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+# no autograd registration: torch refuses one for an op that mutates its inputs; the public
+# function refuses inputs that require grad before reaching here (outside torch.compile)
+
+
+def call_attention_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
+                           cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved, causal,
+                           scale, alibi_slopes, window, softcap, sinks, return_lse, backend):  # fmt: skip
+    # checked here too: the schema's types would turn bad values into torch's own errors
+    window = check_window(window) or (-1, -1)
+    softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
+    cache_seqlens = _plain(cache_seqlens)
+    length = cache_seqlens if isinstance(cache_seqlens, int) else 0
+    lengths, block_table, cache_batch_idx = (
+        torch.as_tensor(x, device=q.device) if isinstance(x, (list, tuple)) else x
+        for x in (None if isinstance(cache_seqlens, int) else cache_seqlens, block_table,
+                  cache_batch_idx)
+    )  # fmt: skip
+    out, lse = attention_kvcache_op(
+        q, k_cache, v_cache, k, v, lengths, length, block_table, cache_batch_idx,
+        rotary_cos, rotary_sin, check_bool("rotary_interleaved", rotary_interleaved),
+        check_bool("causal", causal),
+        None if scale is None else float(scale), alibi_slopes, *window, softcap, sinks,
+        backend or "",
     )  # fmt: skip
     return (out, lse) if return_lse else out
