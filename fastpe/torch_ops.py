@@ -875,8 +875,9 @@ def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
     rope = rope or {}
     out, lse = attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _plain(max_seqlen_q), _plain(max_seqlen_k),
-        causal, causal_alignment, None if scale is None else float(scale), rope.get("cos"),
-        rope.get("sin"), rope.get("interleaved", False),
+        check_bool("causal", causal), causal_alignment, None if scale is None else float(scale),
+        rope.get("cos"), rope.get("sin"),
+        check_bool("rope['interleaved']", rope.get("interleaved", False)),
         _varlen_positions("rope['q_positions']", rope.get("q_positions"), q.device),
         _varlen_positions("rope['k_positions']", rope.get("k_positions"), q.device),
         alibi_slopes, *window, softcap, sinks, backend or "",

@@ -195,8 +195,13 @@ def test_rope_positions_and_tables_without_gradient():
         out.sum().backward()
 
 
-def test_int_rope_positions_refused_under_autograd():
+def test_bad_arguments_refused_under_autograd():
+    """Through the custom op the errors still name the argument (not the schema's type errors)."""
     q = torch.randn(4, 2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match="causal must be True or False; got 1"):
+        fastpe.attention_varlen(q, q, q, _cu([4]), _cu([4]), causal=1)
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the packed length 4"):
+        fastpe.attention_varlen(q, q, q, _cu([3]), _cu([4]))
     angle = torch.arange(8.0)[:, None] * torch.ones(2)
     with pytest.raises(TypeError, match=r"rope\['q_positions'\] must be None"):
         fastpe.attention_varlen(q, q, q, _cu([4]), _cu([4]),
