@@ -74,6 +74,7 @@ def test_int_cache_seqlens_compiles():
     torch.testing.assert_close(compiled(q, k_cache, v_cache, k_new, v_new), want)
 
 
+@pytest.mark.filterwarnings("ignore:Error detected in:UserWarning")  # anomaly mode's echo
 def test_compiled_with_grad_raises_at_backward():
     q, k_cache, v_cache, k_new, v_new, lengths, _ = _decode_inputs(False)
     q.requires_grad_()
