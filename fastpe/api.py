@@ -313,11 +313,16 @@ def attention_varlen(
     [Hq, total_q] float32 (FlashAttention's varlen layout). No compute or memory is spent on
     padding: there is none. ``cu_seqlens`` are read on the host (one sync on a GPU).
     """
-    if _torch_graph(q, k, v, alibi_slopes, sinks):
-        raise NotImplementedError(
-            "attention_varlen has no autograd or torch.compile support yet; call it under "
-            "torch.no_grad() (inference), outside torch.compile"
-        )
+    tables = [rope.get(key) for key in ("cos", "sin")] if isinstance(rope, dict) else []
+    if _torch_graph(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *tables):
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
+            scale=scale, rope=rope, alibi_slopes=alibi_slopes, window=window, softcap=softcap,
+            sinks=sinks, return_lse=return_lse, backend=backend,
+        )  # fmt: skip
     inputs = AttentionVarlenInputs.build(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
@@ -356,11 +361,23 @@ def attention_kvcache(
     read; read ones must lie in [0, num_blocks); a page receiving new tokens must not be used by
     another sequence.
     """
-    if _torch_graph(q, k_cache, v_cache, k, v, alibi_slopes, sinks):
-        raise NotImplementedError(
-            "attention_kvcache has no autograd or torch.compile support (an inference op); "
-            "call it under torch.no_grad(), outside torch.compile"
-        )
+    arrays = (q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin)
+    if _torch_graph(*arrays):
+        torch = sys.modules["torch"]
+        if not torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "attention_kvcache has no autograd support (an inference op that writes its "
+                "caches); call it under torch.no_grad() or with inputs that do not require grad"
+            )
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, causal=causal, scale=scale,
+            alibi_slopes=alibi_slopes, window=window, softcap=softcap, sinks=sinks,
+            return_lse=return_lse, backend=backend,
+        )  # fmt: skip
     inputs = AttentionKVCacheInputs.build(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
         cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,

@@ -5,7 +5,9 @@ flash_attn_func, ...``: same signatures, layouts ([B, S, H, D]; packed [total, H
 defaults and semantics — ``causal`` aligned bottom-right when seqlen_q != seqlen_k,
 ``window_size=(left, right)`` with -1 unbounded, ``softcap=0.0`` off, ``alibi_slopes`` [H] or
 [B, H], GQA/MQA through fewer k/v heads. The backend is fastpe's choice (``fastpe.use_backend``
-or $FASTPE_BACKEND pick one). Forward only: no autograd.
+or $FASTPE_BACKEND pick one). Gradients flow through ``flash_attn_func`` and the varlen
+functions (``attention`` / ``attention_varlen`` have backwards); ``flash_attn_with_kvcache`` is
+forward only (it compiles; inputs that require grad are refused).
 
 Refused with a ValueError: ``dropout_p > 0`` (no dropout), ``return_attn_probs=True`` (use
 ``fastpe.attention``/``attention_varlen(..., return_lse=True)`` for the log-sum-exp),

@@ -6,10 +6,11 @@ dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution ti
 implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
 API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
 
-``apply_rope``, ``embed`` and ``attention`` have backward passes (``torch.library.register_autograd``,
+``apply_rope``, ``embed``, ``attention`` and ``attention_varlen`` have backward passes (``torch.library.register_autograd``,
 the pattern below ``_register_backward``; docs/math.md#gradients and #attention-backward);
 ``merge_attention`` has none: a graph that records it still runs forward, and ``backward()``
 through it raises a clear error instead of returning wrong or missing gradients.
+``attention_kvcache`` writes into its caches (declared ``mutates_args``) and has no backward.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fastpe._inputs import (
     check_window,
 )
 from fastpe._options import RelativeBias, Rope
-from fastpe._validate import check_float
+from fastpe._validate import check_bool, check_float
 
 
 def _no_backward(op_name: str):
@@ -687,3 +688,270 @@ def _torch_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     return getattr(torch, str(dtype).removeprefix("torch."))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen (packed sequences): a forward op and a backward that runs attention's own
+# backward once per sequence, on [1, H, S_b, D] views of the packed tensors (no padding).
+
+_VARLEN_OPTIONS = (
+    "max_seqlen_q", "max_seqlen_k", "causal", "causal_alignment", "scale", "rope_cos",
+    "rope_sin", "rope_interleaved", "rope_q_positions", "rope_k_positions", "alibi_slopes",
+    "window_left", "window_right", "softcap", "sinks",
+)  # fmt: skip
+# (q, k, v, cu_seqlens_q, cu_seqlens_k) come first in the schema
+_VARLEN_NO_GRADIENT = {5 + _VARLEN_OPTIONS.index(name): name
+                       for name in ("rope_cos", "rope_sin", "alibi_slopes")}  # fmt: skip
+
+
+def _varlen_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, causal_alignment,
+                   scale, rope_cos, rope_sin, rope_interleaved, rope_q_positions,
+                   rope_k_positions, alibi_slopes, window_left, window_right, softcap, sinks):  # fmt: skip
+    from fastpe._inputs_serving import AttentionVarlenInputs
+
+    rope = None
+    if rope_cos is not None or rope_sin is not None:
+        rope = {"cos": rope_cos, "sin": rope_sin, "interleaved": rope_interleaved,
+                "q_positions": rope_q_positions, "k_positions": rope_k_positions}  # fmt: skip
+    return AttentionVarlenInputs.build(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        causal=causal, causal_alignment=causal_alignment, scale=scale, rope=rope,
+        alibi_slopes=alibi_slopes, window=(window_left, window_right), softcap=softcap,
+        sinks=sinks, return_lse=True,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("fastpe::attention_varlen", mutates_args=())
+def attention_varlen_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None, max_seqlen_k: int | None, causal: bool, causal_alignment: str,
+    scale: float | None, rope_cos: Tensor | None, rope_sin: Tensor | None,
+    rope_interleaved: bool, rope_q_positions: Tensor | None, rope_k_positions: Tensor | None,
+    alibi_slopes: Tensor | None, window_left: int, window_right: int, softcap: float | None,
+    sinks: Tensor | None, backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    inputs = _varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        causal_alignment, scale, rope_cos, rope_sin, rope_interleaved, rope_q_positions,
+        rope_k_positions, alibi_slopes, window_left, window_right, softcap, sinks,
+    )  # fmt: skip
+    out, lse = dispatch.run(inputs, _backend(backend))
+    return out, lse
+
+
+@attention_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    total_q, hq, _ = q.shape
+    return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastpe::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward_op(
+    grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int | None,
+    max_seqlen_k: int | None, causal: bool, causal_alignment: str, scale: float | None,
+    rope_cos: Tensor | None, rope_sin: Tensor | None, rope_interleaved: bool,
+    rope_q_positions: Tensor | None, rope_k_positions: Tensor | None,
+    alibi_slopes: Tensor | None, window_left: int, window_right: int, softcap: float | None,
+    sinks: Tensor | None, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv, dsinks) of one attention_varlen_op call (dsinks empty without sinks):
+    attention's backward on each sequence's [1, H, S_b, D] slice, written into packed buffers
+    (docs/math.md#packed-variable-length-backward)."""
+    fwd = _varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        causal_alignment, scale, rope_cos, rope_sin, rope_interleaved, rope_q_positions,
+        rope_k_positions, alibi_slopes, window_left, window_right, softcap, sinks,
+    )  # fmt: skip
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    dsinks = q.new_zeros((0,)) if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
+
+    def heads_first(x, rows):  # [T, H, D] rows -> [1, H, S_b, D]
+        return x[rows].transpose(0, 1).unsqueeze(0).contiguous()
+
+    for b in range(fwd.batch):
+        rows = slice(int(fwd.cu_q[b]), int(fwd.cu_q[b + 1]))
+        keys = slice(int(fwd.cu_k[b]), int(fwd.cu_k[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        if keys.start == keys.stop:
+            # no key: out = 0 and lse = the sink (or -inf); only a sink sees grad_lse
+            if sinks is not None:
+                dsinks += grad_lse[:, rows].sum(dim=1).float()
+            continue
+        rope = None
+        if fwd.rope is not None:
+            rope = {"cos": fwd.rope.cos, "sin": fwd.rope.sin, "interleaved": fwd.rope.interleaved,
+                    "q_positions": torch.as_tensor(fwd.rope.q_positions[rows], device=q.device),
+                    "k_positions": torch.as_tensor(fwd.rope.k_positions[keys], device=q.device)}  # fmt: skip
+        forward = AttentionInputs.build(
+            heads_first(q, rows), heads_first(k, keys), heads_first(v, keys), causal=fwd.causal,
+            causal_alignment="bottom_right" if fwd.bottom_right else "top_left", mask=None,
+            key_lengths=None, scale=fwd.scale, rope=rope,
+            alibi_slopes=None if fwd.alibi_slopes is None else fwd.alibi_slopes[b : b + 1],
+            relative_bias=None, return_lse=True, window=fwd.window, softcap=fwd.softcap,
+            sinks=fwd.sinks,
+        )  # fmt: skip
+        inputs = AttentionBackwardInputs.build(
+            forward, grad_out=heads_first(grad_out, rows),
+            grad_lse=grad_lse[:, rows].unsqueeze(0).contiguous(), out=heads_first(out, rows),
+            lse=lse[:, rows].unsqueeze(0).contiguous(),
+        )  # fmt: skip
+        dq_b, dk_b, dv_b, dsinks_b, _ = dispatch.run(inputs, _backend(backend))
+        dq[rows] = dq_b[0].transpose(0, 1)
+        dk[keys] = dk_b[0].transpose(0, 1)
+        dv[keys] = dv_b[0].transpose(0, 1)
+        if sinks is not None:
+            dsinks += dsinks_b.float()
+    if sinks is not None:
+        dsinks = dsinks.to(sinks.dtype)
+    return dq, dk, dv, dsinks
+
+
+@attention_varlen_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *args):
+    sinks = dict(zip(_VARLEN_OPTIONS, args, strict=False))["sinks"]
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+        q.new_empty((0,)) if sinks is None else torch.empty_like(sinks),
+    )
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options, backend = inputs
+    out, lse = output
+    tensors = [q, k, v, out, lse, cu_q, cu_k]
+    ctx.layout = []  # per option: an index into the saved tensors, or None (a constant)
+    for value in options:
+        ctx.layout.append(len(tensors) if isinstance(value, Tensor) else None)
+        if isinstance(value, Tensor):
+            tensors.append(value)
+    ctx.constants = [None if isinstance(x, Tensor) else x for x in options]
+    ctx.backend = _forward_backend(backend)
+    ctx.save_for_backward(*tensors)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    for index, name in _VARLEN_NO_GRADIENT.items():
+        if ctx.needs_input_grad[index]:
+            raise RuntimeError(
+                f"fastpe.attention_varlen gives no gradient for {name} "
+                "(docs/README.md#training); pass it detached (.detach()) or compute it outside "
+                "attention_varlen"
+            )
+    saved = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k = saved[:7]
+    options = [saved[i] if i is not None else c for i, c in zip(ctx.layout, ctx.constants,
+                                                                  strict=True)]  # fmt: skip
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    dq, dk, dv, dsinks = attention_varlen_backward_op(
+        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *options, ctx.backend
+    )
+    has_sinks = dict(zip(_VARLEN_OPTIONS, options, strict=True))["sinks"] is not None
+    grads = {"sinks": dsinks if has_sinks else None}
+    return (dq, dk, dv, None, None, *(grads.get(name) for name in _VARLEN_OPTIONS), None)
+
+
+_register_backward("attention_varlen", _varlen_setup_context, _varlen_backward)
+torch.library.register_autograd(
+    "fastpe::attention_varlen_backward", _no_backward("attention_varlen_backward")
+)
+
+
+def _varlen_positions(name: str, positions, device) -> Tensor | None:
+    positions = _plain(positions)
+    if positions is None or isinstance(positions, Tensor):
+        return positions
+    if isinstance(positions, (list, tuple)):
+        return torch.as_tensor(positions, device=device)
+    raise TypeError(
+        f"{name} must be None (positions restart at each sequence) or an int tensor of one "
+        f"position per packed token; got {positions!r}"
+    )
+
+
+def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+                          causal, causal_alignment, scale, rope, alibi_slopes, window, softcap,
+                          sinks, return_lse, backend):  # fmt: skip
+    # checked here too: the schema's types would turn bad values into torch's own errors
+    window = check_window(window) or (-1, -1)
+    softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
+    if rope is not None:
+        Rope.check_keys(rope)
+    rope = rope or {}
+    out, lse = attention_varlen_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, _plain(max_seqlen_q), _plain(max_seqlen_k),
+        check_bool("causal", causal), causal_alignment, None if scale is None else float(scale),
+        rope.get("cos"), rope.get("sin"),
+        check_bool("rope['interleaved']", rope.get("interleaved", False)),
+        _varlen_positions("rope['q_positions']", rope.get("q_positions"), q.device),
+        _varlen_positions("rope['k_positions']", rope.get("k_positions"), q.device),
+        alibi_slopes, *window, softcap, sinks, backend or "",
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_kvcache: an inference op that writes new k/v into the caches (declared mutations,
+# so torch.compile functionalizes it); no backward (autograd refuses it at the call).
+
+
+@torch.library.custom_op("fastpe::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_kvcache_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+    cache_seqlens: Tensor | None, cache_seqlens_int: int, block_table: Tensor | None,
+    cache_batch_idx: Tensor | None, rotary_cos: Tensor | None, rotary_sin: Tensor | None,
+    rotary_interleaved: bool, causal: bool, scale: float | None, alibi_slopes: Tensor | None,
+    window_left: int, window_right: int, softcap: float | None, sinks: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from fastpe._inputs_serving import AttentionKVCacheInputs
+
+    inputs = AttentionKVCacheInputs.build(
+        q, k_cache, v_cache, k=k, v=v,
+        cache_seqlens=cache_seqlens_int if cache_seqlens is None else cache_seqlens,
+        block_table=block_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+        scale=scale, alibi_slopes=alibi_slopes, window=(window_left, window_right),
+        softcap=softcap, sinks=sinks, return_lse=True,
+    )  # fmt: skip
+    out, lse = dispatch.run(inputs, _backend(backend))
+    return out, lse
+
+
+@attention_kvcache_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_cache.shape[3])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+# no autograd registration: torch refuses one for an op that mutates its inputs; the public
+# function refuses inputs that require grad before reaching here (outside torch.compile)
+
+
+def call_attention_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
+                           cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved, causal,
+                           scale, alibi_slopes, window, softcap, sinks, return_lse, backend):  # fmt: skip
+    # checked here too: the schema's types would turn bad values into torch's own errors
+    window = check_window(window) or (-1, -1)
+    softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
+    cache_seqlens = _plain(cache_seqlens)
+    length = cache_seqlens if isinstance(cache_seqlens, int) else 0
+    lengths, block_table, cache_batch_idx = (
+        torch.as_tensor(x, device=q.device) if isinstance(x, (list, tuple)) else x
+        for x in (None if isinstance(cache_seqlens, int) else cache_seqlens, block_table,
+                  cache_batch_idx)
+    )  # fmt: skip
+    out, lse = attention_kvcache_op(
+        q, k_cache, v_cache, k, v, lengths, length, block_table, cache_batch_idx,
+        rotary_cos, rotary_sin, check_bool("rotary_interleaved", rotary_interleaved),
+        check_bool("causal", causal),
+        None if scale is None else float(scale), alibi_slopes, *window, softcap, sinks,
+        backend or "",
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

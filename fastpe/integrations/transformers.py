@@ -23,7 +23,8 @@ Padding-free packed batches: when the model is called with FlashAttention's sequ
 boundaries — ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, which transformers forwards
 to the attention function, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
 produces them — the packed batch ``[1, total, ...]`` runs through ``fastpe.attention_varlen``:
-each sequence attends only to itself, and no cross-sequence score is computed. (Packed
+each sequence attends only to itself, and no cross-sequence score is computed, forward and
+backward (attention_varlen has a backward, so padding-free training works too). (Packed
 ``position_ids`` without those kwargs still work, through the block-diagonal mask transformers
 builds; that path computes every score of the packed row.)
 """
