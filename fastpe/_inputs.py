@@ -639,6 +639,34 @@ class MergeAttentionInputs(_Inputs):
 
 
 @dataclass(frozen=True, eq=False)
+class MergeAttentionBackwardInputs(_Inputs):
+    """The gradients of one ``merge_attention`` call (docs/math.md#merge-gradients): its
+    validated forward record and the gradients of its (out, lse)."""
+
+    op: ClassVar[str] = "merge_attention_backward"
+    forward: MergeAttentionInputs
+    grad_out: Any  # [B, H, S, Dv] in the output's dtype
+    grad_lse: Any  # [B, H, S] float
+    dtype: str
+    placement: Placement
+
+    @classmethod
+    def build(cls, forward: MergeAttentionInputs, grad_out, grad_lse):
+        grad_out = check_float_array("grad_out", grad_out, ndim=4)
+        grad_lse = check_float_array("grad_lse", grad_lse, ndim=3)
+        for name, grad, shape in (("grad_out", grad_out, forward.out_a.shape),
+                                  ("grad_lse", grad_lse, forward.out_a.shape[:3])):  # fmt: skip
+            if tuple(grad.shape) != tuple(shape):
+                raise ValueError(
+                    f"{name} must have the output's shape {tuple(shape)}; got {tuple(grad.shape)}"
+                )
+        placement = check_same_placement(
+            {"out_a": forward.out_a, "grad_out": grad_out, "grad_lse": grad_lse}
+        )
+        return cls(forward, grad_out, grad_lse, forward.dtype, placement)
+
+
+@dataclass(frozen=True, eq=False)
 class AttentionBackwardInputs(_Inputs):
     """The gradients of one attention call (docs/math.md#attention-backward): its validated
     forward record, the forward's results and the gradients of those results."""

@@ -402,6 +402,27 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return np.where(np.isnan(lse)[..., None], np.nan, out), lse
 
 
+def merge_attention_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b):
+    """Gradients of ``merge_attention`` (docs/math.md#merge-gradients), float64:
+    d out_p = w_p · g, d lse_p = w_p · (⟨g, out_p − out⟩ + g_lse) with w_p = exp(lse_p − lse).
+    Returns (d out_a, d lse_a, d out_b, d lse_b). A part with lse = −inf has w = 0 and gets
+    exactly zero gradients, whatever its out holds (never NaN).
+    """
+    out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
+    seen = np.isfinite(lse)
+    safe = np.where(seen, lse, 0.0)
+    grads = []
+    for part, part_lse in ((out_a, lse_a), (out_b, lse_b)):
+        w = np.where(seen, np.exp(part_lse - safe), 0.0)
+        used = w > 0.0
+        # the ignored out of an empty part may hold NaN or inf: zeroed before any product
+        part = np.where(used[..., None], part, 0.0)
+        d_out = w[..., None] * grad_out
+        d_lse = np.where(used, w * (np.sum(grad_out * (part - out), axis=-1) + grad_lse), 0.0)
+        grads += [d_out, d_lse]
+    return tuple(grads)
+
+
 # ---------------------------------------------------------------------------------------------
 # docs/math.md#packed-variable-length-attention
 

@@ -6,11 +6,10 @@ dispatched fastpe op (CPU -> Numba, CUDA -> Triton), run eagerly at execution ti
 implementation gives shapes and dtypes for tracing. Options that are dicts or unions in the public
 API (``rope``, ``relative_bias``, ``positions``) are flattened into typed arguments here.
 
-``apply_rope``, ``embed``, ``attention`` and ``attention_varlen`` have backward passes (``torch.library.register_autograd``,
-the pattern below ``_register_backward``; docs/math.md#gradients and #attention-backward);
-``merge_attention`` has none: a graph that records it still runs forward, and ``backward()``
-through it raises a clear error instead of returning wrong or missing gradients.
-``attention_kvcache`` writes into its caches (declared ``mutates_args``) and has no backward.
+``apply_rope``, ``embed``, ``attention``, ``attention_varlen`` and ``merge_attention`` have
+backward passes (``torch.library.register_autograd``, the pattern below ``_register_backward``;
+docs/math.md#gradients, #attention-backward and #merge-gradients). ``attention_kvcache`` writes
+into its caches (declared ``mutates_args``) and has no backward.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from fastpe._inputs import (
     AttentionInputs,
     EmbedBackwardInputs,
     EmbedInputs,
+    MergeAttentionBackwardInputs,
     MergeAttentionInputs,
     RopeTableInputs,
     SinusoidalTableInputs,
@@ -552,7 +552,46 @@ def _(out_a, lse_a, out_b, lse_b, backend):
     return torch.empty_like(out_a), torch.empty_like(lse_a, dtype=torch.float32)
 
 
-torch.library.register_autograd("fastpe::merge_attention", _no_backward("merge_attention"))
+@torch.library.custom_op("fastpe::merge_attention_backward", mutates_args=())
+def merge_attention_backward_op(
+    grad_out: Tensor, grad_lse: Tensor, out_a: Tensor, lse_a: Tensor, out_b: Tensor,
+    lse_b: Tensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(d out_a, d lse_a, d out_b, d lse_b) of ``merge_attention`` (docs/math.md#merge-gradients)."""
+    forward = MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b)
+    inputs = MergeAttentionBackwardInputs.build(forward, grad_out, grad_lse)
+    return tuple(dispatch.run(inputs, _backend(backend)))
+
+
+@merge_attention_backward_op.register_fake
+def _(grad_out, grad_lse, out_a, lse_a, out_b, lse_b, backend):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (out_a, lse_a, out_b, lse_b))  # fmt: skip
+
+
+def _setup_merge(ctx, inputs, output):
+    out_a, lse_a, out_b, lse_b, backend = inputs
+    ctx.save_for_backward(out_a, lse_a, out_b, lse_b)
+    ctx.backend = _forward_backend(backend)
+
+
+def _merge_backward(ctx, grad_out, grad_lse):
+    out_a, lse_a, out_b, lse_b = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out_a)
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse_a, dtype=torch.float32)
+    grads = merge_attention_backward_op(
+        grad_out.to(out_a.dtype), grad_lse, out_a, lse_a, out_b, lse_b, ctx.backend
+    )
+    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)),
+            None)  # fmt: skip
+
+
+_register_backward("merge_attention", _setup_merge, _merge_backward)
+torch.library.register_autograd(
+    "fastpe::merge_attention_backward", _no_backward("merge_attention_backward")
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -251,7 +251,8 @@ def test_bench_bfloat16_on_cpu_skips_numpy(monkeypatch, fast_peaks, tmp_path, ca
 
 def test_bench_backward_and_full_modes(monkeypatch, fast_peaks, tmp_path):
     pytest.importorskip("torch")
-    monkeypatch.setattr(bm, "QUICK_GRID", TINY + [c for c in bm.SMOKE_GRID if c.op == "attention"])
+    attention = [c for c in bm.SMOKE_GRID if c.op == "attention" and c.mode == "forward"]
+    monkeypatch.setattr(bm, "QUICK_GRID", TINY + attention)
     out = tmp_path / "out.json"
     argv = [
         "bench",
@@ -267,16 +268,47 @@ def test_bench_backward_and_full_modes(monkeypatch, fast_peaks, tmp_path):
     assert cli.main([*argv, "--plot", ""]) == 0
     doc = json.loads(out.read_text())
     modes = {(r["op"], r["mode"]) for r in doc["results"]}
-    # attention has no backward yet: timed in no mode it lacks (and not forward: not asked)
-    assert modes == {(op, m) for op in ("apply_rope", "embed") for m in ("backward", "full")}
+    # every op with a backward, in the modes asked (and not forward: not asked)
+    ops = ("apply_rope", "embed", "attention")
+    assert modes == {(op, m) for op in ops for m in ("backward", "full")}
     for r in doc["results"]:
         assert r["case"].endswith(r["mode"]) and r["max_abs_error"] < 1e-4, r
+    timed = {(r["case"], r["impl"]) for r in doc["results"] if r["op"] == "attention"}
+    for mode in ("backward", "full"):  # SDPA under autograd is the baseline
+        assert (f"B1 H4/2 Sq32 Sk32 D16 causal {mode}", "torch SDPA") in timed
+        assert (f"B1 H4/2 Sq32 Sk32 D16 causal {mode}", "fastpe[numba]") in timed
+    sdpa_refused = "SDPA has no softcap or sinks"
     assert {(s["impl"], s["reason"]) for s in doc["skipped"]} == {
-        ("numpy", "NumPy has no autograd")
+        ("numpy", "NumPy has no autograd"),
+        ("torch SDPA", sdpa_refused),
     }
     summary = bm.format_summary(doc)
     assert "| embed | 2x16 vocab 100 d32 backward | fastpe[numba] |" in summary
     assert "| nn.Embedding |" in summary and "| transformers |" in summary
+    assert "| attention | B1 H4/2 Sq32 Sk32 D16 causal full | fastpe[numba] |" in summary
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bench_attention_gradient_reference_is_the_oracle_sliced(causal):
+    # The bench checks attention's gradients against the oracle on batch 0 / kv head 0 only; that
+    # slice must equal the slice of the whole call's gradients (independent of the timed kernels:
+    # torch autograd through plain float64 softmax attention), and a wrong gradient must show.
+    torch = pytest.importorskip("torch")
+    case = bm.with_mode(bm.cases._attn(2, 6, 2, 5, 7, 4, causal), "backward")
+    inputs = bm.make_inputs(case, dtype="float64")
+    expected = bm.reference(case, inputs)
+    q, k, v = (inputs[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    kk, vv = (t.repeat_interleave(3, dim=1) for t in (k, v))
+    scores = q @ kk.transpose(-1, -2) / math.sqrt(4)
+    if causal:  # bottom-right: query i sees keys up to i + Sk - Sq
+        visible = torch.ones(5, 7, dtype=torch.bool).tril(7 - 5)
+        scores = scores.masked_fill(~visible, -math.inf)
+    out = scores.softmax(-1) @ vv
+    (upstream,) = bm.cases.upstream_gradients([out.shape], out)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    assert bm.max_error(case, grads, expected) < 1e-12
+    wrong = (grads[0], grads[1], grads[2] * 1.01)
+    assert bm.max_error(case, wrong, expected) > 1e-4
 
 
 def test_bench_skips_a_fastpe_backend_that_refuses_the_dtype(

@@ -85,16 +85,27 @@ def test_compile_tables():
     torch.testing.assert_close(cos, fastpe.rope_table(12, 8, scaling=scaling, device="cpu")[0])
 
 
-def test_grad_inputs_run_forward_and_refuse_backward(qkv):
+def test_grad_inputs_run_forward_and_merge_has_backward(qkv):
     q, k, v = qkv
     q = q.clone().requires_grad_()
     out = fastpe.attention(q, k, v, causal=True)
     torch.testing.assert_close(out.detach(), fastpe.attention(q.detach(), k, v, causal=True))
-    # attention, apply_rope and embed have backward passes (tests/test_attention_backward.py,
-    # tests/test_backward_rope_embed.py); merge_attention has none
-    out, lse = fastpe.attention(q, k, v, causal=True, return_lse=True)
-    with pytest.raises(RuntimeError, match="fastpe.merge_attention has no backward"):
-        fastpe.merge_attention(out, lse, out, lse)[0].sum().backward()
+    # attention, apply_rope, embed (tests/test_attention_backward.py,
+    # tests/test_backward_rope_embed.py) and merge_attention (tests/test_merge_backward.py) have
+    # backward passes: attention over two halves of the keys, merged, has the gradients of one
+    # call over all of them, lse included
+    k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
+    n = k.shape[2] // 2
+    parts = [fastpe.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
+             for s in (slice(None, n), slice(n, None))]  # fmt: skip
+    merged = fastpe.merge_attention(*parts[0], *parts[1])
+    whole = fastpe.attention(q, k, v, return_lse=True)
+    gen = torch.Generator().manual_seed(0)
+    upstream = [torch.randn(t.shape, generator=gen) for t in whole]
+    got = torch.autograd.grad(merged, (q, k, v), upstream)
+    want = torch.autograd.grad(whole, (q, k, v), upstream)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

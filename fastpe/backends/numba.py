@@ -289,6 +289,29 @@ class MergeAttention(_Numba):
         return from_host(out, inp.placement, inp.dtype), from_host(lse, inp.placement, "float32")
 
 
+class MergeAttentionBackward(_Numba):
+    op = "merge_attention_backward"
+
+    def run(self, inp):
+        from fastpe.kernels.numba.merge_attention_backward import merge_attention_backward_numba
+
+        fwd = inp.forward
+        dtype = compute_dtype(inp.dtype)
+        grads = merge_attention_backward_numba(
+            to_host(inp.grad_out, dtype), to_host(inp.grad_lse, "float64"),
+            to_host(fwd.out_a, dtype), to_host(fwd.lse_a, "float64"),
+            to_host(fwd.out_b, dtype), to_host(fwd.lse_b, "float64"),
+        )  # fmt: skip
+        likes = (fwd.out_a, fwd.lse_a, fwd.out_b, fwd.lse_b)
+        results = []
+        for g, like in zip(grads, likes, strict=True):
+            name = _arrays.dtype_name(like)
+            results.append(
+                from_host(g.astype(compute_dtype(name), copy=False), inp.placement, name)
+            )
+        return tuple(results)
+
+
 def _rotated_packed(x, rope, positions, cos, sin):
     """Packed x [T, H, D] (or its half bits) rotated at one position per token; half inputs
     rotate into float32 (as Attention does: no rounding back to half before the scores)."""
@@ -377,6 +400,7 @@ IMPLEMENTATIONS = (
     Attention,
     AttentionBackward,
     MergeAttention,
+    MergeAttentionBackward,
     AttentionVarlen,
     AttentionKVCache,
 )

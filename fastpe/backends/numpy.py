@@ -198,6 +198,20 @@ class MergeAttention(_Numpy):
         )
 
 
+class MergeAttentionBackward(_Numpy):
+    op = "merge_attention_backward"
+
+    def run(self, inp):
+        fwd = inp.forward
+        arrays = (inp.grad_out, inp.grad_lse, fwd.out_a, fwd.lse_a, fwd.out_b, fwd.lse_b)
+        grads = reference.merge_attention_backward(*(to_float64(x) for x in arrays))
+        likes = (fwd.out_a, fwd.lse_a, fwd.out_b, fwd.lse_b)
+        return tuple(
+            from_float64(g, inp.placement, _arrays.dtype_name(like))
+            for g, like in zip(grads, likes, strict=True)
+        )
+
+
 def _rotated_packed(x, rope, positions):
     """Packed x [T, H, D] rotated at one position per token (float64)."""
     cos, sin = to_float64(rope.cos), to_float64(rope.sin)
@@ -280,6 +294,7 @@ IMPLEMENTATIONS = (
     Attention,
     AttentionBackward,
     MergeAttention,
+    MergeAttentionBackward,
     AttentionVarlen,
     AttentionKVCache,
 )

@@ -239,6 +239,34 @@ class MergeAttention(_Triton):
         return merge_attention_triton(inp.out_a, inp.lse_a.float(), inp.out_b, inp.lse_b.float())
 
 
+class MergeAttentionBackward(_Triton):
+    """Elementwise work over [B, H, S, Dv] and one sum over Dv: torch's own kernels on the
+    device, in float32 (docs/math.md#merge-gradients)."""
+
+    op = "merge_attention_backward"
+
+    def run(self, inp):
+        import torch
+
+        fwd = inp.forward
+        out_a, out_b, grad_out = (x.float() for x in (fwd.out_a, fwd.out_b, inp.grad_out))
+        lse_a, lse_b, grad_lse = (x.float() for x in (fwd.lse_a, fwd.lse_b, inp.grad_lse))
+        lse = torch.logaddexp(lse_a, lse_b)
+        seen = torch.isfinite(lse)
+        safe = torch.where(seen, lse, 0.0)
+        weights = [torch.where(seen, torch.exp(part - safe), 0.0) for part in (lse_a, lse_b)]
+        # an empty part's out is ignored (it may hold NaN or inf)
+        parts = [torch.where((w > 0)[..., None], part, 0.0)
+                 for w, part in zip(weights, (out_a, out_b), strict=True)]  # fmt: skip
+        out = weights[0][..., None] * parts[0] + weights[1][..., None] * parts[1]
+        grads = []
+        for w, part, like_out, like_lse in zip(weights, parts, (fwd.out_a, fwd.out_b),
+                                               (fwd.lse_a, fwd.lse_b), strict=True):  # fmt: skip
+            d_lse = torch.where(w > 0, w * (((part - out) * grad_out).sum(-1) + grad_lse), 0.0)
+            grads += [(w[..., None] * grad_out).to(like_out.dtype), d_lse.to(like_lse.dtype)]
+        return tuple(grads)
+
+
 def _host_int64(values, device):
     import torch
 
@@ -359,6 +387,7 @@ IMPLEMENTATIONS = (
     Attention,
     AttentionBackward,
     MergeAttention,
+    MergeAttentionBackward,
     AttentionVarlen,
     AttentionKVCache,
 )

@@ -57,9 +57,9 @@ def in_modes(grid, modes) -> list[Case]:
     return [with_mode(c, m) for c in grid for m in modes if m == "forward" or OPS[c.op].grad_inputs]
 
 
-def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False):
+def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False, mode="forward"):
     """``window=W``: the last W keys up to each query (``window=(W - 1, 0)``, transformers'
-    sliding_window=W)."""
+    sliding_window=W); ``mode``: as ``with_mode`` names it."""
     options = (
         (f" window{window}" if window else "")
         + (f" softcap{softcap:g}" if softcap else "")
@@ -70,6 +70,9 @@ def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False)
     series = f"{kind}{options} B{b} H{hq}/{hkv} D{d}"
     params = {"shape": (b, hq, hkv, sq, sk, d), "causal": causal, "window": window,
               "softcap": softcap, "sinks": sinks}  # fmt: skip
+    if mode != "forward":
+        label, series = f"{label} {mode}", f"{series} {mode}"
+        params["mode"] = mode
     return Case("attention", label, sk, params, series)
 
 
@@ -124,6 +127,7 @@ SMOKE_GRID = [
     _attn(1, 4, 2, 32, 32, 16, True),
     _attn(2, 4, 2, 1, 64, 16, True),
     _attn(1, 4, 2, 48, 48, 16, True, window=8, softcap=5.0, sinks=True),
+    *[_attn(1, 4, 2, 32, 32, 16, causal, mode=m) for causal in (False, True) for m in MODES[1:]],
 ]  # fmt: skip
 
 
@@ -150,6 +154,12 @@ class OpSpec:
     grad_inputs: tuple[str, ...] = ()
     # work of the backward pass as a multiple of the forward's (full mode: 1 + this)
     backward_work: float = 1.0
+    # (params, inputs) -> the oracle's gradients of `grad_inputs` (or the part of them
+    # `compared_grads` keeps) for the upstream gradients of `upstream_gradients`; None: the
+    # oracle's whole call under autograd
+    grad_reference: Callable[[dict, dict], tuple] | None = None
+    # (params, gradients) -> the part of a gradient tuple that is compared with `grad_reference`
+    compared_grads: Callable[[dict, tuple], tuple] = lambda p, grads: grads
 
 
 _ORACLE = {"backend": "numpy"}
@@ -237,6 +247,28 @@ def _first_group(p, result):
     return result[:1, : p["shape"][1] // p["shape"][2]]
 
 
+def _attention_grad_reference(p, x):
+    """The oracle's dq, dk, dv for batch 0, kv head 0 and its query heads: the other heads and
+    batches neither read these inputs nor feed their gradients, so the slice of the whole call's
+    gradients is exact (the full oracle backward would hold [B, H, Sq, Sk] in float64)."""
+    import torch
+
+    heads = p["shape"][1] // p["shape"][2]
+    b, hq, _, sq, _, _ = p["shape"]
+    (upstream,) = upstream_gradients([(b, hq, sq, x["v"].shape[-1])], x["v"])
+    sliced = {"q": _first_group(p, x["q"]), "k": x["k"][:1, :1], "v": x["v"][:1, :1]}
+    leaves = [sliced[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+    out = fastpe.attention(
+        *leaves, causal=p["causal"], **_attention_options(p, x, heads), **_ORACLE
+    )
+    return torch.autograd.grad(out, leaves, _first_group(p, upstream))
+
+
+def _attention_compared_grads(p, grads):
+    dq, dk, dv = grads
+    return _first_group(p, dq), dk[:1, :1], dv[:1, :1]
+
+
 OPS: dict[str, OpSpec] = {
     "sinusoidal_table": OpSpec(
         arrays=_no_arrays,
@@ -305,6 +337,11 @@ OPS: dict[str, OpSpec] = {
             )  # fmt: skip
         ),
         compared=_first_group,
+        grad_inputs=("q", "k", "v"),
+        # FlashAttention-2's count: the backward's five matmuls per tile against the forward's two
+        backward_work=2.5,
+        grad_reference=_attention_grad_reference,
+        compared_grads=_attention_compared_grads,
     ),
 }
 
@@ -352,13 +389,21 @@ def autograd_call(fn: Callable, leaves: list, mode: str) -> Callable:
     import torch
 
     outputs = _as_tuple(fn())
-    generator = torch.Generator().manual_seed(0)
-    upstream = tuple(
-        torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o) for o in outputs
-    )
+    upstream = upstream_gradients([o.shape for o in outputs], outputs[0])
     if mode == "backward":
         return lambda: torch.autograd.grad(outputs, leaves, upstream, retain_graph=True)
     return lambda: torch.autograd.grad(_as_tuple(fn()), leaves, upstream)
+
+
+def upstream_gradients(shapes, like) -> tuple:
+    """The fixed random output gradients for outputs of ``shapes`` (dtype and device of
+    ``like``): the same for every implementation and for the oracle."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return tuple(
+        torch.randn(tuple(s), generator=generator, dtype=torch.float32).to(like) for s in shapes
+    )
 
 
 def _as_tuple(result) -> tuple:
@@ -367,9 +412,12 @@ def _as_tuple(result) -> tuple:
 
 def reference(case: Case, inputs: dict):
     """The float64 oracle's answer, cast to the inputs' dtype (attention: see ``_first_group``);
-    in the backward and full modes, the oracle's gradients (its hand-written backward)."""
+    in the backward and full modes, the oracle's gradients (its hand-written backward; attention:
+    see ``_attention_grad_reference``)."""
     if case.mode == "forward":
         return OPS[case.op].reference(case.params, inputs)
+    if OPS[case.op].grad_reference is not None:
+        return tuple(OPS[case.op].grad_reference(case.params, inputs))
     inputs, leaves = with_grad(case, inputs)
     device = str(leaves[0].device)
     fn = OPS[case.op].fastpe(case.params, inputs, "numpy", device)
@@ -380,6 +428,8 @@ def max_error(case: Case, result, expected) -> float:
     """Largest absolute difference between ``result`` (one array or a tuple) and the oracle's."""
     if case.mode == "forward":
         result = OPS[case.op].compared(case.params, result)
+    else:
+        result = OPS[case.op].compared_grads(case.params, tuple(result))
     pairs = (
         zip(result, expected, strict=True) if isinstance(expected, tuple) else [(result, expected)]
     )
