@@ -39,11 +39,14 @@ from fastpe._validate import check_bool, check_float
 
 
 def _no_backward(op_name: str):
+    """For the backward ops themselves: fastpe gives first-order gradients of attention, and a
+    second derivative (a gradient of a gradient) is refused with this error."""
+
     def backward(ctx, *grads):
         raise RuntimeError(
-            f"fastpe.{op_name} has no backward: fastpe's kernels are inference kernels. Run the "
-            "model under torch.no_grad() / torch.inference_mode(), or use an attention "
-            "implementation with a backward (e.g. 'sdpa') for training."
+            f"fastpe.{op_name} has no backward: fastpe computes first-order gradients of "
+            "attention, not second derivatives (double backward, e.g. gradient penalties). "
+            "Use an attention implementation that supports them (e.g. 'eager') for that."
         )
 
     return backward

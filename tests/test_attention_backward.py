@@ -527,3 +527,17 @@ def test_transformers_trainable_t5_bias_is_refused():
     bias = torch.zeros(1, 2, 3, 3, requires_grad=True)
     with pytest.raises(NotImplementedError, match="position_bias"):
         fastpe_attention_forward(torch.nn.Module(), q, q, q, None, position_bias=bias)
+
+
+def test_second_derivative_is_refused_by_name():
+    """First-order gradients only: differentiating a gradient of attention raises a clear error
+    instead of returning a wrong (zero or missing) second derivative."""
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 8))).float().requires_grad_()
+               for _ in range(3))  # fmt: skip
+    out = fastpe.attention(q, k, v, causal=True, **O)
+    (dq,) = torch.autograd.grad(out.sum(), [q], create_graph=True)
+    with pytest.raises(
+        RuntimeError, match="attention_backward has no backward.*second derivatives"
+    ):
+        dq.sum().backward()
