@@ -11,7 +11,8 @@ process group (gloo on CPU, NCCL on GPU), attended exactly as if it were on one 
   balances causal work).
 
 Cost model, layouts and a ``torchrun`` example: docs/distributed.md. Importing this module does
-not import torch; calling any function does. No backward: fastpe's kernels are inference kernels.
+not import torch; calling any function does. No backward yet: the ring backward is not
+implemented, and a backward() through these functions raises.
 """
 
 from __future__ import annotations
@@ -200,7 +201,14 @@ def _without_backward(name, compute, inputs):
         def forward(ctx, *args):
             return tuple(o.clone() for o in outputs)
 
-        backward = staticmethod(_no_backward(f"distributed.{name}"))
+        backward = staticmethod(
+            _no_backward(
+                f"distributed.{name}",
+                "the ring backward (dk/dv sent back around the ring) is not implemented yet. "
+                "Run it under torch.no_grad(), or gather the sequence and call fastpe.attention, "
+                "which has a backward, for training.",
+            )
+        )
 
     return _NoBackward.apply(*[t for t in inputs if isinstance(t, torch.Tensor)])
 

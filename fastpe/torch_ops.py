@@ -37,17 +37,19 @@ from fastpe._inputs import (
 from fastpe._options import RelativeBias, Rope
 from fastpe._validate import check_bool, check_float
 
+_SECOND_DERIVATIVE = (
+    "fastpe computes first-order gradients of attention, not second derivatives (double "
+    "backward, e.g. gradient penalties). Use an attention implementation that supports them "
+    "(e.g. 'eager') for that."
+)
 
-def _no_backward(op_name: str):
-    """For the backward ops themselves: fastpe gives first-order gradients of attention, and a
-    second derivative (a gradient of a gradient) is refused with this error."""
+
+def _no_backward(op_name: str, why: str = _SECOND_DERIVATIVE):
+    """A backward that raises (the backward ops themselves by default: differentiating a
+    gradient) instead of returning a wrong or missing gradient."""
 
     def backward(ctx, *grads):
-        raise RuntimeError(
-            f"fastpe.{op_name} has no backward: fastpe computes first-order gradients of "
-            "attention, not second derivatives (double backward, e.g. gradient penalties). "
-            "Use an attention implementation that supports them (e.g. 'eager') for that."
-        )
+        raise RuntimeError(f"fastpe.{op_name} has no backward: {why}")
 
     return backward
 
