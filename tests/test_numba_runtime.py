@@ -445,3 +445,32 @@ def test_read_only_install_without_cache_still_runs_numba(tmp_path):
     finally:
         for path in [site, *site.rglob("*")]:
             path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_cache_notices_a_change_in_an_imported_helper(tmp_path):
+    # Numba keys its disk cache on the file that holds a kernel only: after an edit to a jitted
+    # helper the kernel imports from another file (here the half conversions in _half.py), the
+    # next process loaded the old machine code. fastpe keys entries on every kernel file too.
+    site = tmp_path / "site"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "fastpe", site / "fastpe", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", site / "fastpe" / "kernels", ignore=ignore)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(PYTHONPATH=str(site), NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    body = """
+        from fastpe.kernels.numba.apply_rope import _apply_rope_kernel
+        x = np.ones((1, 2, 3, 8), np.float32)
+        cos, sin = fastpe.rope_table(4, 8, backend="numpy")
+        fastpe.apply_rope(x, cos, sin, backend="numba")
+        stats = _apply_rope_kernel.serial.stats
+        print("hits", sum(stats.cache_hits.values()), "misses", sum(stats.cache_misses.values()))
+        print("ok")
+        """
+    counts = []
+    for edit in (False, False, True):
+        if edit:  # a change that alters no behaviour, in the helper file only
+            with open(site / "fastpe" / "kernels" / "numba" / "_half.py", "a") as f:
+                f.write("\n# edited\n")
+        output = run_script(body, tmp_path, env=env)
+        counts.append(next(line for line in output.splitlines() if line.startswith("hits")))
+    assert counts == ["hits 0 misses 1", "hits 1 misses 0", "hits 0 misses 1"], counts

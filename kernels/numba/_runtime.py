@@ -18,7 +18,9 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
 - Serial twins: each parallel kernel also has a serial compile under another name (the disk
   cache does not tell compile options apart), for that child and for calls too small to wake
   the pool.
-- Disk cache: with no writable cache location (read-only install, no writable home, unusable
+- Disk cache: entries are keyed also by a digest of every kernel file here, since Numba itself
+  notices changes only in the file that holds a kernel (not in helpers imported from others).
+  With no writable cache location (read-only install, no writable home, unusable
   NUMBA_CACHE_DIR) ``cache=True`` raises at decoration; fastpe then compiles in memory and warns
   once.
 - BLAS: kernels that call BLAS from Numba's threads limit it to one thread while they run
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
+import pathlib
 import sys
 import threading
 import types
@@ -38,6 +42,7 @@ import weakref
 
 import numba
 from numba.core import config
+from numba.core.caching import FunctionCache
 
 # Numba's own default order; any other value was put there by the user (config file or code)
 _DEFAULT_PRIORITY = ["tbb", "omp", "workqueue"]
@@ -240,11 +245,30 @@ def _warn_no_cache(error: Exception) -> None:
     )
 
 
+@functools.cache
+def _kernel_sources_digest() -> str:
+    """A digest of every kernel source file of this folder, read once per process."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class _KernelCache(FunctionCache):
+    """Numba's disk cache, keyed also by every kernel file: Numba notices a change only in the
+    file that holds the kernel, not in the jitted helpers it imports from the others (the half
+    conversions, the attention tile steps), and would load stale machine code."""
+
+    def _index_key(self, sig, codegen):
+        return (*super()._index_key(sig, codegen), _kernel_sources_digest())
+
+
 def _dispatcher(func, options: dict, cache: bool):
     dispatcher = numba.njit(**options)(func)
     if cache and hasattr(dispatcher, "enable_caching"):  # not under NUMBA_DISABLE_JIT
         try:
-            dispatcher.enable_caching()
+            dispatcher._cache = _KernelCache(dispatcher.py_func)  # what enable_caching() sets
         except RuntimeError as error:  # "cannot cache function ...: no locator available"
             _warn_no_cache(error)
     return dispatcher

@@ -9,97 +9,9 @@ cos, sin [P, R/2]; positions [B, S] rows of cos/sin.
 from __future__ import annotations
 
 import numpy as np
+from fastpe.kernels.numba._half import _narrow, _widen
 from fastpe.kernels.numba._runtime import njit
-from numba import prange, types
-from numba.extending import overload, register_jitable
-
-
-# bfloat16 travels as its uint16 bit pattern and float16 as its int16 bit pattern (Numba has
-# neither half type; the signedness is only a tag that picks the conversion at compile time):
-# widened exactly and rounded to nearest-even on the way back, bit for bit as torch rounds.
-# Kept in this file on purpose: Numba's disk cache only notices changes to the file that holds
-# the kernel.
-def _widen(value):
-    """An element as a number to compute with: half bits -> float32, floats unchanged."""
-
-
-def _narrow(array, value):
-    """``value`` as an element of ``array``: float -> half bits for uint16/int16 arrays."""
-
-
-@register_jitable
-def _fp16_to_float32(value):
-    """float16 bits (int16) -> float32, exactly. A plain jitted function rather than an inline
-    overload body: Numba's inliner mishandles its branches (NumbaIRAssumptionWarning)."""
-    h = np.uint32(np.uint16(value))
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-    mant = h & np.uint32(0x3FF)
-    if exp == np.uint32(0):  # zero or subnormal: mant · 2^-24, exact in float32
-        result = np.float32(mant) * np.float32(5.9604644775390625e-08)
-        if sign:
-            result = -result
-    else:
-        if exp == np.uint32(0x1F):  # inf, NaN (payload kept)
-            bits = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
-        else:  # normal: rebias the exponent 15 -> 127
-            bits = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
-        result = np.uint32(bits).view(np.float32)
-    return result
-
-
-@overload(_widen, inline="always")
-def _widen_impl(value):
-    if value == types.uint16:
-        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
-    if value == types.int16:
-        return lambda value: _fp16_to_float32(value)
-    return lambda value: value
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(array, value):
-    if array.dtype == types.uint16:
-
-        def to_bf16(array, value):
-            bits = np.float32(value).view(np.uint32)
-            if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN stays a quiet NaN
-                return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-            keep = (bits >> np.uint32(16)) & np.uint32(1)  # ties go to the even bf16
-            return np.uint16((bits + np.uint32(0x7FFF) + keep) >> np.uint32(16))
-
-        return to_bf16
-    if array.dtype == types.int16:
-
-        def to_fp16(array, value):
-            bits = np.float32(value).view(np.uint32)
-            sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
-            mag = bits & np.uint32(0x7FFFFFFF)
-            if mag > np.uint32(0x7F800000):  # NaN stays a quiet NaN
-                half = sign | np.uint32(0x7E00) | ((mag >> np.uint32(13)) & np.uint32(0x3FF))
-            elif mag >= np.uint32(0x477FF000):  # >= 65520 rounds past 65504: inf
-                half = sign | np.uint32(0x7C00)
-            elif mag >= np.uint32(0x38800000):  # a normal half: rebias 127 -> 15, round 13 bits
-                mag = mag - np.uint32(0x38000000)
-                keep = (mag >> np.uint32(13)) & np.uint32(1)  # ties go to the even half
-                half = sign | ((mag + np.uint32(0xFFF) + keep) >> np.uint32(13))
-            else:  # a subnormal half (or zero): count units of 2^-24, round to nearest even
-                exp = mag >> np.uint32(23)
-                shift = np.uint32(126) - exp  # >= 14 here
-                if shift > np.uint32(25) or exp == np.uint32(0):
-                    half = sign  # below half the smallest subnormal (2^-25 itself ties to 0)
-                else:
-                    full = (mag & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-                    units = full >> shift
-                    rest = full & ((np.uint32(1) << shift) - np.uint32(1))
-                    middle = np.uint32(1) << (shift - np.uint32(1))
-                    if rest > middle or (rest == middle and (units & np.uint32(1)) != 0):
-                        units += np.uint32(1)  # may carry into the smallest normal: still right
-                    half = sign | units
-            return np.int16(np.uint16(half))
-
-        return to_fp16
-    return lambda array, value: value
+from numba import prange
 
 
 def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail, inverse):

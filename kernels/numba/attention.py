@@ -24,9 +24,10 @@ import math
 
 import numba
 import numpy as np
+from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from numba import prange, types
-from numba.extending import overload, register_jitable
+from numba.extending import overload
 
 LOG2E = 1.4426950408889634
 
@@ -43,32 +44,7 @@ _P4, _P5, _P6 = 0.009686186295582436, 0.001238241549274018, 0.000218712624710177
 
 # Half-precision q/k/v travel as their bits (bfloat16 as uint16, float16 as int16: Numba has
 # neither type) and are widened to float32 as they are read, one query block and one key tile at
-# a time, into the scratch tiles BLAS multiplies: the full tensors are never converted. Kept in
-# this file: Numba's disk cache only notices changes to the file that holds the kernel.
-@register_jitable
-def _fp16_to_float32(value):
-    """float16 bits (int16) -> float32, exactly (subnormals, inf and NaN included)."""
-    h = np.uint32(np.uint16(value))
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-    mant = h & np.uint32(0x3FF)
-    if exp == np.uint32(0):  # zero or subnormal: mant · 2^-24, exact in float32
-        result = np.float32(mant) * np.float32(5.9604644775390625e-08)
-        if sign:
-            result = -result
-    else:
-        if exp == np.uint32(0x1F):  # inf, NaN (payload kept)
-            bits = sign | np.uint32(0x7F800000) | (mant << np.uint32(13))
-        else:  # normal: rebias the exponent 15 -> 127
-            bits = sign | ((exp + np.uint32(112)) << np.uint32(23)) | (mant << np.uint32(13))
-        result = np.uint32(bits).view(np.float32)
-    return result
-
-
-def _widen(value):
-    """An element as a number to compute with: half bits -> float32, floats unchanged."""
-
-
+# a time, into the scratch tiles BLAS multiplies: the full tensors are never converted.
 def _load_tile(src, scratch):
     """A [n, d] tile of k or v as the compute dtype: ``src`` itself for float arrays, else
     widened into ``scratch[:n]``."""
@@ -82,15 +58,6 @@ def _is_half(array):
 def _is_half_impl(array):
     half = array.dtype in (types.uint16, types.int16)
     return lambda array: half
-
-
-@overload(_widen, inline="always")
-def _widen_impl(value):
-    if value == types.uint16:
-        return lambda value: np.uint32(np.uint32(value) << np.uint32(16)).view(np.float32)
-    if value == types.int16:
-        return lambda value: _fp16_to_float32(value)
-    return lambda value: value
 
 
 @overload(_load_tile, inline="always")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from fastpe.kernels.numba.attention import (
     _FLAGS,
@@ -33,7 +34,6 @@ from fastpe.kernels.numba.attention import (
     _load_tile,
     _nearest_key_distance,
     _relative_bias_by_distance_numba,
-    _widen,
     key_lengths_and_shift,
     key_splits,
     window_edges,

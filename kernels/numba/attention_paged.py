@@ -26,6 +26,7 @@ import math
 
 import numba
 import numpy as np
+from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from fastpe.kernels.numba.attention import (
     _FLAGS,
@@ -39,7 +40,6 @@ from fastpe.kernels.numba.attention import (
     _nearest_key_distance,
     _row_max,
     _softcap,
-    _widen,
     key_splits,
     window_edges,
 )
