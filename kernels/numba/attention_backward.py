@@ -14,9 +14,8 @@ into its own slice's partial buffer; the partial dQs are summed afterwards in sl
 No two items write one element, so the result does not depend on thread timing.
 
 The tile helpers (masks, exp2, the half-precision reads) are the forward's
-(``fastpe.kernels.numba.attention``): one definition of what a score is. Numba's disk cache
-does not notice a change to them in that file; a change of their behaviour must touch this
-file too (its cache key is this file's timestamp).
+(``fastpe.kernels.numba.attention``): one definition of what a score is (fastpe's cache key
+covers every kernel file, so a change there recompiles this one too: ``_runtime._KernelCache``).
 """
 
 from __future__ import annotations
