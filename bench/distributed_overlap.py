@@ -9,7 +9,9 @@ Rank 0 prints, per layout, the slowest rank's median time of: one ``ring_attenti
 (validation included); the ring loop alone, with each transfer overlapping the current block
 (as ``ring_attention`` runs it) and serial (each transfer waited for before computing); the same
 blocks with every K/V shard already present (compute only); one ring step's transfer alone; and
-the balance (slowest rank's compute only / mean over ranks). Measurements, not
+the balance (slowest rank's compute only / mean over ranks); and the same for the backward: the
+ring backward (K/V and the dK/dV accumulators travelling) against its blocks' backward with
+every shard present. Measurements, not
 assertions: docs/distributed.md records them with the machine they came from.
 """
 
@@ -91,16 +93,34 @@ def main():
                 fd._ring_compute(plan, qs, kk, vv, acc_out, acc_lse, source, None)
 
         def transfer(ks=ks, vs=vs, plan=plan):
-            _, requests = fd._start_exchange(
-                plan.g, (ks.contiguous(), vs.contiguous()), [ks.shape, vs.shape]
-            )
-            for request in requests:
-                request.wait()
+            kv = (ks.contiguous(), vs.contiguous())
+            coming = tuple(torch.empty_like(t) for t in kv)
+            fd._wait(fd._ring_exchange(plan.g, send=kv, receive=coming, tag=fd._KV_TAG))
+
+        # the backward: the ring pass (K/V and the dK/dV accumulators travelling), and the same
+        # blocks' backward with every shard present
+        out, lse = fd._ring_loop(plan.g, plan, qs, ks, vs, None)
+        grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+        saved = (qs, ks, vs, out, lse, grad_out, grad_lse)
+
+        def ring_backward(plan=plan, saved=saved):
+            fd._ring_backward(plan.g, plan, *saved, None)
+
+        def compute_backward(plan=plan, saved=saved, shards=shards):
+            dq = torch.zeros(saved[0].shape)
+            for step in range(world):
+                source = (rank - step) % world
+                kv = (shards[2 * source], shards[2 * source + 1])
+                grads = tuple(torch.zeros_like(t) for t in kv)
+                fd._ring_backward_compute(plan, source, saved[0], kv, *saved[3:], dq, grads,
+                                          None)  # fmt: skip
 
         call()  # warm-up: Numba loads its kernels
+        ring_backward()
         timings = _median_times(
             {"call": call, "ring": ring, "serial": lambda ring=ring: ring(overlap=False),
-             "compute": compute, "transfer": transfer},
+             "compute": compute, "transfer": transfer, "ring_backward": ring_backward,
+             "compute_backward": compute_backward},
             args.repeats,
         )  # fmt: skip
         per_rank = [None] * world
@@ -116,7 +136,10 @@ def main():
                 f"{slowest['transfer']:.1f} ms ({shard_bytes / 2**20:.1f} MiB)\n"
                 f"    ring/compute {slowest['ring'] / slowest['compute']:.3f}  "
                 f"serial/compute {slowest['serial'] / slowest['compute']:.3f}  "
-                f"balance slowest/mean {max(computes) / statistics.mean(computes):.3f}"
+                f"balance slowest/mean {max(computes) / statistics.mean(computes):.3f}\n"
+                f"    backward: ring {slowest['ring_backward']:.1f} ms, compute only "
+                f"{slowest['compute_backward']:.1f} ms, ring/compute "
+                f"{slowest['ring_backward'] / slowest['compute_backward']:.3f}"
             )
     if rank == 0:
         print(

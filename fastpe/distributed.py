@@ -11,13 +11,15 @@ process group (gloo on CPU, NCCL on GPU), attended exactly as if it were on one 
   balances causal work).
 
 Cost model, layouts and a ``torchrun`` example: docs/distributed.md. Importing this module does
-not import torch; calling any function does. No backward yet: the ring backward is not
-implemented, and a backward() through these functions raises.
+not import torch; calling any function does. ``ring_attention`` and ``all_gather_attention``
+are differentiable (their backwards are collective too); ``sharded_kv_decode_attention`` is not.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 
 from fastpe._validate import check_choice
 
@@ -177,40 +179,69 @@ class _Group:
         return [r for r, _ in reports]
 
 
-def _requires_grad(*tensors) -> bool:
+@functools.cache
+def _collective_function():
+    """An autograd Function around a collective forward/backward pair (built on first use: this
+    module must not import torch at import time)."""
     import torch
 
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
-    )
+    class Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, run, q, k, v):
+            out, lse = run.forward(q, k, v)
+            ctx.run = run
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            return (None, *ctx.run.backward(*ctx.saved_tensors, grad_out, grad_lse))
+
+    return Collective
 
 
-def _without_backward(name, compute, inputs):
+@functools.cache
+def _gather_function():
+    """All-gather whose backward sums the gradients of the gathered tensor over the ranks (one
+    all_reduce) and hands each rank the part of its own contribution."""
+    import torch
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g, assemble, take, x):
+            ctx.g, ctx.take = g, take
+            parts = [torch.empty_like(x) for _ in range(g.size)]
+            g.dist.all_gather(parts, x.contiguous(), group=g.group)
+            return assemble(parts)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            ctx.g.dist.all_reduce(grad, group=ctx.g.group)
+            return None, None, None, ctx.take(grad)
+
+    return Gather
+
+
+def _without_backward(name, compute, inputs, why):
     """Run ``compute()`` without recording; if autograd would record an input, the outputs get a
-    backward that raises fastpe's no-backward error (forward still runs, as for every op)."""
+    backward that raises fastpe's no-backward error saying ``why`` (the forward still runs)."""
     import torch
 
     with torch.no_grad():
         outputs = compute()
-    if not _requires_grad(*inputs):
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         return outputs
     from fastpe.torch_ops import _no_backward
 
-    class _NoBackward(torch.autograd.Function):
+    class NoBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
             return tuple(o.clone() for o in outputs)
 
-        backward = staticmethod(
-            _no_backward(
-                f"distributed.{name}",
-                "the ring backward (dk/dv sent back around the ring) is not implemented yet. "
-                "Run it under torch.no_grad(), or gather the sequence and call fastpe.attention, "
-                "which has a backward, for training.",
-            )
-        )
+        backward = staticmethod(_no_backward(f"distributed.{name}", why))
 
-    return _NoBackward.apply(*[t for t in inputs if isinstance(t, torch.Tensor)])
+    return NoBackward.apply(*inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,16 +374,14 @@ class _Plan:
         )
 
 
-def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
-    """One block: queries at global positions ``qpos`` against keys at ``kpos`` (both
-    increasing). Returns (out, lse), or None when no key of the block is allowed.
+def _block_options(plan, qpos, kpos, *, causal):
+    """``fastpe.attention``'s options for one block: queries at global positions ``qpos`` against
+    keys at ``kpos`` (both increasing), or None when no key of the block is allowed.
 
     ``causal`` is the global rule kpos[j] <= qpos[i]: the kernel's own causal rule (top-left)
     for a block of the same tokens as its queries, a boolean mask otherwise.
     """
     import torch
-
-    import fastpe
 
     key_lengths = None
     if plan.key_lengths is not None:
@@ -374,10 +403,20 @@ def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
         allowed = kpos[None, :] <= qpos[:, None]
         mask = allowed[None, None] if mask is None else mask.masked_fill(~allowed, -math.inf)
         causal = False
-    return fastpe.attention(
-        q, k, v, causal=causal, causal_alignment="top_left", key_lengths=key_lengths,
-        scale=plan.scale, rope=rope, mask=mask, return_lse=True, backend=backend,
+    return dict(
+        causal=causal, causal_alignment="top_left", key_lengths=key_lengths, scale=plan.scale,
+        rope=rope, mask=mask, alibi_slopes=None, relative_bias=None,
     )  # fmt: skip
+
+
+def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
+    """One block's (out, lse) (``_block_options``), or None when no key of it is allowed."""
+    import fastpe
+
+    options = _block_options(plan, qpos, kpos, causal=causal)
+    if options is None:
+        return None
+    return fastpe.attention(q, k, v, **options, return_lse=True, backend=backend)
 
 
 def _merge_into(acc_out, acc_lse, out, lse):
@@ -428,20 +467,24 @@ def _ring_compute(plan, q, k, v, acc_out, acc_lse, source, backend):
             _merge_into(acc_out[:, :, rows], acc_lse[:, :, rows], *part)
 
 
-def _start_exchange(g, tensors, recv_shapes):
-    """Send ``tensors`` to the next rank and receive the previous rank's into new buffers;
-    returns (buffers, requests) without waiting."""
-    import torch
+# Point-to-point tags: K/V and the dK/dV accumulators of the backward travel the same links in
+# interleaved order; distinct tags keep a receive from matching the other kind of message.
+_KV_TAG, _GRAD_TAG = 1, 2
 
+
+def _ring_exchange(g, *, send=(), receive=(), tag):
+    """Post sends of ``send`` to the next rank and receives into ``receive`` (allocated by the
+    caller) from the previous one; returns the requests without waiting."""
     dist = g.dist
     nxt, prev = g.global_rank((g.rank + 1) % g.size), g.global_rank((g.rank - 1) % g.size)
-    buffers = [
-        torch.empty(s, dtype=t.dtype, device=t.device)
-        for t, s in zip(tensors, recv_shapes, strict=True)
-    ]
-    ops = [dist.P2POp(dist.isend, t, nxt, g.group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, b, prev, g.group) for b in buffers]
-    return buffers, dist.batch_isend_irecv(ops)
+    ops = [dist.P2POp(dist.isend, t, nxt, g.group, tag) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, prev, g.group, tag) for t in receive]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(requests):
+    for request in requests:
+        request.wait()
 
 
 def ring_attention(
@@ -467,6 +510,10 @@ def ring_attention(
     come from the layout), ``alibi_slopes`` [Hq] or [B, Hq] (applied through an additive
     [B, Hq, S_r, S_s] mask per block), GQA. ``mask`` and ``relative_bias`` are refused.
     Every rank must pass the same options and shapes except S_r; a mismatch raises on all ranks.
+
+    Differentiable in q, k and v: the backward is a second ring pass in which each K/V shard
+    travels with its dK/dV accumulator and arrives back at its owner. Like the forward it is
+    collective: every rank of the group must run it (as with DistributedDataParallel).
     """
     g = _Group(group)
     plan = _Plan(
@@ -474,10 +521,11 @@ def ring_attention(
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
         relative_bias=relative_bias, layout=layout, name="ring_attention",
     )  # fmt: skip
-
-    out, lse = _without_backward(
-        "ring_attention", lambda: _ring_loop(g, plan, q, k, v, backend), (q, k, v)
+    run = types.SimpleNamespace(
+        forward=lambda *qkv: _ring_loop(g, plan, *qkv, backend),
+        backward=lambda *tensors: _ring_backward(g, plan, *tensors, backend),
     )
+    out, lse = _collective_function().apply(run, q, k, v)
     return (out, lse) if return_lse else out
 
 
@@ -493,41 +541,114 @@ def _ring_loop(g, plan, q, k, v, backend, *, overlap=True):
     kv = (k.contiguous(), v.contiguous())
     for step in range(g.size):
         source = (g.rank - step) % g.size
-        pending = None
+        coming, requests = None, []
         if step < g.size - 1:  # every shard still has to reach the ranks further along
-            coming = (source - 1) % g.size
-            shapes = [(*t.shape[:2], plan.seqs[coming], t.shape[3]) for t in kv]
-            pending = _start_exchange(g, kv, shapes)
+            coming = _empty_shard(plan, kv, (source - 1) % g.size)
+            requests = _ring_exchange(g, send=kv, receive=coming, tag=_KV_TAG)
         if overlap:
             _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
-        if pending is not None:
-            buffers, requests = pending
-            for request in requests:
-                request.wait()
+        _wait(requests)
         if not overlap:
             _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
-        if pending is not None:
-            kv = tuple(buffers)
+        if coming is not None:
+            kv = tuple(coming)
     return acc_out.to(q.dtype), acc_lse
+
+
+def _empty_shard(plan, like, source, dtype=None):
+    """Uninitialised tensors shaped as ``like``'s (k, v) but holding ``source``'s tokens."""
+    import torch
+
+    return tuple(
+        torch.empty(
+            (*t.shape[:2], plan.seqs[source], t.shape[3]), dtype=dtype or t.dtype, device=t.device
+        )  # fmt: skip
+        for t in like
+    )
+
+
+def _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq, grads, backend):
+    """Adds to ``dq`` and to ``grads`` (source's dK, dV) what this rank's queries contribute."""
+    from fastpe import torch_ops
+
+    qpos, kpos = plan.positions[plan.g.rank], plan.positions[source]
+    for rows, keys, causal in _ring_blocks(plan, plan.g.rank, source):
+        options = _block_options(plan, qpos[rows], kpos[keys], causal=causal)
+        if options is None:
+            continue
+        parts = torch_ops.call_attention_backward(
+            grad_out[:, :, rows], grad_lse[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
+            kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], backend=backend, **options,
+        )  # fmt: skip
+        for acc, part in zip((dq[:, :, rows], grads[0][:, :, keys], grads[1][:, :, keys]), parts,
+                             strict=True):  # fmt: skip
+            acc.add_(part)
+
+
+def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend):
+    """The gradients of ``_ring_loop``. K/V travel around the ring again, each shard followed by
+    its dK/dV accumulator (float32): every rank adds what its queries contribute and passes it
+    on, and after N steps the accumulator is back at the shard's owner. With the global
+    (out, lse) each block's backward is exact for its keys (``call_attention_backward``).
+
+    Order of messages on a link (rank r-1 -> r), the same on both ends so that backends which
+    match point-to-point messages by order (NCCL) agree with those matching by tag (gloo):
+    K/V of step t, then the accumulator of step t, then K/V of step t + 1, ...
+    """
+    import torch
+
+    rank, size = g.rank, g.size
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = (k.contiguous(), v.contiguous())
+    sends = []  # accumulator sends in flight; their buffers stay referenced until waited for
+    for step in range(size):
+        source = (rank - step) % size
+        arriving = _empty_shard(plan, kv, source, torch.float32) if step > 0 else ()
+        requests = _ring_exchange(g, receive=arriving, tag=_GRAD_TAG)
+        coming = ()
+        if step < size - 1:
+            coming = _empty_shard(plan, kv, (source - 1) % size)
+            requests += _ring_exchange(g, send=kv, receive=coming, tag=_KV_TAG)
+        grads = tuple(torch.zeros_like(t, dtype=torch.float32) for t in kv)
+        _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq, grads,
+                               backend)  # fmt: skip
+        _wait(requests)
+        for acc, part in zip(grads, arriving, strict=False):
+            acc.add_(part)
+        if size > 1:  # on the last step the next rank is the shard's owner
+            sends += _ring_exchange(g, send=grads, tag=_GRAD_TAG)
+        if coming:
+            kv = coming
+    if size > 1:
+        grads = _empty_shard(plan, (k, v), rank, torch.float32)
+        _wait(_ring_exchange(g, receive=grads, tag=_GRAD_TAG))
+    _wait(sends)
+    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # All-gather attention
 
 
-def _all_gather_seq(g, plan, x):
-    """Every rank's shard of ``x`` (sequence on dim 2; uneven shards are padded for the
-    collective and cut back), in rank order."""
+def _gather_sequence(g, plan, x):
+    """The whole sequence of ``x`` (sequence on dim 2) in global order, from every rank's shard;
+    uneven shards are padded for the collective and cut back. Differentiable: the gradient of
+    the whole sequence is summed over the ranks and each rank keeps its own tokens' part."""
     import torch
 
-    longest = max(plan.seqs)
-    x = x.contiguous()
-    if x.shape[2] < longest:
-        pad = x.new_zeros((*x.shape[:2], longest - x.shape[2], x.shape[3]))
-        x = torch.cat([x, pad], dim=2)
-    parts = [torch.empty_like(x) for _ in range(g.size)]
-    g.dist.all_gather(parts, x, group=g.group)
-    return [p[:, :, :n] for p, n in zip(parts, plan.seqs, strict=True)]
+    padding = max(plan.seqs) - x.shape[2]
+    if padding:
+        x = torch.cat([x, x.new_zeros((*x.shape[:2], padding, x.shape[3]))], dim=2)
+
+    def assemble(parts):
+        parts = [p[:, :, :n] for p, n in zip(parts, plan.seqs, strict=True)]
+        return unshard_sequence(parts, layout=plan.layout)
+
+    def take(grad):
+        own = grad.index_select(2, plan.positions[g.rank])
+        return torch.cat([own, own.new_zeros((*own.shape[:2], padding, own.shape[3]))], dim=2)
+
+    return _gather_function().apply(g, assemble, take, x)
 
 
 def all_gather_attention(
@@ -537,7 +658,9 @@ def all_gather_attention(
 ):  # fmt: skip
     """``ring_attention``'s contract (same arguments, same result) computed by all-gathering K
     and V first and attending locally: one collective instead of N-1 ring steps, at the memory
-    cost of the whole K/V on every rank. For small K/V (few kv heads, short sequences)."""
+    cost of the whole K/V on every rank. For small K/V (few kv heads, short sequences).
+    Differentiable; the backward sums each K/V gradient over the ranks with one all_reduce (of
+    the whole sequence's dK/dV) and, like the forward, must run on every rank."""
     import torch
 
     g = _Group(group)
@@ -547,36 +670,29 @@ def all_gather_attention(
         relative_bias=relative_bias, layout=layout, name="all_gather_attention",
     )  # fmt: skip
 
-    def compute():
-        ks, vs = _all_gather_seq(g, plan, k), _all_gather_seq(g, plan, v)
-        key_all = unshard_sequence(ks, layout=plan.layout)  # global order
-        value_all = unshard_sequence(vs, layout=plan.layout)
-        everything = torch.arange(plan.total, device=q.device)
-        qpos = plan.positions[g.rank]
-        n = q.shape[2]
-        if not plan.causal:
-            pieces = [slice(0, n)]
-        elif plan.layout == "contiguous":
-            pieces = [slice(0, n)]
-        else:
-            pieces = [slice(0, n // 2), slice(n // 2, n)]
-        outs, lses = [], []
-        for rows in pieces:
-            # causal: only the keys up to the piece's last position can be visible
-            end = int(qpos[rows][-1]) + 1 if plan.causal else plan.total
-            part = _attend(
-                plan, q[:, :, rows], key_all[:, :, :end], value_all[:, :, :end], qpos[rows],
-                everything[:end], causal=plan.causal, backend=backend,
-            )  # fmt: skip
-            if part is None:  # every key is padding
-                b, hq, m = q[:, :, rows].shape[:3]
-                part = (q.new_zeros((b, hq, m, v.shape[3])),
-                        torch.full((b, hq, m), -math.inf, device=q.device))  # fmt: skip
-            outs.append(part[0])
-            lses.append(part[1].to(torch.float32))
-        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-
-    out, lse = _without_backward("all_gather_attention", compute, (q, k, v))
+    # recorded by autograd as it runs: the gathers and fastpe.attention have backwards
+    key_all, value_all = _gather_sequence(g, plan, k), _gather_sequence(g, plan, v)
+    everything = torch.arange(plan.total, device=q.device)
+    qpos = plan.positions[g.rank]
+    n = q.shape[2]
+    # zigzag's two chunks see different key prefixes under causal masking: one call each
+    zigzag = plan.causal and plan.layout == "zigzag"
+    pieces = [slice(0, n // 2), slice(n // 2, n)] if zigzag else [slice(0, n)]
+    outs, lses = [], []
+    for rows in pieces:
+        # causal: only the keys up to the piece's last position can be visible
+        end = int(qpos[rows][-1]) + 1 if plan.causal else plan.total
+        part = _attend(
+            plan, q[:, :, rows], key_all[:, :, :end], value_all[:, :, :end], qpos[rows],
+            everything[:end], causal=plan.causal, backend=backend,
+        )  # fmt: skip
+        if part is None:  # every key is padding
+            b, hq, m = q[:, :, rows].shape[:3]
+            part = (q.new_zeros((b, hq, m, v.shape[3])),
+                    torch.full((b, hq, m), -math.inf, device=q.device))  # fmt: skip
+        outs.append(part[0])
+        lses.append(part[1].to(torch.float32))
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
     return (out, lse) if return_lse else out
 
 
@@ -662,6 +778,9 @@ def sharded_kv_decode_attention(
         return acc_out.to(q.dtype), acc_lse
 
     out, lse = _without_backward(
-        "sharded_kv_decode_attention", compute, (q, k_cache_shard, v_cache_shard)
-    )
+        "sharded_kv_decode_attention", compute, (q, k_cache_shard, v_cache_shard),
+        "it is for decoding, and every rank holds the whole result, so a gradient would have to "
+        "say whose loss counts. Run it under torch.no_grad(); for training, ring_attention and "
+        "all_gather_attention have backwards.",
+    )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -644,18 +644,49 @@ def call_embed(ids, weight, *, positions, pe, pe_table, scale, base, layout, fre
                     freq, token_type_ids, token_type_weight, backend or "")  # fmt: skip
 
 
-def call_attention(q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope,
-                   alibi_slopes, relative_bias, return_lse, backend, window=None, softcap=None,
-                   sinks=None):  # fmt: skip
+def _attention_schema(
+    q,
+    *,
+    causal,
+    causal_alignment,
+    mask,
+    key_lengths,
+    scale,
+    rope,
+    alibi_slopes,
+    relative_bias,
+    window=None,
+    softcap=None,
+    sinks=None,
+) -> tuple:
+    """The public keyword options as attention_op's schema arguments after (q, k, v), before the
+    backend (``_ATTENTION_OPTIONS``' order)."""
     # checked here too: the schema's types would turn bad values into torch's own errors
     window = check_window(window) or (-1, -1)
     softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
-    out, lse = attention_op(
-        q, k, v, causal, causal_alignment, mask, key_lengths, None if scale is None else float(scale),
+    return (
+        causal, causal_alignment, mask, key_lengths, None if scale is None else float(scale),
         *_rope_to_schema(rope, q.device), alibi_slopes, *_relative_bias_to_schema(relative_bias),
-        *window, softcap, sinks, backend or "",
+        *window, softcap, sinks,
     )  # fmt: skip
+
+
+def call_attention(q, k, v, *, return_lse, backend, **options):
+    schema = _attention_schema(q, **options)
+    out, lse = attention_op(q, k, v, *schema, backend or "")
     return (out, lse) if return_lse else out
+
+
+def call_attention_backward(grad_out, grad_lse, q, k, v, out, lse, *, backend, **options):
+    """(dq, dk, dv) of ``attention(q, k, v, **options)`` given its (out, lse) and their gradients.
+    ``out``/``lse`` need not come from this call: with the rows of a larger attention's result
+    (the same queries over more keys), the result is that attention's gradient restricted to
+    these keys, which is how the ring backward (fastpe.distributed) splits one backward."""
+    schema = _attention_schema(q, **options)
+    dq, dk, dv, _, _ = attention_backward_op(
+        grad_out, grad_lse, q, k, v, out, lse, *schema, backend or ""
+    )
+    return dq, dk, dv
 
 
 def call_merge_attention(out_a, lse_a, out_b, lse_b, *, backend):

@@ -40,7 +40,7 @@ GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 def _case(name, **spec):
     base = dict(fn="ring", b=2, hq=4, hkv=4, s=24, d=8, dv=8, causal=False, layout="contiguous",
                 seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None, subgroups=False,
-                dtype="float32")  # fmt: skip
+                dtype="float32", grad=False)  # fmt: skip
     base.update(spec)
     base["name"] = name
     return base
@@ -91,6 +91,10 @@ def _run_case(case, rank, world):
         start = sum(case["seqs"][:rank])
         ks, vs = k.split(case["seqs"], dim=2)[rank], v.split(case["seqs"], dim=2)[rank]
         cache_lengths = None if lengths is None else (lengths - start).clamp(0, case["seqs"][rank])
+        if case["error"] == "grad":
+            q.requires_grad_(True)
+            out = fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths)
+            out.sum().backward()
         return fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths,
                                               return_lse=True)  # fmt: skip
     group = None
@@ -112,23 +116,40 @@ def _run_case(case, rank, world):
         opts["relative_bias"] = {"table": torch.zeros(32, case["hq"])}
     if error == "rope_positions_refused":
         opts["rope"]["k_positions"] = 0
-    if error == "grad":
-        qs.requires_grad_(True)
-        out = fd.ring_attention(qs, ks, vs, layout=case["layout"], **opts)
-        out.sum().backward()
     fn = {"ring": fd.ring_attention, "all_gather": fd.all_gather_attention}[case["fn"]]
-    return fn(qs, ks, vs, layout=case["layout"], return_lse=True, **opts)
+    if not case["grad"]:
+        return fn(qs, ks, vs, layout=case["layout"], return_lse=True, **opts)
+    qs, ks, vs = (x.detach().requires_grad_(True) for x in (qs, ks, vs))
+    out, lse = fn(qs, ks, vs, layout=case["layout"], return_lse=True, **opts)
+    grad_out, grad_lse = (_split(x, case, rank, world) for x in _output_grads(case))
+    torch.autograd.backward([out, lse], [grad_out.to(out.dtype), grad_lse[..., 0]])
+    return out, lse, qs.grad, ks.grad, vs.grad
+
+
+def _output_grads(case):
+    """Random gradients of the full (out, lse), the same in the workers and in the reference."""
+    g = torch.Generator().manual_seed(zlib.crc32(case["name"].encode()) + 1)
+    b, hq, s, dv = (case[k] for k in ("b", "hq", "s", "dv"))
+    return torch.randn(b, hq, s, dv, generator=g), torch.randn(b, hq, s, 1, generator=g)
 
 
 def _reference(case):
+    """(out, lse) of fastpe.attention on the unsharded inputs by the float64 oracle; for a case
+    with ``grad``, also (dq, dk, dv) of its backward under the same output gradients."""
     q, k, v, opts = _full_inputs(case)
     if case["fn"] == "decode":
         q = q[:, :, -1:]
         opts["causal"] = False
-    q, k, v = (x.float() for x in (q, k, v))  # bfloat16 values are exact in float32
+    q, k, v = (x.double() for x in (q, k, v))  # bfloat16 values are exact in float64
     if case["fn"] != "decode":  # a sharded sequence: every query at its global position
         opts["causal_alignment"] = "top_left"
-    return fastpe.attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    if not case["grad"]:
+        return fastpe.attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    out, lse = fastpe.attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    grad_out, grad_lse = _output_grads(case)
+    torch.autograd.backward([out, lse], [grad_out.double(), grad_lse[..., 0].double()])
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +168,7 @@ def _worker(rank, world, init_method, cases, outdir):
     results = {}
     for case in cases:
         try:
-            out, lse = _run_case(case, rank, world)
-            results[case["name"]] = ("ok", out.detach(), lse.detach())
+            results[case["name"]] = ("ok", *(x.detach() for x in _run_case(case, rank, world)))
         except Exception as exc:  # the test process judges every outcome
             results[case["name"]] = ("error", type(exc).__name__, str(exc))
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
@@ -213,7 +233,7 @@ def _check(results, cases, world):
             continue
         for rank, outcome in enumerate(outcomes):
             assert outcome[0] == "ok", f"{case['name']} rank {rank}: {outcome}"
-        ref_out, ref_lse = _reference(case)
+        ref_out, ref_lse, *ref_grads = _reference(case)  # the grads: only for grad cases
         if case["fn"] == "decode":  # every rank holds the whole result
             for _, out, lse in outcomes:
                 _assert_close(case, out, lse, ref_out, ref_lse)
@@ -223,6 +243,9 @@ def _check(results, cases, world):
             out = _unsplit([outcomes[r][1] for r in ranks], case)
             lse = _unsplit([outcomes[r][2][..., None] for r in ranks], case)[..., 0]
             _assert_close(case, out, lse, ref_out, ref_lse)
+            for i, (name, ref) in enumerate(zip(("dq", "dk", "dv"), ref_grads, strict=False)):
+                grad = _unsplit([outcomes[r][3 + i] for r in ranks], case)
+                _assert_grad_close(case, name, grad, ref)
 
 
 def _assert_close(case, out, lse, ref_out, ref_lse):
@@ -239,6 +262,16 @@ def _assert_close(case, out, lse, ref_out, ref_lse):
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), name
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def _assert_grad_close(case, name, grad, ref):
+    what = f"{case['name']} {name}"
+    assert grad.dtype == getattr(torch, case["dtype"]), what
+    # the float32 kernels against float64; bfloat16 as _assert_close, plus the inputs' rounding
+    # of each block's gradient before the float32 sums
+    atol, rtol = (2e-5, 1e-4) if case["dtype"] == "float32" else (5e-2, 2e-2)
+    np.testing.assert_allclose(grad.double().numpy(), ref.double().numpy(), rtol=rtol,
+                               atol=atol, err_msg=what)  # fmt: skip
 
 
 def _errors(results, case):
@@ -290,13 +323,53 @@ CASES_2 = [
     _case("all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, alibi=True),
     _case("all_gather_noncausal", fn="all_gather", seqs=[3, 21], key_lengths=[24, 2], rope=True),
     _case("decode", fn="decode", hq=8, hkv=2, seqs=[30, 11], s=41, key_lengths=[35, 20]),
+    # gradients (q, k and v, through out and lse) against the oracle's backward
+    _case("grad_causal_uneven", causal=True, seqs=[17, 7], grad=True),
+    _case("grad_noncausal_gqa", hq=6, hkv=2, seqs=[5, 19], dv=5, grad=True),
+    _case(
+        "grad_zigzag_everything",
+        causal=True,
+        layout="zigzag",
+        hkv=2,
+        rope=True,
+        alibi=True,
+        key_lengths=[19, 0],
+        grad=True,
+    ),  # fmt: skip
+    _case(
+        "grad_padding_rope", causal=True, key_lengths=[10, 24], rope=True, seqs=[9, 15], grad=True
+    ),  # fmt: skip
+    _case(
+        "grad_bf16_zigzag",
+        causal=True,
+        layout="zigzag",
+        hkv=2,
+        rope=True,
+        key_lengths=[22, 5],
+        dtype="bfloat16",
+        grad=True,
+    ),  # fmt: skip
+    _case(
+        "grad_all_gather_zigzag",
+        fn="all_gather",
+        causal=True,
+        layout="zigzag",
+        hkv=1,
+        rope=True,
+        alibi=True,
+        key_lengths=[21, 4],
+        grad=True,
+    ),  # fmt: skip
+    _case(
+        "grad_all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, grad=True
+    ),  # fmt: skip
     # error cases
     _case("heads_differ", error="heads_differ"),
     _case("causal_differs", error="causal_differs"),
     _case("numpy_on_one_rank", error="numpy_on_one_rank"),
     _case("zigzag_uneven", layout="zigzag", seqs=[10, 14], error="zigzag_uneven"),
     _case("zigzag_odd", layout="zigzag", seqs=[11, 11], s=22, error="zigzag_odd"),
-    _case("grad", error="grad"),
+    _case("decode_grad", fn="decode", seqs=[12, 12], error="grad"),
     _case("mask_refused", error="mask_refused"),
     _case("relative_bias_refused", error="relative_bias_refused"),
     _case("rope_positions_refused", rope=True, error="rope_positions_refused"),
@@ -323,6 +396,22 @@ CASES_4 = [
     _case("all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1),
     _case("subgroups4", causal=True, layout="zigzag", subgroups=True, hkv=2),
     _case("decode4", fn="decode", seqs=[5, 9, 1, 6], s=21, key_lengths=[21, 7]),
+    _case("grad_causal_uneven4", causal=True, seqs=[7, 3, 9, 5], hkv=2, grad=True),
+    _case(
+        "grad_zigzag4",
+        causal=True,
+        layout="zigzag",
+        s=32,
+        hkv=2,
+        rope=True,
+        alibi=True,
+        key_lengths=[29, 6],
+        grad=True,
+    ),  # fmt: skip
+    _case("grad_noncausal4", s=23, rope=True, key_lengths=[23, 12], grad=True),
+    _case(
+        "grad_all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1, grad=True
+    ),  # fmt: skip
     _case("heads_differ4", error="heads_differ"),
 ]
 
@@ -337,6 +426,12 @@ def group2(tmp_path_factory):
 def group4(tmp_path_factory):
     _warm_numba()
     return spawn_group(4, CASES_4, tmp_path_factory.mktemp("group4"))
+
+
+def test_a_group_of_one_rank_is_plain_attention(tmp_path):
+    cases = [_case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
+             _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True)]  # fmt: skip
+    _check(spawn_group(1, cases, tmp_path), cases, 1)
 
 
 def test_two_ranks_equal_single_process(group2):
@@ -401,10 +496,11 @@ def test_options_without_a_global_meaning_are_refused(group2):
             assert outcome[:2] == ("error", "ValueError") and message in outcome[2], outcome
 
 
-def test_backward_raises_the_no_backward_error(group2):
-    for outcome in _errors(group2, _by_name(CASES_2, "grad")):
+def test_decode_backward_raises_the_no_backward_error(group2):
+    for outcome in _errors(group2, _by_name(CASES_2, "decode_grad")):
         assert outcome[:2] == ("error", "RuntimeError"), outcome
-        assert "has no backward" in outcome[2] and "ring_attention" in outcome[2], outcome
+        assert "distributed.sharded_kv_decode_attention has no backward" in outcome[2], outcome
+        assert "torch.no_grad()" in outcome[2], outcome
 
 
 # ---------------------------------------------------------------------------------------------
