@@ -233,3 +233,26 @@ def test_attention_serial_and_parallel_paths_match_the_oracle(threshold, sq, mon
     want, want_lse = fastpe.attention(q, k, v, **kw, **O)
     assert (got.double() - want.double()).abs().max().item() < 3e-5
     assert (got_lse.double() - want_lse.double()).abs().max().item() < 3e-5
+
+
+def test_float16_kernels_compile_without_numba_ir_warnings(tmp_path):
+    # the float16 rounding used to be an inline overload body, which Numba's inliner mishandled:
+    # every fp16 kernel compile printed NumbaIRAssumptionWarnings. A fresh cache forces a compile.
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings, torch, fastpe\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    cos, sin = fastpe.rope_table(16, 16, device='cpu')\n"
+        "    fastpe.apply_rope(torch.randn(1, 2, 8, 16).half(), cos, sin, backend='numba')\n"
+        "print(sorted({w.category.__name__ for w in caught}))\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "NumbaIRAssumptionWarning" not in done.stdout, done.stdout

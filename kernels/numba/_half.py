@@ -39,6 +39,37 @@ def _fp16_to_float32(value):
     return result
 
 
+@register_jitable
+def _float32_to_fp16(value):
+    """float32 -> float16 bits (int16), rounded to nearest even. A plain jitted function for the
+    reason given at ``_fp16_to_float32``."""
+    bits = np.float32(value).view(np.uint32)
+    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    if mag > np.uint32(0x7F800000):  # NaN stays a quiet NaN
+        half = sign | np.uint32(0x7E00) | ((mag >> np.uint32(13)) & np.uint32(0x3FF))
+    elif mag >= np.uint32(0x477FF000):  # >= 65520 rounds past 65504: inf
+        half = sign | np.uint32(0x7C00)
+    elif mag >= np.uint32(0x38800000):  # a normal half: rebias 127 -> 15, round 13 bits
+        mag = mag - np.uint32(0x38000000)
+        keep = (mag >> np.uint32(13)) & np.uint32(1)  # ties go to the even half
+        half = sign | ((mag + np.uint32(0xFFF) + keep) >> np.uint32(13))
+    else:  # a subnormal half (or zero): count units of 2^-24, round to nearest even
+        exp = mag >> np.uint32(23)
+        shift = np.uint32(126) - exp  # >= 14 here
+        if shift > np.uint32(25) or exp == np.uint32(0):
+            half = sign  # below half the smallest subnormal (2^-25 itself ties to 0)
+        else:
+            full = (mag & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+            units = full >> shift
+            rest = full & ((np.uint32(1) << shift) - np.uint32(1))
+            middle = np.uint32(1) << (shift - np.uint32(1))
+            if rest > middle or (rest == middle and (units & np.uint32(1)) != 0):
+                units += np.uint32(1)  # may carry into the smallest normal: still right
+            half = sign | units
+    return np.int16(np.uint16(half))
+
+
 @overload(_widen, inline="always")
 def _widen_impl(value):
     if value == types.uint16:
@@ -61,33 +92,5 @@ def _narrow_impl(array, value):
 
         return to_bf16
     if array.dtype == types.int16:
-
-        def to_fp16(array, value):
-            bits = np.float32(value).view(np.uint32)
-            sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
-            mag = bits & np.uint32(0x7FFFFFFF)
-            if mag > np.uint32(0x7F800000):  # NaN stays a quiet NaN
-                half = sign | np.uint32(0x7E00) | ((mag >> np.uint32(13)) & np.uint32(0x3FF))
-            elif mag >= np.uint32(0x477FF000):  # >= 65520 rounds past 65504: inf
-                half = sign | np.uint32(0x7C00)
-            elif mag >= np.uint32(0x38800000):  # a normal half: rebias 127 -> 15, round 13 bits
-                mag = mag - np.uint32(0x38000000)
-                keep = (mag >> np.uint32(13)) & np.uint32(1)  # ties go to the even half
-                half = sign | ((mag + np.uint32(0xFFF) + keep) >> np.uint32(13))
-            else:  # a subnormal half (or zero): count units of 2^-24, round to nearest even
-                exp = mag >> np.uint32(23)
-                shift = np.uint32(126) - exp  # >= 14 here
-                if shift > np.uint32(25) or exp == np.uint32(0):
-                    half = sign  # below half the smallest subnormal (2^-25 itself ties to 0)
-                else:
-                    full = (mag & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-                    units = full >> shift
-                    rest = full & ((np.uint32(1) << shift) - np.uint32(1))
-                    middle = np.uint32(1) << (shift - np.uint32(1))
-                    if rest > middle or (rest == middle and (units & np.uint32(1)) != 0):
-                        units += np.uint32(1)  # may carry into the smallest normal: still right
-                    half = sign | units
-            return np.int16(np.uint16(half))
-
-        return to_fp16
+        return lambda array, value: _float32_to_fp16(value)
     return lambda array, value: value
