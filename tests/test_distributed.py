@@ -323,46 +323,6 @@ CASES_2 = [
     _case("all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, alibi=True),
     _case("all_gather_noncausal", fn="all_gather", seqs=[3, 21], key_lengths=[24, 2], rope=True),
     _case("decode", fn="decode", hq=8, hkv=2, seqs=[30, 11], s=41, key_lengths=[35, 20]),
-    # gradients (q, k and v, through out and lse) against the oracle's backward
-    _case("grad_causal_uneven", causal=True, seqs=[17, 7], grad=True),
-    _case("grad_noncausal_gqa", hq=6, hkv=2, seqs=[5, 19], dv=5, grad=True),
-    _case(
-        "grad_zigzag_everything",
-        causal=True,
-        layout="zigzag",
-        hkv=2,
-        rope=True,
-        alibi=True,
-        key_lengths=[19, 0],
-        grad=True,
-    ),  # fmt: skip
-    _case(
-        "grad_padding_rope", causal=True, key_lengths=[10, 24], rope=True, seqs=[9, 15], grad=True
-    ),  # fmt: skip
-    _case(
-        "grad_bf16_zigzag",
-        causal=True,
-        layout="zigzag",
-        hkv=2,
-        rope=True,
-        key_lengths=[22, 5],
-        dtype="bfloat16",
-        grad=True,
-    ),  # fmt: skip
-    _case(
-        "grad_all_gather_zigzag",
-        fn="all_gather",
-        causal=True,
-        layout="zigzag",
-        hkv=1,
-        rope=True,
-        alibi=True,
-        key_lengths=[21, 4],
-        grad=True,
-    ),  # fmt: skip
-    _case(
-        "grad_all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, grad=True
-    ),  # fmt: skip
     # error cases
     _case("heads_differ", error="heads_differ"),
     _case("causal_differs", error="causal_differs"),
@@ -396,24 +356,22 @@ CASES_4 = [
     _case("all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1),
     _case("subgroups4", causal=True, layout="zigzag", subgroups=True, hkv=2),
     _case("decode4", fn="decode", seqs=[5, 9, 1, 6], s=21, key_lengths=[21, 7]),
-    _case("grad_causal_uneven4", causal=True, seqs=[7, 3, 9, 5], hkv=2, grad=True),
-    _case(
-        "grad_zigzag4",
-        causal=True,
-        layout="zigzag",
-        s=32,
-        hkv=2,
-        rope=True,
-        alibi=True,
-        key_lengths=[29, 6],
-        grad=True,
-    ),  # fmt: skip
-    _case("grad_noncausal4", s=23, rope=True, key_lengths=[23, 12], grad=True),
-    _case(
-        "grad_all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1, grad=True
-    ),  # fmt: skip
     _case("heads_differ4", error="heads_differ"),
 ]
+
+
+def _with_grad(cases, names):
+    """Gradient twins of the named cases: the same inputs, and backward() on every rank with
+    random gradients of out and lse, compared with the oracle's backward (dq, dk, dv)."""
+    picked = [c for c in cases if c["name"] in names]
+    assert len(picked) == len(names), names
+    return [{**c, "grad": True, "name": f"grad_{c['name']}"} for c in picked]
+
+
+CASES_2 += _with_grad(CASES_2, ["causal_uneven", "uneven_noncausal_gqa", "zigzag_everything",
+                                "causal_padding_rope", "bf16_zigzag", "all_gather_zigzag",
+                                "all_gather_uneven"])  # fmt: skip
+CASES_4 += _with_grad(CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4"])
 
 
 @pytest.fixture(scope="module")
