@@ -281,6 +281,15 @@ class _Plan:
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{name} takes torch tensors; got {arg}: {type(t).__name__}")
             check_choice("layout", layout, LAYOUTS)
+            tables = {"alibi_slopes": alibi_slopes}
+            if isinstance(rope, dict):
+                tables.update({f"rope[{key!r}]": rope.get(key) for key in ("cos", "sin")})
+            for arg, t in tables.items():
+                if torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad:
+                    raise ValueError(
+                        f"{name} gives no gradient for {arg}, which requires grad: pass it "
+                        "detached (.detach()), or run under torch.no_grad()"
+                    )
             if rope is not None:
                 from fastpe._options import Rope
 

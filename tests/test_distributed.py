@@ -114,6 +114,8 @@ def _run_case(case, rank, world):
         opts["mask"] = torch.ones(qs.shape[2], ks.shape[2], dtype=torch.bool)
     if error == "relative_bias_refused":
         opts["relative_bias"] = {"table": torch.zeros(32, case["hq"])}
+    if error == "table_requires_grad":
+        opts["rope"]["cos"].requires_grad_(True)
     if error == "rope_positions_refused":
         opts["rope"]["k_positions"] = 0
     fn = {"ring": fd.ring_attention, "all_gather": fd.all_gather_attention}[case["fn"]]
@@ -333,6 +335,7 @@ CASES_2 = [
     _case("mask_refused", error="mask_refused"),
     _case("relative_bias_refused", error="relative_bias_refused"),
     _case("rope_positions_refused", rope=True, error="rope_positions_refused"),
+    _case("table_requires_grad", fn="all_gather", rope=True, error="table_requires_grad"),
     _case("key_lengths_too_long", key_lengths=[25, 3], error="key_lengths_too_long"),
     _case("rope_table_too_short", rope=True, rope_rows=20, error="rope_table_too_short"),
     _case("decode_q_differs", fn="decode", seqs=[12, 12], error="decode_q_differs"),
@@ -448,6 +451,7 @@ def test_options_without_a_global_meaning_are_refused(group2):
         "mask_refused": "does not take mask",
         "relative_bias_refused": "does not support relative_bias (T5)",
         "rope_positions_refused": "rope['k_positions'] cannot be given to ring_attention",
+        "table_requires_grad": "all_gather_attention gives no gradient for rope['cos']",
     }
     for name, message in expected.items():
         for outcome in _errors(group2, _by_name(CASES_2, name)):
