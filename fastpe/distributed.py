@@ -21,6 +21,8 @@ import functools
 import math
 import types
 
+import numpy as np
+
 from fastpe._validate import check_choice
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -364,16 +366,14 @@ class _Plan:
         self.layout = layout
         self.causal = bool(causal)
         if layout == "zigzag":
-            self.positions = [
-                shard_positions(total, r, g.size, layout="zigzag", device=q.device)
-                for r in range(g.size)
-            ]
+            c = self.seqs[0] // 2
+            starts = [(r * c, (2 * g.size - 1 - r) * c) for r in range(g.size)]
+            host = [np.r_[a : a + c, b : b + c] for a, b in starts]
         else:
-            starts = [sum(self.seqs[:r]) for r in range(g.size)]
-            self.positions = [
-                torch.arange(s, s + n, device=q.device)
-                for s, n in zip(starts, self.seqs, strict=True)
-            ]
+            host = [np.arange(sum(self.seqs[:r]), sum(self.seqs[: r + 1])) for r in range(g.size)]
+        self.positions = [_Span(h, torch.as_tensor(h, device=q.device)) for h in host]
+        self.everything = _Span(np.arange(total), torch.arange(total, device=q.device))
+        self.longest_key = None if kl is None else max(kl)
         self.key_lengths = None if kl is None else torch.tensor(kl, device=q.device)
         self.rope = rope
         self.alibi = (
@@ -383,21 +383,33 @@ class _Plan:
         )
 
 
-def _block_options(plan, qpos, kpos, *, causal):
-    """``fastpe.attention``'s options for one block: queries at global positions ``qpos`` against
-    keys at ``kpos`` (both increasing), or None when no key of the block is allowed.
+class _Span:
+    """Global positions of some tokens (increasing): on the host, where the blocks are planned
+    without a device sync, and on the device, where the kernels read them."""
+
+    def __init__(self, host, device):
+        self.host, self.device = host, device
+
+    def __getitem__(self, part: slice) -> _Span:
+        return _Span(self.host[part], self.device[part])
+
+
+def _block_options(plan, q_at, k_at, *, causal):
+    """``fastpe.attention``'s options for one block: queries at ``q_at`` against keys at
+    ``k_at`` (``_Span``s), or None when no key of the block is allowed.
 
     ``causal`` is the global rule kpos[j] <= qpos[i]: the kernel's own causal rule (top-left)
     for a block of the same tokens as its queries, a boolean mask otherwise.
     """
     import torch
 
+    qpos, kpos = q_at.device, k_at.device
     key_lengths = None
     if plan.key_lengths is not None:
         # keys are at increasing positions, so those before the global length form a prefix
-        key_lengths = (kpos[None, :] < plan.key_lengths[:, None]).sum(1)
-        if int(key_lengths.max()) == 0:
+        if k_at.host[0] >= plan.longest_key:
             return None
+        key_lengths = (kpos[None, :] < plan.key_lengths[:, None]).sum(1)
     rope = None
     if plan.rope is not None:
         rope = {**plan.rope, "q_positions": qpos, "k_positions": kpos}
@@ -408,7 +420,7 @@ def _block_options(plan, qpos, kpos, *, causal):
         distance = (qpos[:, None] - kpos[None, :]).abs().to(torch.float32)
         slopes = plan.alibi if plan.alibi.ndim == 2 else plan.alibi[None]
         mask = -slopes[:, :, None, None] * distance
-    if causal and not (qpos.shape == kpos.shape and torch.equal(qpos, kpos)):
+    if causal and not np.array_equal(q_at.host, k_at.host):
         allowed = kpos[None, :] <= qpos[:, None]
         mask = allowed[None, None] if mask is None else mask.masked_fill(~allowed, -math.inf)
         causal = False
@@ -418,11 +430,11 @@ def _block_options(plan, qpos, kpos, *, causal):
     )  # fmt: skip
 
 
-def _attend(plan, q, k, v, qpos, kpos, *, causal, backend):
+def _attend(plan, q, k, v, q_at, k_at, *, causal, backend):
     """One block's (out, lse) (``_block_options``), or None when no key of it is allowed."""
     import fastpe
 
-    options = _block_options(plan, qpos, kpos, causal=causal)
+    options = _block_options(plan, q_at, k_at, causal=causal)
     if options is None:
         return None
     return fastpe.attention(q, k, v, **options, return_lse=True, backend=backend)
@@ -654,7 +666,7 @@ def _gather_sequence(g, plan, x):
         return unshard_sequence(parts, layout=plan.layout)
 
     def take(grad):
-        own = grad.index_select(2, plan.positions[g.rank])
+        own = grad.index_select(2, plan.positions[g.rank].device)
         return torch.cat([own, own.new_zeros((*own.shape[:2], padding, own.shape[3]))], dim=2)
 
     return _gather_function().apply(g, assemble, take, x)
@@ -681,7 +693,6 @@ def all_gather_attention(
 
     # recorded by autograd as it runs: the gathers and fastpe.attention have backwards
     key_all, value_all = _gather_sequence(g, plan, k), _gather_sequence(g, plan, v)
-    everything = torch.arange(plan.total, device=q.device)
     qpos = plan.positions[g.rank]
     n = q.shape[2]
     # zigzag's two chunks see different key prefixes under causal masking: one call each
@@ -690,10 +701,10 @@ def all_gather_attention(
     outs, lses = [], []
     for rows in pieces:
         # causal: only the keys up to the piece's last position can be visible
-        end = int(qpos[rows][-1]) + 1 if plan.causal else plan.total
+        end = int(qpos.host[rows][-1]) + 1 if plan.causal else plan.total
         part = _attend(
             plan, q[:, :, rows], key_all[:, :, :end], value_all[:, :, :end], qpos[rows],
-            everything[:end], causal=plan.causal, backend=backend,
+            plan.everything[:end], causal=plan.causal, backend=backend,
         )  # fmt: skip
         if part is None:  # every key is padding
             b, hq, m = q[:, :, rows].shape[:3]
