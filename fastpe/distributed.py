@@ -259,7 +259,7 @@ class _Plan:
     """
 
     def __init__(self, g, q, k, v, *, causal, key_lengths, scale, rope,
-                 alibi_slopes, mask, relative_bias, layout, name):  # fmt: skip
+                 alibi_slopes, mask, relative_bias, window, softcap, layout, name):  # fmt: skip
         import torch
 
         from fastpe._inputs import AttentionInputs, _check_key_lengths
@@ -276,8 +276,8 @@ class _Plan:
             if relative_bias is not None:
                 raise ValueError(
                     f"{name} does not support relative_bias (T5): use fastpe.attention on one "
-                    "device; supported across shards are GQA, causal, key_lengths, rope and "
-                    "alibi_slopes"
+                    "device; supported across shards are GQA, causal, key_lengths, rope, "
+                    "alibi_slopes, window and softcap"
                 )
             for arg, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, torch.Tensor):
@@ -305,7 +305,7 @@ class _Plan:
             inputs = AttentionInputs.build(
                 q, k, v, causal=causal, causal_alignment="top_left", mask=None,
                 key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-                relative_bias=None, return_lse=True,
+                relative_bias=None, return_lse=True, window=window, softcap=softcap,
             )  # fmt: skip
             if q.shape[2] != k.shape[2]:
                 raise ValueError(
@@ -328,7 +328,16 @@ class _Plan:
                 "seq": q.shape[2],
                 "dtype": str(q.dtype),
                 "device": q.device.type,
-                "options": (bool(causal), layout, inputs.scale, table, kl, slopes),
+                "options": (
+                    bool(causal),
+                    layout,
+                    inputs.scale,
+                    table,
+                    kl,
+                    slopes,
+                    inputs.window,
+                    inputs.softcap,
+                ),  # fmt: skip
             }
 
         reports = g.agree(local)
@@ -338,7 +347,7 @@ class _Plan:
                     what = {
                         "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
                         "options": "options (causal, layout, scale, rope table shape, "
-                        "key_lengths, alibi_slopes)",
+                        "key_lengths, alibi_slopes, window, softcap)",
                     }.get(key, key)
                     raise ValueError(
                         f"{name}: every rank must pass the same {what} except the sequence "
@@ -352,7 +361,7 @@ class _Plan:
                 f"{self.seqs}"
             )
         self.total = total = sum(self.seqs)
-        _, _, self.scale, table, kl, _ = reports[0]["options"]
+        _, _, self.scale, table, kl, _, self.window, self.softcap = reports[0]["options"]
         if kl is not None and max(kl) > total:
             raise IndexError(
                 f"key_lengths contains {max(kl)}, more than the global sequence length {total} "
@@ -403,6 +412,8 @@ def _block_options(plan, q_at, k_at, *, causal):
     """
     import torch
 
+    if len(k_at.host) == 0:
+        return None
     qpos, kpos = q_at.device, k_at.device
     key_lengths = None
     if plan.key_lengths is not None:
@@ -413,6 +424,25 @@ def _block_options(plan, q_at, k_at, *, causal):
     rope = None
     if plan.rope is not None:
         rope = {**plan.rope, "q_positions": qpos, "k_positions": kpos}
+    allowed = []  # boolean [Sq_block, Sk_block] rules the kernel cannot apply to local indices
+    same_tokens = np.array_equal(q_at.host, k_at.host)
+    if causal and not same_tokens:
+        allowed.append(kpos[None, :] <= qpos[:, None])
+        causal = False
+    window = None
+    if plan.window is not None:
+        left, right = plan.window
+        qh, kh = q_at.host, k_at.host
+        if (left >= 0 and kh[-1] < qh[0] - left) or (right >= 0 and kh[0] > qh[-1] + right):
+            return None  # every key is outside every query's window
+        if same_tokens and qh[-1] - qh[0] == len(qh) - 1:
+            window = plan.window  # consecutive positions: local distances are the global ones
+        else:
+            distance = qpos[:, None] - kpos[None, :]
+            if left >= 0:
+                allowed.append(distance <= left)
+            if right >= 0:
+                allowed.append(distance >= -right)
     mask = None
     if plan.alibi is not None:
         # ALiBi needs the global distance |qpos - kpos|, which a block's local indices do not
@@ -420,13 +450,13 @@ def _block_options(plan, q_at, k_at, *, causal):
         distance = (qpos[:, None] - kpos[None, :]).abs().to(torch.float32)
         slopes = plan.alibi if plan.alibi.ndim == 2 else plan.alibi[None]
         mask = -slopes[:, :, None, None] * distance
-    if causal and not np.array_equal(q_at.host, k_at.host):
-        allowed = kpos[None, :] <= qpos[:, None]
+    if allowed:
+        allowed = functools.reduce(torch.logical_and, allowed)
         mask = allowed[None, None] if mask is None else mask.masked_fill(~allowed, -math.inf)
-        causal = False
     return dict(
         causal=causal, causal_alignment="top_left", key_lengths=key_lengths, scale=plan.scale,
-        rope=rope, mask=mask, alibi_slopes=None, relative_bias=None,
+        rope=rope, mask=mask, alibi_slopes=None, relative_bias=None, window=window,
+        softcap=plan.softcap,
     )  # fmt: skip
 
 
@@ -509,9 +539,9 @@ def _wait(requests):
 
 
 def ring_attention(
-    q, k, v, *, group=None, causal=False, key_lengths=None,
-    scale=None, rope=None, alibi_slopes=None, mask=None, relative_bias=None, return_lse=False,
-    layout="contiguous", backend=None,
+    q, k, v, *, group=None, causal=False, key_lengths=None, scale=None, rope=None,
+    alibi_slopes=None, window=None, softcap=None, mask=None, relative_bias=None,
+    return_lse=False, layout="contiguous", backend=None,
 ):  # fmt: skip
     """Exact attention over a sequence sharded across the ranks of ``group``; each rank passes
     its shard and gets the shard of the full result (docs/distributed.md).
@@ -529,7 +559,9 @@ def ring_attention(
     ``scale``,
     ``rope=dict(cos=, sin=, interleaved=)`` (the table must cover the global positions, which
     come from the layout), ``alibi_slopes`` [Hq] or [B, Hq] (applied through an additive
-    [B, Hq, S_r, S_s] mask per block), GQA. ``mask`` and ``relative_bias`` are refused.
+    [B, Hq, S_r, S_s] mask per block), ``window=(left, right)`` (global distances; blocks wholly
+    outside every query's window are skipped), ``softcap``, GQA. ``mask`` and ``relative_bias``
+    are refused.
     Every rank must pass the same options and shapes except S_r; a mismatch raises on all ranks.
 
     Differentiable in q, k and v: the backward is a second ring pass in which each K/V shard
@@ -540,7 +572,8 @@ def ring_attention(
     plan = _Plan(
         g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
-        relative_bias=relative_bias, layout=layout, name="ring_attention",
+        relative_bias=relative_bias, window=window, softcap=softcap, layout=layout,
+        name="ring_attention",
     )  # fmt: skip
     run = types.SimpleNamespace(
         forward=lambda *qkv: _ring_loop(g, plan, *qkv, backend),
@@ -672,10 +705,24 @@ def _gather_sequence(g, plan, x):
     return _gather_function().apply(g, assemble, take, x)
 
 
+def _visible_keys(plan, qpos) -> slice:
+    """The global key range that queries at (increasing, host) positions ``qpos`` can see under
+    causal masking and the window."""
+    start, end = 0, plan.total
+    left, right = plan.window or (-1, -1)
+    if plan.causal:
+        end = int(qpos[-1]) + 1
+    if right >= 0:
+        end = min(end, int(qpos[-1]) + right + 1)
+    if left >= 0:
+        start = max(0, int(qpos[0]) - left)
+    return slice(start, max(start, end))
+
+
 def all_gather_attention(
-    q, k, v, *, group=None, causal=False, key_lengths=None,
-    scale=None, rope=None, alibi_slopes=None, mask=None, relative_bias=None, return_lse=False,
-    layout="contiguous", backend=None,
+    q, k, v, *, group=None, causal=False, key_lengths=None, scale=None, rope=None,
+    alibi_slopes=None, window=None, softcap=None, mask=None, relative_bias=None,
+    return_lse=False, layout="contiguous", backend=None,
 ):  # fmt: skip
     """``ring_attention``'s contract (same arguments, same result) computed by all-gathering K
     and V first and attending locally: one collective instead of N-1 ring steps, at the memory
@@ -688,7 +735,8 @@ def all_gather_attention(
     plan = _Plan(
         g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
-        relative_bias=relative_bias, layout=layout, name="all_gather_attention",
+        relative_bias=relative_bias, window=window, softcap=softcap, layout=layout,
+        name="all_gather_attention",
     )  # fmt: skip
 
     # recorded by autograd as it runs: the gathers and fastpe.attention have backwards
@@ -700,11 +748,10 @@ def all_gather_attention(
     pieces = [slice(0, n // 2), slice(n // 2, n)] if zigzag else [slice(0, n)]
     outs, lses = [], []
     for rows in pieces:
-        # causal: only the keys up to the piece's last position can be visible
-        end = int(qpos.host[rows][-1]) + 1 if plan.causal else plan.total
+        keys = _visible_keys(plan, qpos.host[rows])
         part = _attend(
-            plan, q[:, :, rows], key_all[:, :, :end], value_all[:, :, :end], qpos[rows],
-            plan.everything[:end], causal=plan.causal, backend=backend,
+            plan, q[:, :, rows], key_all[:, :, keys], value_all[:, :, keys], qpos[rows],
+            plan.everything[keys], causal=plan.causal, backend=backend,
         )  # fmt: skip
         if part is None:  # every key is padding
             b, hq, m = q[:, :, rows].shape[:3]

@@ -40,7 +40,7 @@ GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 def _case(name, **spec):
     base = dict(fn="ring", b=2, hq=4, hkv=4, s=24, d=8, dv=8, causal=False, layout="contiguous",
                 seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None, subgroups=False,
-                dtype="float32", grad=False)  # fmt: skip
+                dtype="float32", grad=False, window=None, softcap=None)  # fmt: skip
     base.update(spec)
     base["name"] = name
     return base
@@ -63,6 +63,9 @@ def _full_inputs(case):
         inv = 1.0 / 100.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         angles = torch.arange(case["rope_rows"] or s + 3, dtype=torch.float64)[:, None] * inv[None]
         opts["rope"] = {"cos": angles.cos().float(), "sin": angles.sin().float()}
+    for key in ("window", "softcap"):
+        if case[key] is not None:
+            opts[key] = case[key]
     if case["alibi"]:
         opts["alibi_slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(hq)])
     dtype = getattr(torch, case["dtype"])
@@ -325,6 +328,28 @@ CASES_2 = [
     _case("all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, alibi=True),
     _case("all_gather_noncausal", fn="all_gather", seqs=[3, 21], key_lengths=[24, 2], rope=True),
     _case("decode", fn="decode", hq=8, hkv=2, seqs=[30, 11], s=41, key_lengths=[35, 20]),
+    # sliding windows (global distances) and soft-capping
+    _case("window_causal_uneven", causal=True, seqs=[15, 9], window=(5, 0), alibi=True),
+    _case(
+        "window_zigzag",
+        causal=True,
+        layout="zigzag",
+        hkv=2,
+        window=(4, 0),
+        rope=True,
+        key_lengths=[20, 7],
+        softcap=3.0,
+    ),  # fmt: skip
+    _case("window_both_sides", seqs=[7, 17], window=(3, 6), softcap=2.0, hkv=1),
+    _case(
+        "window_all_gather",
+        fn="all_gather",
+        causal=True,
+        layout="zigzag",
+        window=(6, 0),
+        alibi=True,
+    ),  # fmt: skip
+    _case("window_all_gather_right", fn="all_gather", seqs=[11, 13], window=(-1, 2)),
     # error cases
     _case("heads_differ", error="heads_differ"),
     _case("causal_differs", error="causal_differs"),
@@ -359,6 +384,8 @@ CASES_4 = [
     _case("all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1),
     _case("subgroups4", causal=True, layout="zigzag", subgroups=True, hkv=2),
     _case("decode4", fn="decode", seqs=[5, 9, 1, 6], s=21, key_lengths=[21, 7]),
+    _case("window4", causal=True, seqs=[6, 6, 7, 5], window=(4, 0), rope=True),
+    _case("window_zigzag4", causal=True, layout="zigzag", s=32, window=(9, 0), softcap=5.0),
     _case("heads_differ4", error="heads_differ"),
 ]
 
@@ -373,8 +400,10 @@ def _with_grad(cases, names):
 
 CASES_2 += _with_grad(CASES_2, ["causal_uneven", "uneven_noncausal_gqa", "zigzag_everything",
                                 "causal_padding_rope", "bf16_zigzag", "all_gather_zigzag",
-                                "all_gather_uneven"])  # fmt: skip
-CASES_4 += _with_grad(CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4"])
+                                "all_gather_uneven", "window_zigzag", "window_both_sides",
+                                "window_all_gather"])  # fmt: skip
+CASES_4 += _with_grad(CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4",
+                                "window_zigzag4"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
