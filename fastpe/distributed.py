@@ -188,16 +188,19 @@ def _collective_function():
     import torch
 
     class Collective(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, run, q, k, v):
-            out, lse = run.forward(q, k, v)
-            ctx.run = run
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out, lse
+        """``run.forward(*inputs) -> outputs``; ``run.backward(*inputs, *outputs, *grads)`` -> one
+        gradient per input (None for an input that is None)."""
 
         @staticmethod
-        def backward(ctx, grad_out, grad_lse):
-            return (None, *ctx.run.backward(*ctx.saved_tensors, grad_out, grad_lse))
+        def forward(ctx, run, *inputs):
+            outputs = run.forward(*inputs)
+            ctx.run = run
+            ctx.save_for_backward(*inputs, *outputs)
+            return outputs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None, *ctx.run.backward(*ctx.saved_tensors, *grads))
 
     return Collective
 
@@ -258,8 +261,8 @@ class _Plan:
     same verdict without further communication.
     """
 
-    def __init__(self, g, q, k, v, *, causal, key_lengths, scale, rope,
-                 alibi_slopes, mask, relative_bias, window, softcap, layout, name):  # fmt: skip
+    def __init__(self, g, q, k, v, *, causal, key_lengths, scale, rope, alibi_slopes, mask,
+                 relative_bias, window, softcap, sinks, layout, name):  # fmt: skip
         import torch
 
         from fastpe._inputs import AttentionInputs, _check_key_lengths
@@ -277,7 +280,7 @@ class _Plan:
                 raise ValueError(
                     f"{name} does not support relative_bias (T5): use fastpe.attention on one "
                     "device; supported across shards are GQA, causal, key_lengths, rope, "
-                    "alibi_slopes, window and softcap"
+                    "alibi_slopes, window, softcap and sinks"
                 )
             for arg, t in (("q", q), ("k", k), ("v", v)):
                 if not isinstance(t, torch.Tensor):
@@ -305,7 +308,7 @@ class _Plan:
             inputs = AttentionInputs.build(
                 q, k, v, causal=causal, causal_alignment="top_left", mask=None,
                 key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-                relative_bias=None, return_lse=True, window=window, softcap=softcap,
+                relative_bias=None, return_lse=True, window=window, softcap=softcap, sinks=sinks,
             )  # fmt: skip
             if q.shape[2] != k.shape[2]:
                 raise ValueError(
@@ -318,6 +321,7 @@ class _Plan:
             if key_lengths is not None:  # the range against the global length is checked below
                 kl = _check_key_lengths(key_lengths, q.shape[0], 2**62).tolist()
             slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).tolist()
+            sink_values = None if sinks is None else torch.as_tensor(sinks).tolist()
             table = None if rope is None else tuple(inputs.rope.cos.shape)
             return {
                 "shape": (
@@ -337,6 +341,7 @@ class _Plan:
                     slopes,
                     inputs.window,
                     inputs.softcap,
+                    sink_values,
                 ),  # fmt: skip
             }
 
@@ -347,7 +352,7 @@ class _Plan:
                     what = {
                         "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
                         "options": "options (causal, layout, scale, rope table shape, "
-                        "key_lengths, alibi_slopes, window, softcap)",
+                        "key_lengths, alibi_slopes, window, softcap, sinks)",
                     }.get(key, key)
                     raise ValueError(
                         f"{name}: every rank must pass the same {what} except the sequence "
@@ -361,7 +366,7 @@ class _Plan:
                 f"{self.seqs}"
             )
         self.total = total = sum(self.seqs)
-        _, _, self.scale, table, kl, _, self.window, self.softcap = reports[0]["options"]
+        _, _, self.scale, table, kl, _, self.window, self.softcap, _ = reports[0]["options"]
         if kl is not None and max(kl) > total:
             raise IndexError(
                 f"key_lengths contains {max(kl)}, more than the global sequence length {total} "
@@ -460,14 +465,14 @@ def _block_options(plan, q_at, k_at, *, causal):
     )  # fmt: skip
 
 
-def _attend(plan, q, k, v, q_at, k_at, *, causal, backend):
+def _attend(plan, q, k, v, q_at, k_at, *, causal, backend, sinks=None):
     """One block's (out, lse) (``_block_options``), or None when no key of it is allowed."""
     import fastpe
 
     options = _block_options(plan, q_at, k_at, causal=causal)
     if options is None:
         return None
-    return fastpe.attention(q, k, v, **options, return_lse=True, backend=backend)
+    return fastpe.attention(q, k, v, **options, sinks=sinks, return_lse=True, backend=backend)
 
 
 def _merge_into(acc_out, acc_lse, out, lse):
@@ -540,7 +545,7 @@ def _wait(requests):
 
 def ring_attention(
     q, k, v, *, group=None, causal=False, key_lengths=None, scale=None, rope=None,
-    alibi_slopes=None, window=None, softcap=None, mask=None, relative_bias=None,
+    alibi_slopes=None, window=None, softcap=None, sinks=None, mask=None, relative_bias=None,
     return_lse=False, layout="contiguous", backend=None,
 ):  # fmt: skip
     """Exact attention over a sequence sharded across the ranks of ``group``; each rank passes
@@ -572,21 +577,23 @@ def ring_attention(
     plan = _Plan(
         g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
-        relative_bias=relative_bias, window=window, softcap=softcap, layout=layout,
+        relative_bias=relative_bias, window=window, softcap=softcap, sinks=sinks, layout=layout,
         name="ring_attention",
     )  # fmt: skip
     run = types.SimpleNamespace(
-        forward=lambda *qkv: _ring_loop(g, plan, *qkv, backend),
-        backward=lambda *tensors: _ring_backward(g, plan, *tensors, backend),
-    )
-    out, lse = _collective_function().apply(run, q, k, v)
+        forward=lambda q, k, v, sinks: _ring_loop(g, plan, q, k, v, backend, sinks=sinks),
+        backward=lambda q, k, v, sinks, *rest: _ring_backward(g, plan, q, k, v, *rest, backend,
+                                                              sinks=sinks),
+    )  # fmt: skip
+    out, lse = _collective_function().apply(run, q, k, v, sinks)
     return (out, lse) if return_lse else out
 
 
-def _ring_loop(g, plan, q, k, v, backend, *, overlap=True):
+def _ring_loop(g, plan, q, k, v, backend, *, sinks=None, overlap=True):
     """N steps: at step t this rank computes with the K/V shard of rank (rank - t) mod N while
     (``overlap=True``) the next shard is already on its way. ``overlap=False`` waits for each
-    transfer before computing (for measuring what the overlap saves)."""
+    transfer before computing (for measuring what the overlap saves). The sinks, one logit per
+    head with no value, join the merged result once at the end."""
     import torch
 
     b, hq, n = q.shape[:3]
@@ -606,6 +613,9 @@ def _ring_loop(g, plan, q, k, v, backend, *, overlap=True):
             _ring_compute(plan, q, kv[0], kv[1], acc_out, acc_lse, source, backend)
         if coming is not None:
             kv = tuple(coming)
+    if sinks is not None:
+        sink_lse = sinks.to(torch.float32)[None, :, None].expand_as(acc_lse)
+        _merge_into(acc_out, acc_lse, torch.zeros_like(acc_out), sink_lse)
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -639,7 +649,7 @@ def _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq
             acc.add_(part)
 
 
-def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend):
+def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend, *, sinks=None):
     """The gradients of ``_ring_loop``. K/V travel around the ring again, each shard followed by
     its dK/dV accumulator (float32): every rank adds what its queries contribute and passes it
     on, and after N steps the accumulator is back at the shard's owner. With the global
@@ -648,6 +658,9 @@ def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend):
     Order of messages on a link (rank r-1 -> r), the same on both ends so that backends which
     match point-to-point messages by order (NCCL) agree with those matching by tag (gloo):
     K/V of step t, then the accumulator of step t, then K/V of step t + 1, ...
+
+    Returns (dq, dk, dv, dsinks or None); dsinks is the part of this rank's rows
+    (docs/math.md#attention-backward), summed over the ranks like any parameter's gradient.
     """
     import torch
 
@@ -677,7 +690,12 @@ def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend):
         grads = _empty_shard(plan, (k, v), rank, torch.float32)
         _wait(_ring_exchange(g, receive=grads, tag=_GRAD_TAG))
     _wait(sends)
-    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype)
+    dsinks = None
+    if sinks is not None:
+        d = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(-1) - grad_lse
+        weight = torch.exp(sinks.to(torch.float32)[None, :, None] - lse)
+        dsinks = (-(weight * d).sum((0, 2))).to(sinks.dtype)
+    return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), dsinks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,7 +739,7 @@ def _visible_keys(plan, qpos) -> slice:
 
 def all_gather_attention(
     q, k, v, *, group=None, causal=False, key_lengths=None, scale=None, rope=None,
-    alibi_slopes=None, window=None, softcap=None, mask=None, relative_bias=None,
+    alibi_slopes=None, window=None, softcap=None, sinks=None, mask=None, relative_bias=None,
     return_lse=False, layout="contiguous", backend=None,
 ):  # fmt: skip
     """``ring_attention``'s contract (same arguments, same result) computed by all-gathering K
@@ -735,7 +753,7 @@ def all_gather_attention(
     plan = _Plan(
         g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
-        relative_bias=relative_bias, window=window, softcap=softcap, layout=layout,
+        relative_bias=relative_bias, window=window, softcap=softcap, sinks=sinks, layout=layout,
         name="all_gather_attention",
     )  # fmt: skip
 
@@ -751,12 +769,14 @@ def all_gather_attention(
         keys = _visible_keys(plan, qpos.host[rows])
         part = _attend(
             plan, q[:, :, rows], key_all[:, :, keys], value_all[:, :, keys], qpos[rows],
-            plan.everything[keys], causal=plan.causal, backend=backend,
+            plan.everything[keys], causal=plan.causal, backend=backend, sinks=sinks,
         )  # fmt: skip
-        if part is None:  # every key is padding
+        if part is None:  # no key to see: zeros, and lse = the sink (or -inf)
             b, hq, m = q[:, :, rows].shape[:3]
-            part = (q.new_zeros((b, hq, m, v.shape[3])),
-                    torch.full((b, hq, m), -math.inf, device=q.device))  # fmt: skip
+            lse = torch.full((b, hq, m), -math.inf, device=q.device)
+            if sinks is not None:
+                lse = sinks.to(torch.float32)[None, :, None].expand(b, hq, m)
+            part = (q.new_zeros((b, hq, m, v.shape[3])), lse)
         outs.append(part[0])
         lses.append(part[1].to(torch.float32))
     out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)

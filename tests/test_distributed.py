@@ -40,7 +40,7 @@ GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 def _case(name, **spec):
     base = dict(fn="ring", b=2, hq=4, hkv=4, s=24, d=8, dv=8, causal=False, layout="contiguous",
                 seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None, subgroups=False,
-                dtype="float32", grad=False, window=None, softcap=None)  # fmt: skip
+                dtype="float32", grad=False, window=None, softcap=None, sinks=False)  # fmt: skip
     base.update(spec)
     base["name"] = name
     return base
@@ -66,6 +66,8 @@ def _full_inputs(case):
     for key in ("window", "softcap"):
         if case[key] is not None:
             opts[key] = case[key]
+    if case["sinks"]:
+        opts["sinks"] = torch.linspace(-1.0, 2.0, hq)
     if case["alibi"]:
         opts["alibi_slopes"] = torch.tensor([2.0 ** -(h + 1) for h in range(hq)])
     dtype = getattr(torch, case["dtype"])
@@ -124,11 +126,14 @@ def _run_case(case, rank, world):
     fn = {"ring": fd.ring_attention, "all_gather": fd.all_gather_attention}[case["fn"]]
     if not case["grad"]:
         return fn(qs, ks, vs, layout=case["layout"], return_lse=True, **opts)
-    qs, ks, vs = (x.detach().requires_grad_(True) for x in (qs, ks, vs))
-    out, lse = fn(qs, ks, vs, layout=case["layout"], return_lse=True, **opts)
+    leaves = [x.detach().requires_grad_(True) for x in (qs, ks, vs)]
+    if case["sinks"]:
+        opts["sinks"] = opts["sinks"].requires_grad_(True)
+        leaves.append(opts["sinks"])
+    out, lse = fn(*leaves[:3], layout=case["layout"], return_lse=True, **opts)
     grad_out, grad_lse = (_split(x, case, rank, world) for x in _output_grads(case))
     torch.autograd.backward([out, lse], [grad_out.to(out.dtype), grad_lse[..., 0]])
-    return out, lse, qs.grad, ks.grad, vs.grad
+    return out, lse, *(x.grad for x in leaves)
 
 
 def _output_grads(case):
@@ -140,7 +145,7 @@ def _output_grads(case):
 
 def _reference(case):
     """(out, lse) of fastpe.attention on the unsharded inputs by the float64 oracle; for a case
-    with ``grad``, also (dq, dk, dv) of its backward under the same output gradients."""
+    with ``grad``, also (dq, dk, dv[, dsinks]) of its backward under the same output gradients."""
     q, k, v, opts = _full_inputs(case)
     if case["fn"] == "decode":
         q = q[:, :, -1:]
@@ -150,11 +155,14 @@ def _reference(case):
         opts["causal_alignment"] = "top_left"
     if not case["grad"]:
         return fastpe.attention(q, k, v, return_lse=True, backend="numpy", **opts)
-    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-    out, lse = fastpe.attention(q, k, v, return_lse=True, backend="numpy", **opts)
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    if case["sinks"]:
+        opts["sinks"] = opts["sinks"].double().requires_grad_(True)
+        leaves.append(opts["sinks"])
+    out, lse = fastpe.attention(*leaves[:3], return_lse=True, backend="numpy", **opts)
     grad_out, grad_lse = _output_grads(case)
     torch.autograd.backward([out, lse], [grad_out.double(), grad_lse[..., 0].double()])
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+    return out.detach(), lse.detach(), *(x.grad for x in leaves)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +259,9 @@ def _check(results, cases, world):
             for i, (name, ref) in enumerate(zip(("dq", "dk", "dv"), ref_grads, strict=False)):
                 grad = _unsplit([outcomes[r][3 + i] for r in ranks], case)
                 _assert_grad_close(case, name, grad, ref)
+            if case["sinks"] and case["grad"]:  # a parameter: each rank has its rows' part
+                grad = sum(outcomes[r][6] for r in ranks)
+                _assert_grad_close(case, "dsinks", grad, ref_grads[3])
 
 
 def _assert_close(case, out, lse, ref_out, ref_lse):
@@ -350,6 +361,17 @@ CASES_2 = [
         alibi=True,
     ),  # fmt: skip
     _case("window_all_gather_right", fn="all_gather", seqs=[11, 13], window=(-1, 2)),
+    # attention sinks (gpt-oss): one extra logit per head, joined once per query row
+    _case(
+        "sinks_zigzag",
+        causal=True,
+        layout="zigzag",
+        hkv=2,
+        sinks=True,
+        window=(5, 0),
+        key_lengths=[24, 0],
+    ),  # fmt: skip
+    _case("sinks_all_gather", fn="all_gather", seqs=[10, 14], sinks=True, key_lengths=[3, 24]),
     # error cases
     _case("heads_differ", error="heads_differ"),
     _case("causal_differs", error="causal_differs"),
@@ -385,7 +407,9 @@ CASES_4 = [
     _case("subgroups4", causal=True, layout="zigzag", subgroups=True, hkv=2),
     _case("decode4", fn="decode", seqs=[5, 9, 1, 6], s=21, key_lengths=[21, 7]),
     _case("window4", causal=True, seqs=[6, 6, 7, 5], window=(4, 0), rope=True),
-    _case("window_zigzag4", causal=True, layout="zigzag", s=32, window=(9, 0), softcap=5.0),
+    _case(
+        "window_zigzag4", causal=True, layout="zigzag", s=32, window=(9, 0), softcap=5.0, sinks=True
+    ),  # fmt: skip
     _case("heads_differ4", error="heads_differ"),
 ]
 
@@ -401,7 +425,7 @@ def _with_grad(cases, names):
 CASES_2 += _with_grad(CASES_2, ["causal_uneven", "uneven_noncausal_gqa", "zigzag_everything",
                                 "causal_padding_rope", "bf16_zigzag", "all_gather_zigzag",
                                 "all_gather_uneven", "window_zigzag", "window_both_sides",
-                                "window_all_gather"])  # fmt: skip
+                                "window_all_gather", "sinks_zigzag", "sinks_all_gather"])  # fmt: skip
 CASES_4 += _with_grad(CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4",
                                 "window_zigzag4"])  # fmt: skip
 
