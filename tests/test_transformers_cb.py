@@ -173,3 +173,42 @@ def test_patched_place_is_the_one_written_for():
     # without the wrap transformers cannot load the name (else the wrap is no longer needed)
     with pytest.raises(ValueError, match="Could not find"):
         original(name)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_generate_batch_windows_softcap_sinks_match_eager_alone(family, monkeypatch):
+    """Sliding windows shorter than the prompts (Mistral; Gemma 2 and gpt-oss alternate sliding
+    and full layers), Gemma 2's soft-capping and gpt-oss's sinks reach fastpe through
+    transformers' FlashAttention wrapper. Reference: each prompt alone through generate() with
+    eager attention (paged|eager itself ignores Gemma 2's soft-capping)."""
+    from test_transformers_models import FAMILIES
+
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    name = fastpe_hf.register_flash()
+    if family == "gpt_oss":  # else transformers swaps any flash name for gpt-oss's Hub kernels
+        model._compatible_flash_implementations = [name]
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 96, (n,), generator=generator).tolist() for n in (3, 11, 19, 40)]
+    model.set_attn_implementation("eager")
+    alone = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            alone.append(out[0, len(prompt) :].tolist())
+    calls = []
+    original = fastpe.attention_varlen
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fastpe, "attention_varlen", spy)
+    tokens, _ = _generate_batch(model, prompts, name)
+    assert tokens == alone
+    assert any(c["window"] not in (None, (-1, -1)) for c in calls)  # the window really cut
+    if family == "gemma2":
+        assert all(c["softcap"] == model.config.attn_logit_softcapping for c in calls)
+    if family == "gpt_oss":
+        assert all(c["sinks"] is not None for c in calls)
