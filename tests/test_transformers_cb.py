@@ -131,6 +131,22 @@ def test_flash_name_forward_with_padding_matches_sdpa(model_and_prompts, monkeyp
     torch.testing.assert_close(got[real], expected[real], atol=2e-5, rtol=1e-5)
 
 
+def test_flash_name_forward_without_padding_matches_sdpa(model_and_prompts, monkeypatch):
+    """A full batch (no padding, no packing) takes transformers' dense FlashAttention call."""
+    model, prompts = model_and_prompts
+    ids = torch.tensor([prompts[1][:20], prompts[4][:20]])
+    calls = []
+    original = fastpe.attention
+    monkeypatch.setattr(fastpe, "attention", lambda *a, **k: calls.append(k) or original(*a, **k))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        expected = model(input_ids=ids).logits
+        model.set_attn_implementation(fastpe_hf.register_flash())
+        got = model(input_ids=ids).logits
+    assert len(calls) == model.config.num_hidden_layers and all(c["causal"] for c in calls)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_register_flash_refuses_names_transformers_would_misread():
     with pytest.raises(ValueError, match='containing "flash"'):
         fastpe_hf.register_flash("fastpe")
