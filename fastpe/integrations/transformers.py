@@ -35,9 +35,9 @@ it loads a FlashAttention implementation from the ``flash_attn`` packages or fro
 ``register_flash()`` makes fastpe one: it registers transformers' own FlashAttention wrapper and
 FlashAttention mask under ``"fastpe_flash"`` (as transformers does for a Hub kernel) and wraps
 that one private loader so the name resolves to fastpe's FlashAttention-compatible varlen and
-dense functions. It is the only transformers internal fastpe patches; the patch checks the
-loader's signature first (written for transformers 5.23) and refuses a transformers whose loader
-differs; tests/test_transformers_cb.py pins it.
+dense functions. That loader is the one transformers internal register_flash patches; the
+wrap checks the loader's signature first (written for transformers 5.23) and refuses a
+transformers whose loader differs; tests/test_transformers_cb.py pins it.
 """
 
 from __future__ import annotations
