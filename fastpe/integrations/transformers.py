@@ -27,11 +27,23 @@ each sequence attends only to itself, and no cross-sequence score is computed, f
 backward (attention_varlen has a backward, so padding-free training works too). (Packed
 ``position_ids`` without those kwargs still work, through the block-diagonal mask transformers
 builds; that path computes every score of the packed row.)
+
+Continuous batching (``model.generate_batch``, paged cache): transformers runs it only with
+``paged|eager``, ``sdpa`` or a FlashAttention implementation (a name containing "flash"), and
+it loads a FlashAttention implementation from the ``flash_attn`` packages or from a Hub kernel
+(``modeling_flash_attention_utils._lazy_imports``), not from ``AttentionInterface``.
+``register_flash()`` makes fastpe one: it registers transformers' own FlashAttention wrapper and
+FlashAttention mask under ``"fastpe_flash"`` (as transformers does for a Hub kernel) and wraps
+that one private loader so the name resolves to fastpe's FlashAttention-compatible varlen and
+dense functions. That loader is the one transformers internal register_flash patches; the
+wrap checks the loader's signature first (written for transformers 5.23) and refuses a
+transformers whose loader differs; tests/test_transformers_cb.py pins it.
 """
 
 from __future__ import annotations
 
 import fastpe
+from fastpe.flash_attn import _options as _flash_options
 
 
 def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -158,3 +170,100 @@ def register(name: str = "fastpe") -> str:
     AttentionInterface.register(name, fastpe_attention_forward)
     AttentionMaskInterface.register(name, fastpe_mask)
     return name
+
+
+# FlashAttention implementations resolved to fastpe by the wrapped loader (see register_flash)
+_FLASH_NAMES: set[str] = set()
+# transformers.modeling_flash_attention_utils._lazy_imports as of transformers 5.23
+_LOADER_PARAMETERS = ("implementation", "attention_wrapper", "allow_all_kernels")
+
+
+def register_flash(name: str = "fastpe_flash") -> str:
+    """Register fastpe as a FlashAttention implementation named ``name`` (it must contain
+    "flash", which is how transformers recognises one); returns ``name`` for
+    ``attn_implementation=`` / ``model.set_attn_implementation``. Continuous batching
+    (``generate_batch``) then runs its packed varlen attention through
+    ``fastpe.attention_varlen``; ``generate``/``forward`` go through transformers' FlashAttention
+    path (padding removed, then varlen) on fastpe too."""
+    import transformers.modeling_flash_attention_utils as fa_utils
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.integrations.hub_kernels import is_kernel
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.utils.generic import is_flash_attention_requested
+
+    if not isinstance(name, str) or "flash" not in name:
+        raise ValueError(
+            f'name must be a str containing "flash" (transformers admits only FlashAttention '
+            f"implementations, by that substring, to continuous batching); got {name!r}"
+        )
+    # a digit after "flash" reads as FlashAttention 2/3/4 (their packages, CUDA decode path);
+    # "org/repo" reads as a Hub kernel to download
+    if is_flash_attention_requested(requested_attention_implementation=name, version=[2, 3, 4]):
+        raise ValueError(
+            f"name must not contain a FlashAttention version digit after 'flash' (transformers "
+            f"would treat it as the flash_attn package's version); got {name!r}"
+        )
+    if is_kernel(name):
+        raise ValueError(f"name must not look like a Hub kernel 'org/repo'; got {name!r}")
+    _wrap_flash_loader(fa_utils)
+    _FLASH_NAMES.add(name)
+    AttentionInterface.register(name, flash_attention_forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return name
+
+
+def _wrap_flash_loader(fa_utils) -> None:
+    """Wrap transformers' private FlashAttention loader once: names in _FLASH_NAMES resolve to
+    fastpe's functions, every other name goes to the original loader."""
+    import inspect
+
+    import transformers
+
+    loader = getattr(fa_utils, "_lazy_imports", None)
+    if getattr(loader, "_fastpe_wrapped", False):
+        return
+    found = None if loader is None else tuple(inspect.signature(loader).parameters)
+    if found != _LOADER_PARAMETERS:
+        raise RuntimeError(
+            f"fastpe's continuous-batching hook wraps transformers.modeling_flash_attention_utils."
+            f"_lazy_imports{_LOADER_PARAMETERS} (transformers 5.23); transformers "
+            f"{transformers.__version__} has {'no such function' if found is None else found}. "
+            f"register() (no continuous batching) still works; register_flash() needs updating"
+        )
+
+    def _lazy_imports(implementation, attention_wrapper=None, allow_all_kernels=False):
+        if implementation in _FLASH_NAMES:
+            # no flash_attn_with_kvcache: transformers uses it only for FlashAttention 2/3 on
+            # CUDA/XPU, which these names are not
+            return _flash_func, _flash_varlen_func, None, fa_utils._pad_input, fa_utils._unpad_input
+        return loader(implementation, attention_wrapper, allow_all_kernels)
+
+    _lazy_imports._fastpe_wrapped = True
+    _lazy_imports.__wrapped__ = loader
+    fa_utils._lazy_imports = _lazy_imports
+
+
+# transformers reads these signatures to decide which keywords to pass: s_aux (gpt-oss's sinks)
+# must be a parameter, else transformers drops the sinks silently
+def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                       dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, s_aux=None):  # fmt: skip
+    """FlashAttention's varlen call as transformers makes it: q [total_q, Hq, D], k/v
+    [total_k, Hkv, D]."""
+    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False)
+    return fastpe.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        causal=causal, causal_alignment="bottom_right", sinks=s_aux, **options,
+    )  # fmt: skip
+
+
+def _flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                softcap=0.0, s_aux=None):  # fmt: skip
+    """FlashAttention's dense call: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]."""
+    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False)
+    out = fastpe.attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+        causal_alignment="bottom_right", sinks=s_aux, **options,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous()
