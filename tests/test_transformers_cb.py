@@ -23,7 +23,6 @@ from fastpe.integrations import transformers as fastpe_hf  # noqa: E402
 PROMPT_LENGTHS = (5, 40, 1, 23, 71, 12)
 MAX_BATCH_TOKENS = 32
 NEW_TOKENS = 8
-WRITTEN_FOR = "5.23"
 
 
 @pytest.fixture(scope="module")
@@ -165,18 +164,16 @@ def test_plain_register_name_is_refused_by_continuous_batching(model_and_prompts
 
 
 def test_patched_place_is_the_one_written_for():
-    """Pins the one transformers internal register_flash wraps. If this fails after a
+    """Pins the one transformers internal register_flash wraps (written for transformers
+    5.23). If this fails after a
     transformers upgrade, read transformers.modeling_flash_attention_utils: update
     _LOADER_PARAMETERS and _wrap_flash_loader in fastpe/integrations/transformers.py (or drop
     the wrap if transformers gained a public way to register a FlashAttention implementation),
     then the README paragraph on continuous batching."""
     import transformers.modeling_flash_attention_utils as fa_utils
 
-    version = ".".join(transformers.__version__.split(".")[:2])
-    assert version == WRITTEN_FOR, (
-        f"register_flash was written against transformers {WRITTEN_FOR}; installed "
-        f"{transformers.__version__}: check the loader it wraps (see this test's docstring)"
-    )
+    # checks of the installed transformers, not of its version string: a later release that
+    # keeps this loader passes, one that changes it fails here and says where
     name = fastpe_hf.register_flash()
     loader = fa_utils._lazy_imports
     assert getattr(loader, "_fastpe_wrapped", False)
