@@ -13,15 +13,23 @@ or contiguous (``attention_kvcache``). Logical shapes:
 
 Work items are (sequence, block of its queries) pairs listed on the host — a sequence has as
 many items as its own query blocks, so no thread spends time on another sequence's padding —
-times kv heads times key splits. Each item gathers its key tiles (rows of one head, widened
-from half bits as they are read) into a scratch tile and runs the forward kernel's tile step
-(``_attend_tile``: S = Q·Kᵀ by BLAS, soft-cap, ALiBi, window/causal edges, online softmax,
-O += P·V): only keys below k_len[b] are ever read, so pages past a sequence's length and
-unused block-table entries are never touched.
+times key splits. Two tile steps, both only ever reading keys below k_len[b] (pages past a
+sequence's length and unused block-table entries are never touched):
+
+- thin row tiles (decoding: at most SMALL_ROWS = query heads of a kv head x positions), one
+  item over every kv head (``_attend_direct``): the contiguous decode's few-row loops
+  (``_scores_small``, ``_add_weighted_values_small``) read the cache rows in place, half bits
+  widened as read, in runs of at most RUN_ROWS rows of one page, every head of a run before the
+  next, with the next run prefetched (the hardware cannot guess where the next page lies);
+- larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
+  and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
+
+Both share the soft-cap, ALiBi, window/causal edges and online softmax of the forward kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numba
@@ -30,6 +38,8 @@ from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from fastpe.kernels.numba.attention import (
     _FLAGS,
+    SERIAL_WORK,
+    SMALL_ROWS,
     _add_weighted_values_small,
     _apply_tile_masks,
     _attend_tile,
@@ -46,11 +56,6 @@ from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
-# Row tiles of at most this many rows (decoding: Sq x group) read keys and values in place,
-# with plain loops, instead of gathering them for BLAS: a product this thin is bound by memory,
-# and the gather would read and write every key a second time.
-DIRECT_ROWS = 8
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -85,7 +90,8 @@ def _prefetch(typingctx, array, index):
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         offset = context.cast(builder, args[1], signature.args[1], types.intp)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(ary.data.type.pointee))
+        element = context.get_data_type(signature.args[0].dtype)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
         byte_ptr = ir.IntType(8).as_pointer()
         address = cgutils.pointer_add(builder, ary.data, builder.mul(offset, itemsize), byte_ptr)
         i32 = ir.IntType(32)
@@ -99,17 +105,20 @@ def _prefetch(typingctx, array, index):
 
 @njit(cache=True)
 def _prefetch_rows(src, row, n, hk):
-    """Prefetch head hk of rows row … row + n - 1 of src [R, H, D]."""
+    """Prefetch head hk of rows row … row + n - 1 of src [R, H, D] (64-byte cache lines)."""
     heads, width = src.shape[1], src.shape[2]
     step = max(1, 64 // src.itemsize)
     for r in range(row, row + n):
         base = (r * heads + hk) * width
         for x in range(base, base + width, step):
             _prefetch(src, x)
+        _prefetch(src, base + width - 1)  # the last line, when the head's slice is unaligned
 
 
-# Rows read per page run: the kv heads of up to this many cache rows are consumed before the
-# next rows are touched (a whole 256-row page, head by head, ran 1.3x slower).
+# Rows per page run: every kv head of up to this many cache rows is consumed before the next
+# rows are touched. Measured on B 8, Sk 4096, H 32/8, D 128 with 256-row pages: runs of a whole
+# page (each head streamed through it in turn) ran 1.3x slower than runs of 16; runs of 4 or 8
+# slower too (more, shorter calls).
 RUN_ROWS = 16
 
 
@@ -379,10 +388,14 @@ def attention_paged_numba(
     item_i0 = (
         np.arange(item_seq.shape[0]) - np.repeat(np.cumsum(blocks) - blocks, blocks)
     ) * block_m
-    # thin row tiles (decoding) take every kv head in one item, so that each cache row is read
-    # once and in order; split keys when the items cannot keep every thread busy
-    direct = group * block_m <= DIRECT_ROWS
-    threads = numba.get_num_threads()
+    # thin row tiles (decoding: at most SMALL_ROWS rows, multiplied by loops, never BLAS) read
+    # k and v in place and take every kv head in one item, so that each cache row is read once
+    # and in order; a call too small to be worth waking the pool runs whole on the calling
+    # thread (the contiguous kernel's rule); else keys are split when the items cannot keep
+    # every thread busy
+    direct = group * block_m <= SMALL_ROWS
+    serial = total_q * hq * max_k * (d + dv) <= SERIAL_WORK
+    threads = 1 if serial else numba.get_num_threads()
     items = item_seq.shape[0] * (1 if direct else hkv)
     key_tiles = -(-max_k // block_n)
     n_splits = key_splits(items, key_tiles, threads)
@@ -396,7 +409,9 @@ def attention_paged_numba(
     has_sinks = sinks is not None
     sinks = _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64)
     kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
-    with single_threaded_blas():
+    if serial:
+        kernel = kernel.serial
+    with contextlib.nullcontext() if direct else single_threaded_blas():
         kernel(
             q, k, v, part_out, part_lse, np.ascontiguousarray(q_start, np.int64), q_len, k_len,
             np.ascontiguousarray(page_start, np.int64), int(page_size), item_seq, item_i0,
