@@ -97,7 +97,7 @@ def _prefetch(typingctx, array, index):
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
         fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
-        builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, all cache levels, data
+        builder.call(fn, [address, i32(0), i32(2), i32(1)])  # read, all cache levels, data
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
