@@ -565,7 +565,7 @@ def test_kvcache_bfloat16_stores_rounded_rotated_keys(backend):
 
 
 @pytest.mark.parametrize("serial", [True, False], ids=["serial", "parallel"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize(
     "hq,hkv,sq,page",
     [(16, 1, 1, 24), (8, 2, 3, 7), (4, 2, 1, 16)],
@@ -574,7 +574,8 @@ def test_kvcache_bfloat16_stores_rounded_rotated_keys(backend):
 def test_kvcache_decode_tiles_read_pages_in_place(hq, hkv, sq, page, dtype, serial, monkeypatch):
     """Decode tiles (at most 16 rows: query heads of a kv head times positions) read the cache
     rows through the page table in place, in runs of at most 16 rows within a page (pages of 7
-    and 24 rows give runs that are neither whole nor multiples of 4), half bits widened as read;
+    and 24 rows give runs that are neither whole nor multiples of 4), bfloat16 bits widened as
+    read, float16 bits widened once per run;
     small calls run on the calling thread, larger ones in parallel with the keys split across
     threads and merged. Every path must match the float64 reference with ragged lengths,
     window, soft-cap, ALiBi and sinks."""
@@ -609,6 +610,6 @@ def test_kvcache_decode_tiles_read_pages_in_place(hq, hkv, sq, page, dtype, seri
         want, want_lse = ref_attention(q[b], keys, vals, alibi=alibi[b], **kw)
         total = torch.logaddexp(want_lse, sinks.double()[:, None])
         want = want * torch.exp(want_lse - total).T[..., None]
-        atol = 2e-5 if dtype == "float32" else 1e-2  # bf16: the output's rounding
+        atol = 2e-5 if dtype == "float32" else 1e-2  # half types: the output's rounding
         close(out[b], want, atol=atol, what=f"out {b}")
         close(lse[b], total, atol=2e-5, what=f"lse {b}")
