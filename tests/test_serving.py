@@ -391,8 +391,12 @@ def test_kvcache_flash_attn_entry_point_and_lse():
         close(lse[b], want_lse)
 
 
-def test_kvcache_long_cache_splits_keys():
+def test_kvcache_long_cache_splits_keys(monkeypatch):
     """A decode step over a long cache splits the keys across threads (numba) and merges."""
+    from fastpe.kernels.numba import attention_paged
+
+    # this call is small enough to run serially, unsplit: force the parallel path
+    monkeypatch.setattr(attention_paged, "SERIAL_WORK", -1)
     q = torch.randn(1, 1, 8, 64)
     k_cache, v_cache = torch.randn(40, 64, 2, 64), torch.randn(40, 64, 2, 64)
     table = torch.randperm(40)[None].to(torch.int32)
@@ -513,10 +517,14 @@ def test_kvcache_read_only_numpy_cache_refused_when_appending():
     [([40], [700], 1, 1), ([1, 1, 2], [900, 5, 300], 8, 2)],
     ids=["prefill-split", "decode-split"],
 )
-def test_varlen_long_keys_with_every_option(backend, lq, lk, hq, hkv):
+def test_varlen_long_keys_with_every_option(backend, lq, lk, hq, hkv, monkeypatch):
     """Few work items over long keys: the Numba kernel splits the keys across threads and
     merges the parts (thin decode tiles and BLAS tiles alike); ALiBi's lse correction and the
     sink must survive the merge."""
+    from fastpe.kernels.numba import attention_paged
+
+    # the decode case is small enough to run serially, unsplit: force the parallel path
+    monkeypatch.setattr(attention_paged, "SERIAL_WORK", -1)
     torch.manual_seed(3)
     cu_q, cu_k = cu(lq), cu(lk)
     q = torch.randn(int(cu_q[-1]), hq, 32)
@@ -554,3 +562,54 @@ def test_kvcache_bfloat16_stores_rounded_rotated_keys(backend):
     assert out.dtype == torch.bfloat16
     close(out, want, atol=2e-2)
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "hq,hkv,sq,page",
+    [(16, 1, 1, 24), (8, 2, 3, 7), (4, 2, 1, 16)],
+    ids=["rows16", "rows12", "rows2"],
+)
+def test_kvcache_decode_tiles_read_pages_in_place(hq, hkv, sq, page, dtype, serial, monkeypatch):
+    """Decode tiles (at most 16 rows: query heads of a kv head times positions) read the cache
+    rows through the page table in place, in runs of at most 16 rows within a page (pages of 7
+    and 24 rows give runs that are neither whole nor multiples of 4), bfloat16 bits widened as
+    read, float16 bits widened once per run;
+    small calls run on the calling thread, larger ones in parallel with the keys split across
+    threads and merged. Every path must match the float64 reference with ragged lengths,
+    window, soft-cap, ALiBi and sinks."""
+    from fastpe.kernels.numba import attention_paged
+
+    direct = attention_paged._attention_paged_direct_numba
+    calls = []
+    twin = direct.serial
+    monkeypatch.setattr(direct, "serial", lambda *a: calls.append(1) or twin(*a))
+    monkeypatch.setattr(attention_paged, "SERIAL_WORK", 1 << 40 if serial else -1)
+    gen = torch.Generator().manual_seed(hq + sq + page)
+    dt = getattr(torch, dtype)
+    lengths = [0, 300, 61]  # 300 keys: two key tiles, split in two on 2+ threads
+    pages = [-(-n // page) for n in lengths]
+    table = torch.full((3, max(pages)), -1, dtype=torch.int32)  # unused entries are never read
+    perm = torch.randperm(sum(pages), generator=gen).to(torch.int32)
+    for b, start in enumerate(np.cumsum([0, *pages[:-1]])):
+        table[b, : pages[b]] = perm[start : start + pages[b]]
+    k_cache = torch.randn(sum(pages), page, hkv, 32, generator=gen).to(dt)
+    v_cache = torch.randn(sum(pages), page, hkv, 32, generator=gen).to(dt)
+    q = torch.randn(3, sq, hq, 32, generator=gen).to(dt)
+    alibi, sinks = torch.rand(3, hq, generator=gen) * 0.05, torch.randn(hq, generator=gen)
+    kw = {"causal": True, "window": (200, 0), "softcap": 5.0}
+    out, lse = fastpe.attention_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        block_table=table, alibi_slopes=alibi, sinks=sinks, return_lse=True, backend="numba", **kw,
+    )  # fmt: skip
+    assert calls if serial else not calls
+    for b, n in enumerate(lengths):
+        keys = k_cache[table[b, : pages[b]].long()].reshape(-1, hkv, 32)[:n]
+        vals = v_cache[table[b, : pages[b]].long()].reshape(-1, hkv, 32)[:n]
+        want, want_lse = ref_attention(q[b], keys, vals, alibi=alibi[b], **kw)
+        total = torch.logaddexp(want_lse, sinks.double()[:, None])
+        want = want * torch.exp(want_lse - total).T[..., None]
+        atol = 2e-5 if dtype == "float32" else 1e-2  # half types: the output's rounding
+        close(out[b], want, atol=atol, what=f"out {b}")
+        close(lse[b], total, atol=2e-5, what=f"lse {b}")

@@ -302,9 +302,15 @@ SMALL_ROWS = 16
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _scores_small(qt, kt, s):
-    """s = qt·ktᵀ for a few rows, four keys at a time: each query element read serves four
-    independent sums (one key at a time was 2x slower: a horizontal sum per score)."""
+def _scores_small(qt, kt, hk, s, col):
+    """s[:, col + c] = qt·kt[c, hk] for a few query rows, four keys at a time: each query
+    element read serves four independent sums (one key at a time was 2x slower: a horizontal
+    sum per score).
+
+    qt [m, D]; kt [n, H, D]: n key rows each holding H heads side by side (H = 1 for one
+    head's tile, H = Hkv for rows of a paged cache, read in place); s [m, >= col + n]. All
+    C-contiguous: on a strided 2D view of one head (layout 'A') the loop over D does not know
+    its unit stride and ran 9x slower. Half-precision bits are widened as read."""
     m, d = qt.shape
     n = kt.shape[0]
     full = n - n % 4
@@ -314,39 +320,90 @@ def _scores_small(qt, kt, s):
             s0 = s1 = s2 = s3 = zero
             for e in range(d):
                 x = qt[r, e]
-                s0 += x * kt[c, e]
-                s1 += x * kt[c + 1, e]
-                s2 += x * kt[c + 2, e]
-                s3 += x * kt[c + 3, e]
-            s[r, c], s[r, c + 1], s[r, c + 2], s[r, c + 3] = s0, s1, s2, s3
+                s0 += x * _widen(kt[c, hk, e])
+                s1 += x * _widen(kt[c + 1, hk, e])
+                s2 += x * _widen(kt[c + 2, hk, e])
+                s3 += x * _widen(kt[c + 3, hk, e])
+            j = col + c
+            s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3] = s0, s1, s2, s3
     for c in range(full, n):
         for r in range(m):
             total = zero
             for e in range(d):
-                total += qt[r, e] * kt[c, e]
-            s[r, c] = total
+                total += qt[r, e] * _widen(kt[c, hk, e])
+            s[r, col + c] = total
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _weighted_values_small(p, vt, pv):
-    """pv = p·vt for a few rows, four value rows at a time (they stay in L1 across the rows; one
-    at a time, the load and store of pv per multiply-add made it 2.5x slower)."""
-    m, n = p.shape
-    dv = vt.shape[1]
-    pv[:] = 0.0
+def _add_weighted_values_small(p, col, vt, hk, acc):
+    """acc += p[:, col : col + n]·vt[:, hk] for a few rows, four value rows at a time (they
+    stay in L1 across the rows; one at a time, the load and store of acc per multiply-add made
+    it 2.5x slower). vt [n, H, Dv] as kt in ``_scores_small``."""
+    m = p.shape[0]
+    n, dv = vt.shape[0], vt.shape[2]
     full = n - n % 4
     for c in range(0, full, 4):
+        j = col + c
         for r in range(m):
-            w0, w1, w2, w3 = p[r, c], p[r, c + 1], p[r, c + 2], p[r, c + 3]
+            w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
             for e in range(dv):
-                pv[r, e] += (
-                    w0 * vt[c, e] + w1 * vt[c + 1, e] + w2 * vt[c + 2, e] + w3 * vt[c + 3, e]
+                acc[r, e] += (
+                    w0 * _widen(vt[c, hk, e])
+                    + w1 * _widen(vt[c + 1, hk, e])
+                    + w2 * _widen(vt[c + 2, hk, e])
+                    + w3 * _widen(vt[c + 3, hk, e])
                 )
     for c in range(full, n):
         for r in range(m):
-            w = p[r, c]
+            w = p[r, col + c]
             for e in range(dv):
-                pv[r, e] += w * vt[c, e]
+                acc[r, e] += w * _widen(vt[c, hk, e])
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
+    """The online-softmax step on one row tile's masked scores s [m, n]: p = the weights
+    against each row's running reference, row sums updated, acc rescaled to the new reference
+    (the caller then adds P·V). work [4, m] is scratch.
+
+    The reference is lazy: each row's scores are exponentiated against its running reference
+    row_max, which is the exact max of the row's first tile with a visible key (so that tile's
+    largest weight is exactly 1: a rounded dominant weight roughly doubled the worst-case
+    float32 error) but afterwards need not be the exact max — the max reduction costs more
+    than the exp pass — only never far below it: whenever a score outruns it so far that the
+    tile's sum exceeds the tile's width n (a bound the exact max would keep; read for free from
+    the sums the exp pass computes), the row is redone against its exact max. So the running
+    sum stays below Sk as with an exact max, and P·V cannot overflow where the exact
+    computation does not (|v| within float32 max / Sk).
+    """
+    m = s.shape[0]
+    alpha, totals, ref = work[0], work[1], work[3]
+    to_nat = 1.0 / unit
+    to_log2 = s.dtype.type(LOG2E * to_nat)
+    for r in range(m):
+        alpha[r] = 1.0
+        if row_max[r] == -np.inf:
+            row_max[r] = _row_max(s, r, n)
+        ref[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
+    if is_f32:
+        _exp_shifted(s, ref, p, 0, m, n, totals, to_log2)
+    else:
+        _exp_shifted_f64(s, ref, p, 0, m, n, totals, to_nat)
+    for r in range(m):
+        if totals[r] > n:  # the reference fell behind: redo this row exactly
+            mx = max(row_max[r], _row_max(s, r, n))
+            alpha[r] = math.exp((row_max[r] - mx) * to_nat)
+            row_max[r] = mx
+            ref[r] = mx
+            if is_f32:
+                _exp_shifted(s, ref, p, r, r + 1, n, totals, to_log2)
+            else:
+                _exp_shifted_f64(s, ref, p, r, r + 1, n, totals, to_nat)
+        row_sum[r] = row_sum[r] * alpha[r] + totals[r]
+        a = alpha[r]
+        if a != 1.0:
+            for c in range(acc.shape[1]):
+                acc[r, c] *= a
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -359,7 +416,7 @@ def _attend_tile(
     O += P·V."""
     m, n = s.shape
     if m <= SMALL_ROWS:
-        _scores_small(qt, kt, s)
+        _scores_small(qt, kt[:, None], 0, s, 0)
     else:
         np.dot(qt, kt.T, s)
     if softcap > 0.0:
@@ -369,51 +426,14 @@ def _attend_tile(
         s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,
         mask_is_bool, mask_limit, unit, has_alibi, alibi, length, has_bias, bias, bias_offset,
     )  # fmt: skip
-    # Online softmax with a lazy reference: each row's scores are exponentiated against its
-    # running reference row_max, which is the exact max of the row's first tile with a visible
-    # key (so that tile's largest weight is exactly 1: a rounded dominant weight roughly
-    # doubled the worst-case float32 error) but afterwards need not be the exact max — the max
-    # reduction costs more than the exp pass — only never far below it: whenever a score
-    # outruns it so far that the tile's sum exceeds the tile's width n (a bound the exact max
-    # would keep; read for free from the sums the exp pass computes), the row is redone
-    # against its exact max. So the running sum stays below Sk as with an exact max, and P·V
-    # cannot overflow where the exact computation does not (|v| within float32 max / Sk).
-    alpha, totals = work[0], work[1]
-    to_nat = 1.0 / unit
-    to_log2 = s.dtype.type(LOG2E * to_nat)
-    shift = work[3]
-    for r in range(m):
-        alpha[r] = 1.0
-        if row_max[r] == -np.inf:
-            row_max[r] = _row_max(s, r, n)
-        shift[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
-    if is_f32:
-        _exp_shifted(s, shift, p, 0, m, n, totals, to_log2)
-    else:
-        _exp_shifted_f64(s, shift, p, 0, m, n, totals, to_nat)
-    for r in range(m):
-        if totals[r] > n:  # the reference fell behind: redo this row exactly
-            mx = max(row_max[r], _row_max(s, r, n))
-            alpha[r] = math.exp((row_max[r] - mx) * to_nat)
-            row_max[r] = mx
-            shift[r] = mx
-            if is_f32:
-                _exp_shifted(s, shift, p, r, r + 1, n, totals, to_log2)
-            else:
-                _exp_shifted_f64(s, shift, p, r, r + 1, n, totals, to_nat)
-        row_sum[r] = row_sum[r] * alpha[r] + totals[r]
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32)
     if m <= SMALL_ROWS:
-        _weighted_values_small(p, vt, pv)
+        _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
     else:
         np.dot(p, vt, pv)
-    for r in range(m):
-        a = alpha[r]
-        if a == 1.0:
+        for r in range(m):
             for c in range(acc.shape[1]):
                 acc[r, c] += pv[r, c]
-        else:
-            for c in range(acc.shape[1]):
-                acc[r, c] = acc[r, c] * a + pv[r, c]
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
