@@ -89,16 +89,22 @@ def test_generate_batch_runs_fastpe_and_matches_builtin(model_and_prompts, refer
     assert any(len(qs) > 1 for qs, _ in calls)  # several requests in one packed call
 
 
-def test_generate_batch_matches_generate_alone(model_and_prompts, reference_runs):
-    """Independent of continuous batching: each prompt alone through plain generate()."""
-    model, prompts = model_and_prompts
-    model.set_attn_implementation("sdpa")
+def _generate_alone(model, prompts, implementation):
+    """Greedy tokens of plain generate() on each prompt by itself (no batching, no paging)."""
+    model.set_attn_implementation(implementation)
     alone = []
     with torch.no_grad():
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                  do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
             alone.append(out[0, len(prompt) :].tolist())
+    return alone
+
+
+def test_generate_batch_matches_generate_alone(model_and_prompts, reference_runs):
+    """Independent of continuous batching: each prompt alone through plain generate()."""
+    model, prompts = model_and_prompts
+    alone = _generate_alone(model, prompts, "sdpa")
     tokens, _ = _generate_batch(model, prompts, fastpe_hf.register_flash())
     assert tokens == alone
     assert reference_runs["sdpa"][0] == alone
@@ -203,13 +209,7 @@ def test_generate_batch_windows_softcap_sinks_match_eager_alone(family, monkeypa
         model._compatible_flash_implementations = [name]
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 96, (n,), generator=generator).tolist() for n in (3, 11, 19, 40)]
-    model.set_attn_implementation("eager")
-    alone = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-            alone.append(out[0, len(prompt) :].tolist())
+    alone = _generate_alone(model, prompts, "eager")
     calls = []
     original = fastpe.attention_varlen
 
