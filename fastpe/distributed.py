@@ -490,6 +490,16 @@ def _merge_into(acc_out, acc_lse, out, lse):
     acc_lse.copy_(new)
 
 
+def _merge_sinks(acc_out, acc_lse, sinks):
+    """The sinks (one logit per head, no value) as one more part: out 0, lse = the sink."""
+    import torch
+
+    sink_lse = torch.as_tensor(sinks, device=acc_lse.device).to(torch.float32)
+    _merge_into(
+        acc_out, acc_lse, torch.zeros_like(acc_out), sink_lse[None, :, None].expand_as(acc_lse)
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Ring attention
 
@@ -614,8 +624,7 @@ def _ring_loop(g, plan, q, k, v, backend, *, sinks=None, overlap=True):
         if coming is not None:
             kv = tuple(coming)
     if sinks is not None:
-        sink_lse = sinks.to(torch.float32)[None, :, None].expand_as(acc_lse)
-        _merge_into(acc_out, acc_lse, torch.zeros_like(acc_out), sink_lse)
+        _merge_sinks(acc_out, acc_lse, sinks)
     return acc_out.to(q.dtype), acc_lse
 
 
@@ -789,7 +798,7 @@ def all_gather_attention(
 
 def sharded_kv_decode_attention(
     q, k_cache_shard, v_cache_shard, *, group=None, cache_lengths=None, scale=None,
-    return_lse=False, backend=None,
+    softcap=None, sinks=None, return_lse=False, backend=None,
 ):  # fmt: skip
     """Queries that see a whole KV cache sharded over the ranks (decoding): each rank attends to
     its shard, and the partial results are combined with the lse rule over one ``all_gather``.
@@ -799,9 +808,9 @@ def sharded_kv_decode_attention(
     (lengths may differ between ranks); ``cache_lengths`` [B] (optional): how many of this
     rank's S_r slots hold keys, per sequence (the rest is padding, never read). Every query
     attends to every valid key of every shard, with no causal rule and no position bias: keys
-    are cached already rotated (RoPE). Returns ``out`` [B, Hq, Sq, Dv] in q's dtype on every rank
-    (and ``lse`` float32 [B, Hq, Sq]); equal to ``fastpe.attention`` on the concatenated valid
-    cache.
+    are cached already rotated (RoPE). ``softcap`` applies to every score; ``sinks`` [Hq] join
+    the merged result once. Returns ``out`` [B, Hq, Sq, Dv] in q's dtype on every rank (and
+    ``lse`` float32 [B, Hq, Sq]); equal to ``fastpe.attention`` on the concatenated valid cache.
     """
     import torch
 
@@ -823,7 +832,7 @@ def sharded_kv_decode_attention(
         inputs = AttentionInputs.build(
             q, k_cache_shard, v_cache_shard, causal=False, causal_alignment="bottom_right",
             mask=None, key_lengths=cache_lengths, scale=scale, rope=None, alibi_slopes=None,
-            relative_bias=None, return_lse=True,
+            relative_bias=None, return_lse=True, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         return {
             "q": tuple(q.shape),
@@ -834,12 +843,16 @@ def sharded_kv_decode_attention(
                 v_cache_shard.shape[3],
             ),  # fmt: skip
             "dtype": str(q.dtype),
-            "scale": inputs.scale,
+            "options": (
+                inputs.scale,
+                inputs.softcap,
+                None if sinks is None else torch.as_tensor(sinks).tolist(),
+            ),  # fmt: skip
         }
 
     reports = g.agree(local)
     for key, what in (("q", "q shape"), ("kv", "cache shape (B, Hkv, D, Dv)"),
-                      ("dtype", "dtype"), ("scale", "scale")):  # fmt: skip
+                      ("dtype", "dtype"), ("options", "scale, softcap and sinks")):  # fmt: skip
         for rank, r in enumerate(reports):
             if r[key] != reports[0][key]:
                 raise ValueError(
@@ -852,7 +865,7 @@ def sharded_kv_decode_attention(
 
         out, lse = fastpe.attention(
             q, k_cache_shard, v_cache_shard, key_lengths=cache_lengths, scale=scale,
-            return_lse=True, backend=backend,
+            softcap=softcap, return_lse=True, backend=backend,
         )  # fmt: skip
         # one collective carries both: [out | lse] in float32
         packed = torch.cat([out.to(torch.float32), lse.to(torch.float32)[..., None]], dim=-1)
@@ -862,6 +875,8 @@ def sharded_kv_decode_attention(
         acc_lse = torch.full_like(packed[..., -1], -math.inf)
         for part in parts:
             _merge_into(acc_out, acc_lse, part[..., :-1], part[..., -1])
+        if sinks is not None:
+            _merge_sinks(acc_out, acc_lse, sinks)
         return acc_out.to(q.dtype), acc_lse
 
     out, lse = _without_backward(

@@ -100,8 +100,9 @@ def _run_case(case, rank, world):
             q.requires_grad_(True)
             out = fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths)
             out.sum().backward()
+        extra = {key: opts[key] for key in ("softcap", "sinks") if key in opts}
         return fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths,
-                                              return_lse=True)  # fmt: skip
+                                              return_lse=True, **extra)  # fmt: skip
     group = None
     if case["subgroups"]:  # two groups {0, 2} and {1, 3}: group ranks differ from global ranks
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
@@ -339,6 +340,15 @@ CASES_2 = [
     _case("all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, alibi=True),
     _case("all_gather_noncausal", fn="all_gather", seqs=[3, 21], key_lengths=[24, 2], rope=True),
     _case("decode", fn="decode", hq=8, hkv=2, seqs=[30, 11], s=41, key_lengths=[35, 20]),
+    _case(
+        "decode_sinks_softcap",
+        fn="decode",
+        hkv=2,
+        seqs=[9, 15],
+        key_lengths=[24, 0],
+        sinks=True,
+        softcap=2.5,
+    ),  # fmt: skip
     # sliding windows (global distances) and soft-capping
     _case("window_causal_uneven", causal=True, seqs=[15, 9], window=(5, 0), alibi=True),
     _case(
