@@ -396,6 +396,22 @@ class _Plan:
             else torch.as_tensor(alibi_slopes, device=q.device, dtype=torch.float32)
         )
 
+    @functools.cached_property
+    def ring_steps(self) -> int:
+        """How many ring steps any rank needs: 1 + the furthest distance around the ring at which
+        some rank still sees some key of another's shard. Usually N; with a sliding window (or
+        shards that are all padding) the ring stops, and its transfers with it, once every
+        visible key has been seen."""
+        size = self.g.size
+        for step in reversed(range(1, size)):
+            for rank in range(size):
+                source = (rank - step) % size
+                q, k = self.positions[rank].host, self.positions[source].host
+                if any(not _nothing_visible(self, q[rows], k[keys])
+                       for rows, keys, _ in _ring_blocks(self, rank, source)):  # fmt: skip
+                    return step + 1
+        return 1
+
 
 class _Span:
     """Global positions of some tokens (increasing): on the host, where the blocks are planned
@@ -408,6 +424,16 @@ class _Span:
         return _Span(self.host[part], self.device[part])
 
 
+def _nothing_visible(plan, qh, kh) -> bool:
+    """Whether no query at host positions ``qh`` may see any key at ``kh`` (both increasing):
+    no keys, all of them padding, or all outside every query's window. Decided on the host,
+    identically on every rank."""
+    if len(kh) == 0 or (plan.longest_key is not None and kh[0] >= plan.longest_key):
+        return True
+    left, right = plan.window or (-1, -1)
+    return (left >= 0 and kh[-1] < qh[0] - left) or (right >= 0 and kh[0] > qh[-1] + right)
+
+
 def _block_options(plan, q_at, k_at, *, causal):
     """``fastpe.attention``'s options for one block: queries at ``q_at`` against keys at
     ``k_at`` (``_Span``s), or None when no key of the block is allowed.
@@ -417,14 +443,12 @@ def _block_options(plan, q_at, k_at, *, causal):
     """
     import torch
 
-    if len(k_at.host) == 0:
+    if _nothing_visible(plan, q_at.host, k_at.host):
         return None
     qpos, kpos = q_at.device, k_at.device
     key_lengths = None
     if plan.key_lengths is not None:
         # keys are at increasing positions, so those before the global length form a prefix
-        if k_at.host[0] >= plan.longest_key:
-            return None
         key_lengths = (kpos[None, :] < plan.key_lengths[:, None]).sum(1)
     rope = None
     if plan.rope is not None:
@@ -437,9 +461,7 @@ def _block_options(plan, q_at, k_at, *, causal):
     window = None
     if plan.window is not None:
         left, right = plan.window
-        qh, kh = q_at.host, k_at.host
-        if (left >= 0 and kh[-1] < qh[0] - left) or (right >= 0 and kh[0] > qh[-1] + right):
-            return None  # every key is outside every query's window
+        qh = q_at.host
         if same_tokens and qh[-1] - qh[0] == len(qh) - 1:
             window = plan.window  # consecutive positions: local distances are the global ones
         else:
@@ -538,11 +560,13 @@ def _ring_compute(plan, q, k, v, acc_out, acc_lse, source, backend):
 _KV_TAG, _GRAD_TAG = 1, 2
 
 
-def _ring_exchange(g, *, send=(), receive=(), tag):
-    """Post sends of ``send`` to the next rank and receives into ``receive`` (allocated by the
-    caller) from the previous one; returns the requests without waiting."""
+def _ring_exchange(g, *, send=(), receive=(), tag, to=1, sender=1):
+    """Post sends of ``send`` to rank ``to`` places further along the ring (the next one by
+    default) and receives into ``receive`` (allocated by the caller) from rank ``sender``
+    places back (the previous one); returns the requests without waiting."""
     dist = g.dist
-    nxt, prev = g.global_rank((g.rank + 1) % g.size), g.global_rank((g.rank - 1) % g.size)
+    nxt = g.global_rank((g.rank + to) % g.size)
+    prev = g.global_rank((g.rank - sender) % g.size)
     ops = [dist.P2POp(dist.isend, t, nxt, g.group, tag) for t in send]
     ops += [dist.P2POp(dist.irecv, t, prev, g.group, tag) for t in receive]
     return dist.batch_isend_irecv(ops) if ops else []
@@ -610,10 +634,10 @@ def _ring_loop(g, plan, q, k, v, backend, *, sinks=None, overlap=True):
     acc_out = torch.zeros((b, hq, n, v.shape[3]), dtype=torch.float32, device=q.device)
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=torch.float32, device=q.device)
     kv = (k.contiguous(), v.contiguous())
-    for step in range(g.size):
+    for step in range(plan.ring_steps):
         source = (g.rank - step) % g.size
         coming, requests = None, []
-        if step < g.size - 1:  # every shard still has to reach the ranks further along
+        if step < plan.ring_steps - 1:  # the shard still has to reach ranks further along
             coming = _empty_shard(plan, kv, (source - 1) % g.size)
             requests = _ring_exchange(g, send=kv, receive=coming, tag=_KV_TAG)
         if overlap:
@@ -666,24 +690,26 @@ def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend, *, s
 
     Order of messages on a link (rank r-1 -> r), the same on both ends so that backends which
     match point-to-point messages by order (NCCL) agree with those matching by tag (gloo):
-    K/V of step t, then the accumulator of step t, then K/V of step t + 1, ...
+    K/V of step t, then the accumulator of step t, then K/V of step t + 1, ... When fewer than
+    N steps are needed (``_Plan.ring_steps``: sliding windows), the last rank to need a shard
+    sends its accumulator straight to the owner, a link that carries nothing else.
 
     Returns (dq, dk, dv, dsinks or None); dsinks is the part of this rank's rows
     (docs/math.md#attention-backward), summed over the ranks like any parameter's gradient.
     """
     import torch
 
-    rank, size = g.rank, g.size
+    rank, steps = g.rank, plan.ring_steps
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k.contiguous(), v.contiguous())
     sends = []  # accumulator sends in flight; their buffers stay referenced until waited for
-    for step in range(size):
-        source = (rank - step) % size
+    for step in range(steps):
+        source = (rank - step) % g.size
         arriving = _empty_shard(plan, kv, source, torch.float32) if step > 0 else ()
         requests = _ring_exchange(g, receive=arriving, tag=_GRAD_TAG)
         coming = ()
-        if step < size - 1:
-            coming = _empty_shard(plan, kv, (source - 1) % size)
+        if step < steps - 1:
+            coming = _empty_shard(plan, kv, (source - 1) % g.size)
             requests += _ring_exchange(g, send=kv, receive=coming, tag=_KV_TAG)
         grads = tuple(torch.zeros_like(t, dtype=torch.float32) for t in kv)
         _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq, grads,
@@ -691,13 +717,15 @@ def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend, *, s
         _wait(requests)
         for acc, part in zip(grads, arriving, strict=False):
             acc.add_(part)
-        if size > 1:  # on the last step the next rank is the shard's owner
+        if step < steps - 1:
             sends += _ring_exchange(g, send=grads, tag=_GRAD_TAG)
+        elif step > 0:  # the last rank to need the shard hands the sum back to its owner
+            sends += _ring_exchange(g, send=grads, tag=_GRAD_TAG, to=-step)
         if coming:
             kv = coming
-    if size > 1:
+    if steps > 1:  # from the rank that held this rank's shard last
         grads = _empty_shard(plan, (k, v), rank, torch.float32)
-        _wait(_ring_exchange(g, receive=grads, tag=_GRAD_TAG))
+        _wait(_ring_exchange(g, receive=grads, tag=_GRAD_TAG, sender=-(steps - 1)))
     _wait(sends)
     dsinks = None
     if sinks is not None:

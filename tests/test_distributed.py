@@ -437,7 +437,7 @@ CASES_2 += _with_grad(CASES_2, ["causal_uneven", "uneven_noncausal_gqa", "zigzag
                                 "all_gather_uneven", "window_zigzag", "window_both_sides",
                                 "window_all_gather", "sinks_zigzag", "sinks_all_gather"])  # fmt: skip
 CASES_4 += _with_grad(CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4",
-                                "window_zigzag4"])  # fmt: skip
+                                "window4", "window_zigzag4"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -540,6 +540,40 @@ def test_missing_process_group_is_a_clear_error():
             fn(q, q, q)
     with pytest.raises(RuntimeError, match="init_process_group"):
         fd.sharded_kv_decode_attention(q, q, q)
+
+
+def _ring_steps(seqs, *, causal=True, layout="contiguous", window=None, key_lengths=None):
+    """_Plan.ring_steps on a plan built from its fields alone (no process group needed)."""
+    import types
+
+    import numpy as np
+
+    world = len(seqs)
+    if layout == "zigzag":
+        positions = [fd.shard_positions(sum(seqs), r, world, layout="zigzag").numpy()
+                     for r in range(world)]  # fmt: skip
+    else:
+        starts = np.cumsum([0, *seqs])
+        positions = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    plan = types.SimpleNamespace(
+        g=types.SimpleNamespace(size=world), seqs=list(seqs), causal=causal, layout=layout,
+        window=window, longest_key=None if key_lengths is None else max(key_lengths),
+        positions=[fd._Span(p, None) for p in positions],
+    )  # fmt: skip
+    return fd._Plan.ring_steps.func(plan)
+
+
+def test_the_ring_stops_once_every_window_is_covered():
+    # causal, shards of 6, 6, 7, 5: a window of 5 keys reaches one shard back, 7 keys two
+    assert _ring_steps([6, 6, 7, 5], window=(4, 0)) == 2
+    assert _ring_steps([6, 6, 7, 5], window=(6, 0)) == 2  # key 5 from query 12: 7 back, too far
+    assert _ring_steps([6, 6, 7, 5], window=(7, 0)) == 3
+    assert _ring_steps([6, 6, 7, 5]) == 4  # causal without a window: rank 3 needs rank 0
+    assert _ring_steps([6, 6, 7, 5], causal=False, window=(3, 2)) == 4  # rank 0 needs rank 1
+    assert _ring_steps([6, 6, 6, 6], causal=False, key_lengths=[6, 3]) == 4
+    # zigzag keeps early chunks away from each other: every rank needs every shard
+    assert _ring_steps([8, 8, 8, 8], layout="zigzag", window=(2, 0)) == 4
+    assert _ring_steps([8, 8], layout="zigzag", window=(2, 0)) == 2
 
 
 def test_importing_the_module_does_not_import_torch():
