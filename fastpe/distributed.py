@@ -685,14 +685,14 @@ def _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq
 def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend, *, sinks=None):
     """The gradients of ``_ring_loop``. K/V travel around the ring again, each shard followed by
     its dK/dV accumulator (float32): every rank adds what its queries contribute and passes it
-    on, and after N steps the accumulator is back at the shard's owner. With the global
+    on, and after the last step the accumulator goes back to the shard's owner. With the global
     (out, lse) each block's backward is exact for its keys (``call_attention_backward``).
 
     Order of messages on a link (rank r-1 -> r), the same on both ends so that backends which
     match point-to-point messages by order (NCCL) agree with those matching by tag (gloo):
-    K/V of step t, then the accumulator of step t, then K/V of step t + 1, ... When fewer than
-    N steps are needed (``_Plan.ring_steps``: sliding windows), the last rank to need a shard
-    sends its accumulator straight to the owner, a link that carries nothing else.
+    K/V of step t, then the accumulator of step t, then K/V of step t + 1, ... The last rank to
+    need a shard sends its accumulator straight to the owner: the next rank after N steps; with
+    fewer (``_Plan.ring_steps``: sliding windows) a link that carries nothing else.
 
     Returns (dq, dk, dv, dsinks or None); dsinks is the part of this rank's rows
     (docs/math.md#attention-backward), summed over the ranks like any parameter's gradient.
