@@ -79,9 +79,21 @@ def run(model, implementation, inputs, new_tokens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds; each runs every implementation once, in turn (default 5)",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, help="tokens generated per request (default 32)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="model and cache dtype (default float32)",
+    )
     args = parser.parse_args()
 
     import transformers

@@ -436,6 +436,19 @@ def _attend_tile(
                 acc[r, c] += pv[r, c]
 
 
+@njit(cache=True)
+def _split_key_range(first_pos, npos, length, win_left, win_right, block_n, split, n_splits):
+    """[j_begin, j_stop): split ``split`` of ``n_splits`` of the keys that ``npos`` queries
+    from position ``first_pos`` on can see (below ``length`` and within their windows), cut in
+    whole key tiles of ``block_n``."""
+    j_lo = max(first_pos - win_left, 0)
+    j_end = max(min(length, first_pos + npos + win_right), j_lo)
+    tiles = (j_end - j_lo + block_n - 1) // block_n
+    per_split = (tiles + n_splits - 1) // n_splits
+    j_begin = min(j_lo + split * per_split * block_n, j_end)
+    return j_begin, min(j_lo + (split + 1) * per_split * block_n, j_end)
+
+
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
     q, k, v, part_out, part_lse, scale, win_left, win_right, softcap, query_shift, key_len,
@@ -456,15 +469,9 @@ def _attention_numba(
         i0 = mb * block_m
         npos = min(block_m, sq - i0)
         m = group * npos
-        # keys this block can see: below the key length and within its queries' windows
-        first_pos = i0 + query_shift[b]
-        j_lo = max(first_pos - win_left, 0)
-        j_end = max(min(key_len[b], first_pos + npos + win_right), j_lo)
-        # this item's slice of [j_lo, j_end), in whole key tiles
-        tiles = (j_end - j_lo + block_n - 1) // block_n
-        per_split = (tiles + n_splits - 1) // n_splits
-        j_begin = min(j_lo + split * per_split * block_n, j_end)
-        j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
+        j_begin, j_stop = _split_key_range(
+            i0 + query_shift[b], npos, key_len[b], win_left, win_right, block_n, split, n_splits
+        )
 
         qt = np.empty((m, d), dtype=part_out.dtype)
         scale_units = part_out.dtype.type(scale * unit)

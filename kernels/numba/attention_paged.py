@@ -50,6 +50,7 @@ from fastpe.kernels.numba.attention import (
     _scores_small,
     _softcap,
     _softmax_update,
+    _split_key_range,
     key_splits,
     window_edges,
 )
@@ -273,13 +274,9 @@ def _attention_paged_direct_numba(
         m = group * npos
         length = k_len[b]
         shift = length - q_len[b] if bottom_right else 0
-        first_pos = i0 + shift
-        j_lo = max(first_pos - win_left, 0)
-        j_end = max(min(length, first_pos + npos + win_right), j_lo)
-        tiles = (j_end - j_lo + block_n - 1) // block_n
-        per_split = (tiles + n_splits - 1) // n_splits
-        j_begin = min(j_lo + split * per_split * block_n, j_end)
-        j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
+        j_begin, j_stop = _split_key_range(
+            i0 + shift, npos, length, win_left, win_right, block_n, split, n_splits
+        )
 
         row0 = q_start[b] + i0
         qt = np.empty((hkv, m, d), dtype=part_out.dtype)
@@ -350,13 +347,9 @@ def _attention_paged_numba(
         m = group * npos
         length = k_len[b]
         shift = length - q_len[b] if bottom_right else 0
-        first_pos = i0 + shift
-        j_lo = max(first_pos - win_left, 0)
-        j_end = max(min(length, first_pos + npos + win_right), j_lo)
-        tiles = (j_end - j_lo + block_n - 1) // block_n
-        per_split = (tiles + n_splits - 1) // n_splits
-        j_begin = min(j_lo + split * per_split * block_n, j_end)
-        j_stop = min(j_lo + (split + 1) * per_split * block_n, j_end)
+        j_begin, j_stop = _split_key_range(
+            i0 + shift, npos, length, win_left, win_right, block_n, split, n_splits
+        )
 
         row0 = q_start[b] + i0
         qt = np.empty((m, d), dtype=part_out.dtype)
