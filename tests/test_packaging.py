@@ -157,3 +157,10 @@ def test_benchmark_outputs_are_ignored_by_git():
         ["git", "check-ignore", "--no-index", *names], cwd=ROOT, capture_output=True, text=True
     )
     assert result.stdout.split() == names, result.stdout + result.stderr
+
+
+def test_ci_lints_before_the_tests():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    lint = next(n for n, line in enumerate(lines) if line.strip() == "python -m ruff check .")
+    tests = next(n for n, line in enumerate(lines) if "pytest" in line and not line.startswith("#"))
+    assert lint < tests
