@@ -9,8 +9,8 @@ Sk 512, D 128) right after a torch op (a [16, 1024] @ [1024, 1024] matmul, which
 pool) and after 5 ms of sleep; SDPA on the same inputs after the torch op; and a one-token
 ``apply_rope((q, k))`` after the torch op. Each call is preceded by the torch op or the sleep, so
 caches are partly cold: these times are higher than those of back-to-back calls. Measurements, not
-assertions: the README's "Processes and threads" section records them with the machine they came
-from. ``OMP_WAIT_POLICY`` must be set before torch is imported, hence the environment variable.
+assertions: bench/results/README.md ("Sharing the CPU with torch") records them with the machine
+they came from. ``OMP_WAIT_POLICY`` must be set before torch is imported, hence the environment variable.
 """
 
 from __future__ import annotations

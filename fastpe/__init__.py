@@ -21,6 +21,8 @@ from fastpe.api import (
 from fastpe.dispatch import BackendNotSupportedError, use_backend
 from fastpe.rope_scaling import rope_inv_freq
 
+# The one place the version is written: pyproject.toml reads it (`dynamic`), and so does
+# `fastpe --version`; record user-visible changes in CHANGELOG.md.
 __version__ = "0.1.0"
 
 

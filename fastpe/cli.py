@@ -240,6 +240,7 @@ def _parser() -> argparse.ArgumentParser:
         "attention, checked against a float64 NumPy oracle (also run as `python -m fastpe`).",
         epilog="`fastpe COMMAND --help` describes a command and its options.",
     )
+    parser.add_argument("--version", action="version", version=f"fastpe {fastpe.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser(
         "info",

@@ -2,12 +2,16 @@
 
 The worked sinusoidal example in docs/math.md is checked digit by digit against the float64
 oracle, and every link or ``docs/<page>.md#anchor`` reference (between the pages, from the
-README and from the code) must name a file and a heading that exist.
+README, the measurement history and the changelog, and from the code) must name a file and a
+heading that exist. The README's marked Python blocks run, every ``fastpe`` command in the
+README and in bench/results/README.md parses with the CLI, and no user-facing page names an
+internal issue number or a commit.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,10 @@ import fastpe
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+# markdown pages outside docs/ whose links must resolve
+PAGES = [README, ROOT / "bench" / "results" / "README.md", ROOT / "CHANGELOG.md"]
+RUN_MARKER = "<!-- tests/test_docs.py runs this block -->"
 MARKER = "<!-- worked-example: sinusoidal d=4 base=10000 freq=paper -->"
 ROW = re.compile(r'layout="(interleaved|concat)"\s+PE\[(\d+)\] = \[([^\]]*)\]')
 NUMBER = re.compile(r"-?\d+\.(\d+)")
@@ -124,7 +132,7 @@ def _check(where: str, file: Path, anchor: str | None) -> str | None:
 
 
 def test_links_between_docs_resolve():
-    pages = sorted(DOCS.glob("*.md"))
+    pages = sorted(DOCS.glob("*.md")) + PAGES
     assert DOCS / "README.md" in pages and DOCS / "math.md" in pages
     broken = [
         problem
@@ -161,3 +169,107 @@ def test_anchor_checker_rejects_a_missing_heading():
     assert _check("here", DOCS / "math.md", "attention") is None
     assert _check("here", DOCS / "math.md", "no-such-section") is not None
     assert _check("here", DOCS / "no-such-page.md", None) is not None
+
+
+def test_links_are_checked_in_the_readme():
+    links = list(_markdown_links(README))
+    assert (DOCS / "README.md", None) in links  # the checker reads the README's links
+    assert any(file.name == "README.md" and file.parent.name == "results" for file, _ in links)
+
+
+def _fenced_blocks(path: Path):
+    """(language, code, the line before the fence) of every fenced code block."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    n = 0
+    while n < len(lines):
+        match = re.match(r"^ {0,3}```(\w*)\s*$", lines[n])
+        if match:
+            end = next(m for m in range(n + 1, len(lines)) if FENCE.match(lines[m]))
+            before = next((lines[m] for m in range(n - 1, -1, -1) if lines[m].strip()), "")
+            yield match.group(1), "\n".join(lines[n + 1 : end]), before.strip()
+            n = end
+        n += 1
+
+
+def _marked_python_blocks():
+    return [code for lang, code, before in _fenced_blocks(README)
+            if lang == "python" and before == RUN_MARKER]  # fmt: skip
+
+
+def test_readme_quick_start_is_marked_to_run():
+    blocks = _marked_python_blocks()
+    assert any("fastpe.attention(q, k, v, causal=True)" in code for code in blocks)
+    assert any('causal_alignment="top_left"' in code for code in blocks)
+    marks = README.read_text(encoding="utf-8").count(RUN_MARKER)
+    assert marks == len(blocks), "a run marker must sit right above a ```python fence"
+
+
+@pytest.mark.parametrize("index", range(len(_marked_python_blocks())))
+def test_readme_python_block_runs(index):
+    pytest.importorskip("torch")
+    code = _marked_python_blocks()[index]
+    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def _cli_commands(path: Path):
+    """Every `fastpe ...` / `python -m fastpe ...` invocation in the page's bash blocks, as argv
+    after the program name (line continuations joined, `&&` chains split, env vars dropped)."""
+    for lang, code, _ in _fenced_blocks(path):
+        if lang not in ("bash", "sh", "shell"):
+            continue
+        for line in code.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                    words = words[1:]
+                if words[:1] == ["fastpe"]:
+                    yield words[1:]
+                elif words[:3] == ["python", "-m", "fastpe"]:
+                    yield words[3:]
+
+
+@pytest.mark.parametrize("page", [README, ROOT / "bench" / "results" / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))  # fmt: skip
+def test_documented_cli_commands_parse(page):
+    """A renamed command or option must not leave the README showing one that fails."""
+    from fastpe import cli
+
+    commands = list(_cli_commands(page))
+    assert commands, f"no fastpe command found in {page.name}"
+    for argv in commands:
+        if argv == ["--version"]:
+            with pytest.raises(SystemExit) as exit_:
+                cli._parser().parse_args(argv)
+            assert exit_.value.code == 0
+            continue
+        try:
+            cli._parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{page.name}: `fastpe {shlex.join(argv)}` does not parse")
+
+
+INTERNAL = re.compile(
+    r"\b[Ii]ssues? \d+|(?<![\w/])#\d+\b"  # issue 12, issues 11, 13, #17
+    r"|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"  # a commit hash
+)
+
+
+def test_user_facing_text_names_no_issue_or_commit():
+    from fastpe import cli
+
+    texts = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+             for p in [README, ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]}  # fmt: skip
+    parser = cli._parser()
+    texts["fastpe --help"] = parser.format_help()
+    for action in parser._subparsers._group_actions:
+        for name, sub in action.choices.items():
+            texts[f"fastpe {name} --help"] = sub.format_help()
+    found = [f"{where}: {m.group(0)!r}" for where, text in texts.items()
+             for m in INTERNAL.finditer(text)]  # fmt: skip
+    assert not found, "\n".join(found)
+
+
+def test_internal_reference_pattern():
+    assert INTERNAL.search("after issue 12") and INTERNAL.search("see #17")
+    assert INTERNAL.search("at commit afbca79")
+    assert not INTERNAL.search("error 1.5e-07, 2^20, sm_80, deadbeef, 1234567, docs/a.md#x-2")

@@ -175,7 +175,7 @@ def test_patched_place_is_the_one_written_for():
     transformers upgrade, read transformers.modeling_flash_attention_utils: update
     _LOADER_PARAMETERS and _wrap_flash_loader in fastpe/integrations/transformers.py (or drop
     the wrap if transformers gained a public way to register a FlashAttention implementation),
-    then the README paragraph on continuous batching."""
+    then the continuous-batching paragraphs in docs/integrations.md and docs/README.md."""
     import transformers.modeling_flash_attention_utils as fa_utils
 
     # checks of the installed transformers, not of its version string: a later release that
