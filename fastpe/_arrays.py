@@ -6,6 +6,7 @@ device: ``import fastpe`` must stay light, so a tensor is recognised through ``s
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -114,6 +115,56 @@ def may_overlap(x) -> bool:
             return True
         span += stride * (size - 1)
     return False
+
+
+class _AddressRange:
+    """The elements' addresses of an array or tensor as a NumPy array interface: NumPy's overlap
+    tests compute with addresses and strides only and never read the memory, so this describes
+    GPU memory too."""
+
+    def __init__(self, x):
+        if not is_tensor(x):
+            x = np.asarray(x)
+            self.device = "cpu"
+            self.__array_interface__ = x.__array_interface__
+            return
+        self.device = str(x.device)
+        itemsize = x.element_size()
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(x.shape),
+            "typestr": f"|V{itemsize}",
+            "data": (x.data_ptr(), False),
+            "strides": tuple(s * itemsize for s in x.stride()),
+        }
+
+
+def shares_memory(a, b, *, exact: bool) -> bool:
+    """Whether writing one of ``a``, ``b`` (NumPy arrays or tensors, any dtypes) could change the
+    other. ``exact=False`` compares address ranges (cheap, may say True for interleaved views
+    that share no element, as k and v halves of one [blocks, 2, ...] cache); ``exact=True``
+    decides whether some element is shared (a problem too hard to decide counts as shared)."""
+    if a is None or b is None or not hasattr(a, "shape") or not hasattr(b, "shape"):
+        return False  # Python ints and lists become fresh arrays: nothing to share
+    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
+        return False
+    ra, rb = _AddressRange(a), _AddressRange(b)
+    if ra.device != rb.device:
+        return False
+    va, vb = np.asarray(ra), np.asarray(rb)
+    if not exact:
+        return bool(np.may_share_memory(va, vb))
+    try:
+        return bool(np.shares_memory(va, vb, max_work=100_000))
+    except np.exceptions.TooHardError:
+        return True
+
+
+def private_copy(x):
+    """A copy of ``x`` in its framework, dtype and device that shares no memory with anything."""
+    if is_tensor(x):
+        return x.detach().clone()
+    return np.array(x, copy=True)
 
 
 def min_max(x) -> tuple[int, int] | None:
