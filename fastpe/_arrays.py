@@ -117,18 +117,41 @@ def may_overlap(x) -> bool:
     return False
 
 
+def byte_bounds(x):
+    """(memory space, first byte, one past the last byte) of the elements of an array or tensor,
+    from its address and strides (nothing is read); None when it has no element or no memory
+    (a Python int or list, which becomes a fresh array). Host arrays and CPU tensors share one
+    space. Pure Python: called for a few arguments of every decode step."""
+    if not hasattr(x, "shape") or math.prod(x.shape) == 0:
+        return None
+    if is_tensor(x):
+        item, start = x.element_size(), x.data_ptr()
+        steps = [stride * item for stride in x.stride()]
+        space = "cpu" if x.device.type == "cpu" else str(x.device)
+    else:
+        item, start = x.itemsize, x.__array_interface__["data"][0]
+        steps, space = x.strides, "cpu"
+    low = high = start
+    for size, step in zip(x.shape, steps, strict=True):
+        if step < 0:
+            low += step * (size - 1)
+        else:
+            high += step * (size - 1)
+    return (space, low, high + item)
+
+
+def bounds_overlap(a, b) -> bool:
+    """Whether two ``byte_bounds`` intersect: writing one array could change the other (or, for
+    interleaved views that share no element, could not: the cheap, conservative test)."""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 class _AddressRange:
-    """The elements' addresses of an array or tensor as a NumPy array interface: NumPy's overlap
-    tests compute with addresses and strides only and never read the memory, so this describes
-    GPU memory too."""
+    """The elements' addresses of a tensor as a NumPy array interface: NumPy's overlap test
+    computes with addresses and strides only and never reads the memory, so this describes GPU
+    memory too."""
 
     def __init__(self, x):
-        if not is_tensor(x):
-            x = np.asarray(x)
-            self.device = "cpu"
-            self.__array_interface__ = x.__array_interface__
-            return
-        self.device = str(x.device)
         itemsize = x.element_size()
         self.__array_interface__ = {
             "version": 3,
@@ -139,24 +162,16 @@ class _AddressRange:
         }
 
 
-def shares_memory(a, b, *, exact: bool) -> bool:
-    """Whether writing one of ``a``, ``b`` (NumPy arrays or tensors, any dtypes) could change the
-    other. ``exact=False`` compares address ranges (cheap, may say True for interleaved views
-    that share no element, as k and v halves of one [blocks, 2, ...] cache); ``exact=True``
-    decides whether some element is shared (a problem too hard to decide counts as shared)."""
-    if a is None or b is None or not hasattr(a, "shape") or not hasattr(b, "shape"):
-        return False  # Python ints and lists become fresh arrays: nothing to share
-    if math.prod(a.shape) == 0 or math.prod(b.shape) == 0:
+def shares_element(a, b) -> bool:
+    """Whether ``a`` and ``b`` (NumPy arrays or tensors, any dtypes) have some element in common,
+    exactly: halves of one buffer interleaved in memory share none. A problem too hard to decide
+    counts as shared."""
+    if not bounds_overlap(byte_bounds(a), byte_bounds(b)):
         return False
-    ra, rb = _AddressRange(a), _AddressRange(b)
-    if ra.device != rb.device:
-        return False
-    va, vb = np.asarray(ra), np.asarray(rb)
-    if not exact:
-        return bool(np.may_share_memory(va, vb))
+    va, vb = (np.asarray(_AddressRange(x) if is_tensor(x) else x) for x in (a, b))
     try:
         return bool(np.shares_memory(va, vb, max_work=100_000))
-    except np.exceptions.TooHardError:
+    except getattr(np, "exceptions", np).TooHardError:  # np.exceptions from NumPy 1.25
         return True
 
 
