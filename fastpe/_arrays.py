@@ -6,7 +6,6 @@ device: ``import fastpe`` must stay light, so a tensor is recognised through ``s
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
@@ -122,15 +121,21 @@ def byte_bounds(x):
     from its address and strides (nothing is read); None when it has no element or no memory
     (a Python int or list, which becomes a fresh array). Host arrays and CPU tensors share one
     space. Pure Python: called for a few arguments of every decode step."""
-    if not hasattr(x, "shape") or math.prod(x.shape) == 0:
-        return None
     if is_tensor(x):
+        if x.numel() == 0:
+            return None
         item, start = x.element_size(), x.data_ptr()
-        steps = [stride * item for stride in x.stride()]
         space = "cpu" if x.device.type == "cpu" else str(x.device)
+        if x.is_contiguous():  # the common case, without the loop below
+            return (space, start, start + x.numel() * item)
+        steps = [stride * item for stride in x.stride()]
     else:
-        item, start = x.itemsize, x.__array_interface__["data"][0]
-        steps, space = x.strides, "cpu"
+        if not isinstance(x, np.ndarray) or x.size == 0:
+            return None
+        item, start, space = x.itemsize, x.__array_interface__["data"][0], "cpu"
+        if x.flags.c_contiguous:
+            return (space, start, start + x.nbytes)
+        steps = x.strides
     low = high = start
     for size, step in zip(x.shape, steps, strict=True):
         if step < 0:

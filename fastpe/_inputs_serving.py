@@ -536,7 +536,8 @@ def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
     are the host int64 arrays (views of the caller's memory when it held int64). Two caches that
     share an element have no meaning for an append (which of k and v lands there?): refused.
     Returns the read arguments in order, then ``rotary``."""
-    if _arrays.shares_element(k_cache, v_cache):
+    caches = [_arrays.byte_bounds(c) for c in (k_cache, v_cache)]
+    if _arrays.bounds_overlap(*caches) and _arrays.shares_element(k_cache, v_cache):
         raise ValueError(
             f"k_cache and v_cache share memory (shapes {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}, strides {_arrays.strides(k_cache)} and "
@@ -545,14 +546,14 @@ def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
         )
     if rotary is not None:
         read.update(rotary_cos=rotary[0], rotary_sin=rotary[1])
-    caches = [_arrays.byte_bounds(c) for c in (k_cache, v_cache)]
 
     def private(x):
         # the conservative address-range test: copying a small argument that shares nothing is
         # harmless, missing one that does is not
         bounds = _arrays.byte_bounds(x)
-        aliased = any(_arrays.bounds_overlap(bounds, c) for c in caches)
-        return _arrays.private_copy(x) if aliased else x
+        if _arrays.bounds_overlap(bounds, caches[0]) or _arrays.bounds_overlap(bounds, caches[1]):
+            return _arrays.private_copy(x)
+        return x
 
     read = {name: private(x) for name, x in read.items()}
     if rotary is not None:
