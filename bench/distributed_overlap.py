@@ -71,7 +71,8 @@ def main():
         plan = fd._Plan(
             fd._Group(None), qs, ks, vs, causal=args.causal,
             key_lengths=None, scale=None, rope=None, alibi_slopes=None, mask=None,
-            relative_bias=None, window=None, softcap=None, sinks=None, layout=layout, name="bench",
+            relative_bias=None, window=None, softcap=None, sinks=None, layout=layout, backend=None,
+            name="bench",
         )  # fmt: skip
         # every rank's K/V shard already here: the same blocks with no transfer at all
         shards = [fd.shard_sequence(x, r, world, layout=layout) for r in range(world)

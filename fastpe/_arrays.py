@@ -116,6 +116,77 @@ def may_overlap(x) -> bool:
     return False
 
 
+def byte_bounds(x):
+    """(memory space, first byte, one past the last byte) of the elements of an array or tensor,
+    from its address and strides (nothing is read); None when it has no element or no memory
+    (a Python int or list, which becomes a fresh array). Host arrays and CPU tensors share one
+    space. Pure Python: called for a few arguments of every decode step."""
+    if is_tensor(x):
+        if x.numel() == 0:
+            return None
+        item, start = x.element_size(), x.data_ptr()
+        space = "cpu" if x.device.type == "cpu" else str(x.device)
+        if x.is_contiguous():  # the common case, without the loop below
+            return (space, start, start + x.numel() * item)
+        steps = [stride * item for stride in x.stride()]
+    else:
+        if not isinstance(x, np.ndarray) or x.size == 0:
+            return None
+        item, start, space = x.itemsize, x.__array_interface__["data"][0], "cpu"
+        if x.flags.c_contiguous:
+            return (space, start, start + x.nbytes)
+        steps = x.strides
+    low = high = start
+    for size, step in zip(x.shape, steps, strict=True):
+        if step < 0:
+            low += step * (size - 1)
+        else:
+            high += step * (size - 1)
+    return (space, low, high + item)
+
+
+def bounds_overlap(a, b) -> bool:
+    """Whether two ``byte_bounds`` intersect: writing one array could change the other (or, for
+    interleaved views that share no element, could not: the cheap, conservative test)."""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+class _AddressRange:
+    """The elements' addresses of a tensor as a NumPy array interface: NumPy's overlap test
+    computes with addresses and strides only and never reads the memory, so this describes GPU
+    memory too."""
+
+    def __init__(self, x):
+        itemsize = x.element_size()
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(x.shape),
+            "typestr": f"|V{itemsize}",
+            "data": (x.data_ptr(), False),
+            "strides": tuple(s * itemsize for s in x.stride()),
+        }
+
+
+def shares_element(a, b) -> bool:
+    """Whether ``a`` and ``b`` (NumPy arrays or tensors, any dtypes) have some element in common,
+    exactly: halves of one buffer interleaved in memory share none. A problem too hard to decide
+    counts as shared."""
+    if not bounds_overlap(byte_bounds(a), byte_bounds(b)):
+        return False
+    va, vb = (np.asarray(_AddressRange(x) if is_tensor(x) else x) for x in (a, b))
+    try:
+        return bool(np.shares_memory(va, vb, max_work=100_000))
+    except getattr(np, "exceptions", np).TooHardError:  # np.exceptions from NumPy 1.25
+        return True
+
+
+def private_copy(x):
+    """A copy of ``x`` in its framework, dtype and device that shares no memory with anything."""
+    if is_tensor(x):
+        return x.detach().clone()
+    return np.array(x, copy=True)
+
+
 def min_max(x) -> tuple[int, int] | None:
     """(smallest, largest) element of an integer array as Python ints, None if empty. Reduced
     where the data lives (one pass for a tensor): no host copy, no NumPy round trip."""

@@ -438,6 +438,11 @@ class AttentionKVCacheInputs(_Inputs):
             named.update(rotary_cos=cos, rotary_sin=sin)
         alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
         sinks = None if sinks is None else _check_sinks(sinks, hq)
+        if k is not None:
+            q, k, v, alibi_slopes, sinks, lengths, table, rotary = _read_before_the_append(
+                k_cache, v_cache, q=q, k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks,
+                cache_seqlens=lengths, block_table=table, rotary=rotary,
+            )  # fmt: skip
         placement = check_same_placement(
             {**named, "cache_seqlens": _arrays.as_array(cache_seqlens)
              if not isinstance(cache_seqlens, (int, np.integer)) else None,
@@ -521,3 +526,36 @@ def _check_no_shared_written_pages(table, used, lengths, total, page_size, paged
             f"{what} {block} receives new tokens of sequence {b} but is also read by "
             f"sequences {users} (or twice by one); pages that are appended to must not be shared"
         )
+
+
+def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
+    """Every argument means its values as passed, read before the append writes into the
+    caches (FlashAttention's order: q and the new k/v are read, then stored): one that shares
+    memory with a cache is replaced by a private copy, taken here before anything is written,
+    so no backend reads a value the append has changed. ``cache_seqlens`` and ``block_table``
+    are the host int64 arrays (views of the caller's memory when it held int64). Two caches that
+    share an element have no meaning for an append (which of k and v lands there?): refused.
+    Returns the read arguments in order, then ``rotary``."""
+    caches = [_arrays.byte_bounds(c) for c in (k_cache, v_cache)]
+    if _arrays.bounds_overlap(*caches) and _arrays.shares_element(k_cache, v_cache):
+        raise ValueError(
+            f"k_cache and v_cache share memory (shapes {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}, strides {_arrays.strides(k_cache)} and "
+            f"{_arrays.strides(v_cache)}), and appending k/v writes into both; pass separate "
+            "caches (or views of one buffer that share no element), or append nothing"
+        )
+    if rotary is not None:
+        read.update(rotary_cos=rotary[0], rotary_sin=rotary[1])
+
+    def private(x):
+        # the conservative address-range test: copying a small argument that shares nothing is
+        # harmless, missing one that does is not
+        bounds = _arrays.byte_bounds(x)
+        if _arrays.bounds_overlap(bounds, caches[0]) or _arrays.bounds_overlap(bounds, caches[1]):
+            return _arrays.private_copy(x)
+        return x
+
+    read = {name: private(x) for name, x in read.items()}
+    if rotary is not None:
+        rotary = (read.pop("rotary_cos"), read.pop("rotary_sin"), rotary[2])
+    return (*read.values(), rotary)

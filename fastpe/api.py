@@ -359,7 +359,9 @@ def attention_kvcache(
     ``causal``, ``window``, ALiBi. Returns out [B, Sq, Hq, Dv]; with ``return_lse=True`` also
     lse [B, Hq, Sq] float32. Unused block-table entries (past a sequence's last page) are never
     read; read ones must lie in [0, num_blocks); a page receiving new tokens must not be used by
-    another sequence.
+    another sequence. Arguments that share memory with the caches mean their values as passed
+    (read before the append); caches sharing an element are refused when appending
+    (docs/README.md#arguments-that-share-memory).
     """
     arrays = (q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin)
     if _torch_graph(*arrays):

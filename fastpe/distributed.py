@@ -174,9 +174,13 @@ class _Group:
         )
         if error is not None:
             raise error
+        from fastpe.dispatch import BackendNotSupportedError
+
+        kinds = {"TypeError": TypeError, "IndexError": IndexError,
+                 "BackendNotSupportedError": BackendNotSupportedError}  # fmt: skip
         for rank, (_, report) in enumerate(reports):
             if report is not None:
-                kind = {"TypeError": TypeError, "IndexError": IndexError}.get(report[0], ValueError)
+                kind = kinds.get(report[0], ValueError)
                 raise kind(f"rank {rank} of the process group rejected its inputs: {report[1]}")
         return [r for r, _ in reports]
 
@@ -249,6 +253,25 @@ def _without_backward(name, compute, inputs, why):
     return NoBackward.apply(*inputs)
 
 
+def _check_backend(inputs, backend) -> None:
+    """The backend this rank's blocks will run on (``backend=``, then ``use_backend``, then
+    $FASTPE_BACKEND, then automatic), checked against this rank's inputs inside the agreement
+    round: a name that does not exist, or a backend that cannot run these inputs, then raises on
+    every rank instead of in this rank's first block while the others wait for its messages.
+    Each rank may choose its own backend: the choice changes no communication."""
+    from fastpe import dispatch
+
+    dispatch.select(inputs, backend)
+
+
+def _records_gradients(*tensors) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation shared by ring_attention and all_gather_attention
 
@@ -262,7 +285,7 @@ class _Plan:
     """
 
     def __init__(self, g, q, k, v, *, causal, key_lengths, scale, rope, alibi_slopes, mask,
-                 relative_bias, window, softcap, sinks, layout, name):  # fmt: skip
+                 relative_bias, window, softcap, sinks, layout, backend, name):  # fmt: skip
         import torch
 
         from fastpe._inputs import AttentionInputs, _check_key_lengths
@@ -310,6 +333,7 @@ class _Plan:
                 key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
                 relative_bias=None, return_lse=True, window=window, softcap=softcap, sinks=sinks,
             )  # fmt: skip
+            _check_backend(inputs, backend)
             if q.shape[2] != k.shape[2]:
                 raise ValueError(
                     f"{name} shards one sequence: q and k/v must hold the same tokens on each "
@@ -332,6 +356,9 @@ class _Plan:
                 "seq": q.shape[2],
                 "dtype": str(q.dtype),
                 "device": q.device.type,
+                # a rank that records gradients runs the collective backward; one that does not
+                # never joins it, and the others would wait for it
+                "grad": _records_gradients(q, k, v, sinks),
                 "options": (
                     bool(causal),
                     layout,
@@ -342,17 +369,20 @@ class _Plan:
                     inputs.window,
                     inputs.softcap,
                     sink_values,
+                    None if rope is None else inputs.rope.interleaved,
                 ),  # fmt: skip
             }
 
         reports = g.agree(local)
-        for key in ("shape", "dtype", "device", "options"):
+        for key in ("shape", "dtype", "device", "grad", "options"):
             for rank, report in enumerate(reports):
                 if report[key] != reports[0][key]:
                     what = {
                         "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
+                        "grad": "gradient recording (whether autograd records q, k, v or sinks: "
+                        "the backward is collective, every rank must run it)",
                         "options": "options (causal, layout, scale, rope table shape, "
-                        "key_lengths, alibi_slopes, window, softcap, sinks)",
+                        "key_lengths, alibi_slopes, window, softcap, sinks, rope interleaved)",
                     }.get(key, key)
                     raise ValueError(
                         f"{name}: every rank must pass the same {what} except the sequence "
@@ -366,7 +396,7 @@ class _Plan:
                 f"{self.seqs}"
             )
         self.total = total = sum(self.seqs)
-        _, _, self.scale, table, kl, _, self.window, self.softcap, _ = reports[0]["options"]
+        _, _, self.scale, table, kl, _, self.window, self.softcap, _, _ = reports[0]["options"]
         if kl is not None and max(kl) > total:
             raise IndexError(
                 f"key_lengths contains {max(kl)}, more than the global sequence length {total} "
@@ -601,7 +631,8 @@ def ring_attention(
     [B, Hq, S_r, S_s] mask per block), ``window=(left, right)`` (global distances; blocks wholly
     outside every query's window are skipped), ``softcap``, GQA. ``mask`` and ``relative_bias``
     are refused.
-    Every rank must pass the same options and shapes except S_r; a mismatch raises on all ranks.
+    Every rank must pass the same options and shapes except S_r and record gradients alike; a
+    mismatch, or a backend choice one rank cannot use, raises on all ranks.
 
     Differentiable in q, k and v: the backward is a second ring pass in which each K/V shard
     travels with its dK/dV accumulator and arrives back at its owner. Like the forward it is
@@ -612,7 +643,7 @@ def ring_attention(
         g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
         relative_bias=relative_bias, window=window, softcap=softcap, sinks=sinks, layout=layout,
-        name="ring_attention",
+        backend=backend, name="ring_attention",
     )  # fmt: skip
     run = types.SimpleNamespace(
         forward=lambda q, k, v, sinks: _ring_loop(g, plan, q, k, v, backend, sinks=sinks),
@@ -791,7 +822,7 @@ def all_gather_attention(
         g, q, k, v, causal=causal, key_lengths=key_lengths,
         scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
         relative_bias=relative_bias, window=window, softcap=softcap, sinks=sinks, layout=layout,
-        name="all_gather_attention",
+        backend=backend, name="all_gather_attention",
     )  # fmt: skip
 
     # recorded by autograd as it runs: the gathers and fastpe.attention have backwards
@@ -862,6 +893,7 @@ def sharded_kv_decode_attention(
             mask=None, key_lengths=cache_lengths, scale=scale, rope=None, alibi_slopes=None,
             relative_bias=None, return_lse=True, softcap=softcap, sinks=sinks,
         )  # fmt: skip
+        _check_backend(inputs, backend)
         return {
             "q": tuple(q.shape),
             "kv": (

@@ -195,9 +195,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_group(world, cases, tmp_path, timeout=SPAWN_TIMEOUT_S):
+def spawn_group(world, cases, tmp_path, timeout=SPAWN_TIMEOUT_S, worker=None):
     """Run ``cases`` on a fresh gloo group of ``world`` processes; returns per-rank results.
-    Workers still running after ``timeout`` seconds are killed and the test fails."""
+    Workers still running after ``timeout`` seconds are killed and the test fails. ``worker``
+    (default ``_worker``): another module's worker with the same arguments and result file."""
     ctx = torch.multiprocessing.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     env = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # N processes share the cores
@@ -205,7 +206,9 @@ def spawn_group(world, cases, tmp_path, timeout=SPAWN_TIMEOUT_S):
     os.environ.update(env)
     try:
         procs = [
-            ctx.Process(target=_worker, args=(r, world, init_method, cases, str(tmp_path)))
+            ctx.Process(
+                target=worker or _worker, args=(r, world, init_method, cases, str(tmp_path))
+            )
             for r in range(world)
         ]
         for p in procs:
