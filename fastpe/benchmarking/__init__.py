@@ -23,7 +23,14 @@ from .cases import (
     with_mode,
     work,
 )
-from .report import caveats, format_summary, format_table, load_results, plot
+from .report import (
+    caveats,
+    format_summary,
+    format_table,
+    load_results,
+    plot,
+    speedup_over_target,
+)
 from .runner import (
     Timing,
     baselines_for,
@@ -65,6 +72,7 @@ __all__ = [
     "reference",
     "resolve_device",
     "run_benchmarks",
+    "speedup_over_target",
     "target_baseline",
     "time_callable",
     "with_mode",

@@ -212,6 +212,7 @@ TARGET_BASELINE = {
     "apply_rope": "transformers",
     "embed": "torch eager",
     "attention": "torch SDPA",
+    "generate": "sdpa",  # `fastpe bench --ops generate`: transformers' attn_implementation="sdpa"
 }
 # where the target of the backward and full modes is another baseline
 _GRAD_TARGET_BASELINE = {"embed": "nn.Embedding"}

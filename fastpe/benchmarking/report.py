@@ -7,23 +7,48 @@ import json
 from .baselines import target_baseline
 
 
+def speedup_over_target(rows: list[dict], row: dict) -> tuple[str | None, float | None]:
+    """(name, ratio): ``row``'s speedup over its op's target baseline in the same case and mode
+    (``target_baseline``): the baseline's median time over the row's. The ratio is None when
+    that baseline has no row in ``rows`` (not installed, or it cannot run the case); the name
+    is None when the op has no target baseline. The bench table, ``fastpe report --summary`` and
+    the plot all take their ratios from here, so they agree."""
+    name = target_baseline(row["op"], row.get("mode", "forward"))
+    base = next(
+        (b for b in rows if (b["op"], b["case"], b["impl"]) == (row["op"], row["case"], name)),
+        None,
+    )
+    return name, None if base is None else base["median_s"] / row["median_s"]
+
+
+def _speedup_cell(rows: list[dict], row: dict) -> str:
+    name, ratio = speedup_over_target(rows, row)
+    if name is None:
+        return ""
+    if row["impl"] == name:
+        return "(the baseline)"
+    return f"{ratio:.2f}x vs {name}" if ratio is not None else f"{name} not timed"
+
+
+SPEEDUP_HEADER = "speedup vs target baseline"
+
+
 def format_table(doc: dict, markdown: bool = False) -> str:
     """Every row: median time (with the spread of the runs when recorded), throughput, fraction
-    of peak, speedup, error vs the oracle."""
-    spread = any("iqr_s" in r for r in doc["results"])  # absent from files of older versions
+    of peak, speedup over the op's target baseline (named in each cell), error vs the oracle."""
+    rows = doc["results"]
+    spread = any("iqr_s" in r for r in rows)  # absent from files of older versions
     head = ["op", "case", "implementation", "median", *(["IQR", "min"] if spread else []),
-            "throughput", "% peak", "vs best baseline", "max |err|"]  # fmt: skip
+            "throughput", "% peak", SPEEDUP_HEADER, "max |err|"]  # fmt: skip
     lines = []
-    for r in doc["results"]:
+    for r in rows:
         frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
-        speed = (
-            "" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
-        )
         times = [
             _ms(r.get(k)) for k in (["median_s", "iqr_s", "min_s"] if spread else ["median_s"])
         ]
         lines.append([r["op"], r["case"], r["impl"], *times,
-                      f"{r['throughput']:.1f} {r['unit']}", frac, speed, f"{r['max_abs_error']:.1e}"])  # fmt: skip
+                      f"{r['throughput']:.1f} {r['unit']}", frac, _speedup_cell(rows, r),
+                      f"{r['max_abs_error']:.1e}"])  # fmt: skip
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(out + ["| " + " | ".join(row) + " |" for row in lines])
@@ -74,14 +99,11 @@ def format_summary(doc: dict) -> str:
     for r in rows:
         if not r["impl"].startswith("fastpe"):
             continue
-        name = target_baseline(r["op"], r.get("mode", "forward"))
-        base = next(
-            (b for b in rows if (b["op"], b["case"], b["impl"]) == (r["op"], r["case"], name)), None
-        )
-        speed = "" if base is None else f"{base['median_s'] / r['median_s']:.2f}x"
+        name, ratio = speedup_over_target(rows, r)
+        speed = "" if ratio is None else f"{ratio:.2f}x"
         frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
         out.append(
-            f"| {r['op']} | {r['case']} | {r['impl']} | {r['throughput']:.1f} {r['unit']} | {frac} | {name} | {speed} |"
+            f"| {r['op']} | {r['case']} | {r['impl']} | {r['throughput']:.1f} {r['unit']} | {frac} | {name or ''} | {speed} |"
         )
     return "\n".join(out)
 
