@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -75,3 +78,128 @@ def test_speedup_when_the_target_baseline_was_not_timed():
     assert bm.speedup_over_target(rows, fastpe_row) == ("transformers", None)
     table = bm.format_table({**DOC, "results": rows})
     assert "transformers not timed" in _line(table, "apply_rope", "fastpe[numba]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress: elapsed time and an estimate of the time left, on stderr
+
+
+def test_progress_estimates_time_left_per_op(monkeypatch):
+    """A fake clock: each embed case takes 10 s, each apply_rope case 40 s (one implementation
+    per case). The estimate counts a case at its op's mean so far, or at the mean of every case
+    so far when none of its op has finished."""
+    from fastpe.benchmarking import runner
+
+    now = [0.0]
+    seconds = {"embed": 10.0, "apply_rope": 40.0}
+
+    def fake_time(fn, device):
+        now[0] += seconds[fn.op]
+        return runner.Timing(1.0, 0.0, 1.0, 3)
+
+    def one_implementation(case, inputs, device, dtype):
+        fn = lambda: None  # noqa: E731
+        fn.op = case.op
+        return {"fastpe[numba]": fn}
+
+    monkeypatch.setattr(runner, "measure_peaks", lambda: {"sgemm_gflops": 1.0, "copy_gbps": 1.0})
+    monkeypatch.setattr(runner, "make_inputs", lambda case, device, dtype: {})
+    monkeypatch.setattr(runner, "reference", lambda case, inputs: None)
+    monkeypatch.setattr(runner, "max_error", lambda case, result, expected: 0.0)
+    monkeypatch.setattr(runner, "baselines_for", lambda op, device, dtype: ([], {}))
+    monkeypatch.setattr(runner, "implementations", one_implementation)
+    monkeypatch.setattr(runner, "time_callable", fake_time)
+    monkeypatch.setattr(runner, "environment", lambda device, peaks: {})
+    grid = [bm.Case("embed", "a", 1, {"batch": 1, "seq": 1, "vocab": 2, "dim": 2}),
+            bm.Case("embed", "b", 1, {"batch": 1, "seq": 1, "vocab": 2, "dim": 2}),
+            bm.Case("apply_rope", "c", 1, {"seq": 1, "q_heads": 1, "k_heads": 1, "dim": 2}),
+            bm.Case("apply_rope", "d", 1, {"seq": 1, "q_heads": 1, "k_heads": 1, "dim": 2})]  # fmt: skip
+    lines = []
+    runner.run_benchmarks(grid, progress=lines.append, clock=lambda: now[0])
+    assert lines == [
+        "[1/4] embed a: fastpe[numba] ... 0 s elapsed",  # nothing finished: no estimate
+        # embed b at embed's 10 s, c and d at the mean of every case so far (10 s)
+        "[2/4] embed b: fastpe[numba] ... 10 s elapsed, ~30 s left",
+        "[3/4] apply_rope c: fastpe[numba] ... 20 s elapsed, ~20 s left",
+        # d at apply_rope's mean (40 s)
+        "[4/4] apply_rope d: fastpe[numba] ... 1 min elapsed, ~40 s left",
+    ]
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(0.4, "0 s"), (35, "35 s"), (59.4, "59 s"), (60, "1 min"), (150, "3 min"), (3600, "1 h 00 min"),
+     (3 * 3600 + 5 * 60 + 10, "3 h 05 min")],
+)  # fmt: skip
+def test_duration(seconds, text):
+    from fastpe.benchmarking.runner import duration
+
+    assert duration(seconds) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# Without torch or matplotlib: fresh processes in which importing them fails as if they were not
+# installed (a None in sys.modules makes `import` raise ModuleNotFoundError and
+# importlib.util.find_spec return None, which is what an absent package does)
+
+_BLOCKER = """
+import os, sys
+for name in os.environ["FASTPE_TEST_ABSENT"].split(","):
+    sys.modules[name] = None
+"""
+
+
+def _bench_without(tmp_path, absent, *args):
+    blocker = tmp_path / "absent"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_BLOCKER)
+    env = {**os.environ, "FASTPE_TEST_ABSENT": ",".join(absent)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocker), env.get("PYTHONPATH")]))
+    probe = "import importlib.util as u, sys; print([u.find_spec(m) for m in sys.argv[1:]])"
+    check = subprocess.run([sys.executable, "-c", probe, *absent], env=env, capture_output=True,
+                           text=True, cwd=tmp_path)  # fmt: skip
+    assert check.stdout.strip() == str([None] * len(absent)), check  # the blocker works
+    return subprocess.run(
+        [sys.executable, "-m", "fastpe", "bench", "--quick", *args],
+        env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+
+
+def test_bench_without_torch(tmp_path):
+    # embed has a NumPy baseline that still runs; rope_table's only baseline needs torch
+    done = _bench_without(tmp_path, ["torch"], "--ops", "rope_table", "embed", "--plot", "")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "torch is not installed: fastpe is timed on NumPy arrays" in done.stderr
+    assert "pip install torch" in done.stderr
+    assert "torch eager" in done.stderr and "nn.Embedding" in done.stderr
+    rows = {(r["op"], r["impl"]) for r in json.loads((tmp_path / "fastpe-bench.json").read_text())[
+        "results"]}  # fmt: skip
+    assert rows == {("rope_table", "fastpe[numba]"), ("embed", "fastpe[numba]"), ("embed", "numpy")}
+    out = done.stdout
+    assert _line(out, "embed", "fastpe[numba]") and _line(out, "embed", "numpy")
+    assert "torch eager not timed" in _line(out, "rope_table", "fastpe[numba]")
+    skipped = "torch eager: needs torch, which is not installed (pip install torch)"
+    assert f"skipped: rope_table 2048 x 128 {skipped}" in out
+    # progress goes to stderr: the table on stdout stays clean
+    assert "elapsed" in done.stderr and "elapsed" not in out
+
+
+def test_bench_without_torch_cannot_time_gradients(tmp_path):
+    done = _bench_without(tmp_path, ["torch"], "--ops", "embed", "--modes", "backward", "--plot", "")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fastpe bench: error: --modes backward: gradients are timed through torch autograd, and "
+        "torch is not installed (pip install torch)"
+    )
+
+
+def test_bench_without_matplotlib(tmp_path):
+    done = _bench_without(tmp_path, ["matplotlib"], "--ops", "rope_table")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "skipped: the plot: matplotlib is not installed (pip install matplotlib)" in done.stderr
+    assert "plot:    none (matplotlib is not installed: pip install matplotlib)" in done.stdout
+    assert _line(done.stdout, "rope_table", "fastpe[numba]")
+    assert json.loads((tmp_path / "fastpe-bench.json").read_text())["results"]
+    assert not (tmp_path / "fastpe-bench.png").exists()

@@ -84,8 +84,14 @@ def caveats(doc: dict) -> list[str]:
                 f"({_ms(fastest)}): the machine was busy or throttling; do not trust this row's "
                 "ratios, rerun on an idle machine"
             )
+    # an implementation skipped for the same reason in several cases of an op (a baseline whose
+    # module is not installed skips every case) gets one line, not one per case
+    groups: dict[tuple[str, str, str], list[str]] = {}
     for s in doc.get("skipped", []):
-        out.append(f"skipped: {s['op']} {s['case']} {s['impl']}: {s['reason']}")
+        groups.setdefault((s["op"], s["impl"], s["reason"]), []).append(s["case"])
+    for (op, impl, reason), cases in groups.items():
+        where = f"{op} {cases[0]}" if len(cases) == 1 else f"{op} ({len(cases)} cases)"
+        out.append(f"skipped: {where} {impl}: {reason}")
     return out
 
 
