@@ -17,6 +17,18 @@ from fastpe import benchmarking as bm
 from fastpe.benchmarking.runner import package_version
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
+# the short names people type (and Triton, flash-attn and fastpe's own docs write)
+DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _dtype(text: str) -> str:
+    """A dtype option's value: one of DTYPES, or its short name in DTYPE_ALIASES."""
+    if text in DTYPES:
+        return text
+    if text in DTYPE_ALIASES:
+        return DTYPE_ALIASES[text]
+    accepted = ", ".join(f"{name} ({short})" for short, name in DTYPE_ALIASES.items())
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {accepted})")
 
 
 def info() -> str:
@@ -356,10 +368,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--dtype",
-        choices=DTYPES,
+        type=_dtype,
         default=None,
         metavar="DTYPE",
-        help="dtype of the inputs: %(choices)s (default: float32 on CPU, bfloat16 on GPU); "
+        help="dtype of the inputs: "
+        + ", ".join(f"{name} ({short})" for short, name in DTYPE_ALIASES.items())
+        + " (default: float32 on CPU, bfloat16 on GPU); "
         "baselines that cannot take it are skipped, and the tables are computed in float32",
     )
     r = sub.add_parser(

@@ -203,3 +203,37 @@ def test_bench_without_matplotlib(tmp_path):
     assert _line(done.stdout, "rope_table", "fastpe[numba]")
     assert json.loads((tmp_path / "fastpe-bench.json").read_text())["results"]
     assert not (tmp_path / "fastpe-bench.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --dtype: the full names and their short forms
+
+
+@pytest.mark.parametrize(
+    "given, meant",
+    [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("fp64", "float64"),
+     ("bfloat16", "bfloat16"), ("float16", "float16")],
+)  # fmt: skip
+def test_bench_dtype_short_names(monkeypatch, tmp_path, given, meant):
+    calls = []
+
+    def run(grid, device="cpu", dtype="float32", progress=print):
+        calls.append(dtype)
+        return {"environment": {"machine": "test"}, "dtype": dtype, "results": []}
+
+    monkeypatch.setattr(bm, "run_benchmarks", run)
+    argv = ["bench", "--quick", "--device", "cpu", "--dtype", given, "--plot", ""]
+    assert cli.main([*argv, "--json", str(tmp_path / "o.json")]) == 0
+    assert calls == [meant]
+
+
+@pytest.mark.parametrize("given", ["bf", "half", "BF16 ", "float"])
+def test_bench_unknown_dtype_names_the_accepted_ones(monkeypatch, capsys, given):
+    monkeypatch.setattr(bm, "run_benchmarks", lambda *a, **k: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--dtype", given])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert f"argument --dtype: invalid choice: {given!r}" in line
+    for name in ("float32 (fp32)", "float64 (fp64)", "float16 (fp16)", "bfloat16 (bf16)"):
+        assert name in line
