@@ -360,8 +360,9 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         default="fastpe-bench.png",
         metavar="PATH",
-        help="plot of throughput vs sequence length, format from the extension, needs "
-        "matplotlib (%(default)s; '' for none)",
+        help="bar chart of each case's throughput, one panel per op, format from the "
+        "extension (%(default)s; '' for none); skipped with a note when matplotlib is not "
+        "installed",
     )
     b.add_argument(
         "--device", default=None, help="cpu or cuda[:N] (default: cuda when torch sees a GPU)"

@@ -186,7 +186,9 @@ def test_bench_without_torch(tmp_path):
 
 
 def test_bench_without_torch_cannot_time_gradients(tmp_path):
-    done = _bench_without(tmp_path, ["torch"], "--ops", "embed", "--modes", "backward", "--plot", "")
+    done = _bench_without(
+        tmp_path, ["torch"], "--ops", "embed", "--modes", "backward", "--plot", ""
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         "fastpe bench: error: --modes backward: gradients are timed through torch autograd, and "
@@ -237,3 +239,27 @@ def test_bench_unknown_dtype_names_the_accepted_ones(monkeypatch, capsys, given)
     assert f"argument --dtype: invalid choice: {given!r}" in line
     for name in ("float32 (fp32)", "float64 (fp64)", "float16 (fp16)", "bfloat16 (bf16)"):
         assert name in line
+
+
+# ---------------------------------------------------------------------------------------------
+# The plot
+
+
+def test_plot_has_a_panel_per_op_and_a_bar_per_row(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    fig = bm.plot(DOC, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title(loc="left") for ax in panels] == ["apply_rope", "embed"]
+    for ax in panels:
+        op = ax.get_title(loc="left")
+        rows = [r for r in DOC["results"] if r["op"] == op]
+        # a bar per row, as long as its throughput; no line drawn from one case to another
+        assert sorted(p.get_width() for p in ax.patches) == sorted(r["throughput"] for r in rows)
+        assert all(len(line.get_xdata()) <= 1 for line in ax.get_lines())
+        assert [t.get_text() for t in ax.get_yticklabels()] == [rows[0]["case"]]
+        assert "GB/s" in ax.get_xlabel()
+        assert {t.get_text() for t in ax.get_legend().get_texts()} == {r["impl"] for r in rows}
+    texts = [t.get_text() for t in panels[0].texts]
+    assert any("15.00x vs transformers" in t for t in texts), texts

@@ -208,7 +208,12 @@ BASELINES: dict[str, tuple[Baseline, ...]] = {
     "attention": (
         Baseline("torch SDPA", "torch", _torch_sdpa, cannot_run=_sdpa_cannot_run),
         Baseline(
-            "flash-attn", "flash_attn", _flash_attn, devices=_CUDA, dtypes=_HALF, requires=("torch",)
+            "flash-attn",
+            "flash_attn",
+            _flash_attn,
+            devices=_CUDA,
+            dtypes=_HALF,
+            requires=("torch",),
         ),
     ),
 }

@@ -27,9 +27,9 @@ MODES = ("forward", "backward", "full")
 class Case:
     op: str  # a key of OPS
     label: str  # shape and options, for tables
-    seq: int  # sequence length, the x axis of the plot
+    seq: int  # sequence length
     params: dict = field(default_factory=dict)
-    series: str = ""  # cases of one series differ only in length: joined by a line in the plot
+    series: str = ""  # cases of one series differ only in length (kept in the results JSON)
 
     @property
     def name(self) -> str:
@@ -290,9 +290,12 @@ OPS: dict[str, OpSpec] = {
             p["positions"], p["dim"], offset=p.get("offset", 0), dtype="float64", **_ORACLE
         ),
         fastpe=lambda p, x, backend, device: _table_call(
-            fastpe.sinusoidal_table, (p["positions"], p["dim"]), backend, device,
+            fastpe.sinusoidal_table,
+            (p["positions"], p["dim"]),
+            backend,
+            device,
             offset=p.get("offset", 0),
-        ),  # fmt: skip
+        ),
     ),
     "rope_table": OpSpec(
         arrays=_no_arrays,

@@ -114,39 +114,69 @@ def format_summary(doc: dict) -> str:
     return "\n".join(out)
 
 
-def plot(doc: dict, path: str) -> None:
-    """Throughput against sequence length, one panel per op, one line per implementation."""
+def plot(doc: dict, path: str):
+    """Throughput per case as horizontal bars, one panel per op (cases of an op share its unit;
+    different ops' do not), one bar per implementation, fastpe's bars labelled with their
+    speedup over the op's target baseline (``speedup_over_target``). Bars rather than lines:
+    the cases of a panel differ in more than their length, and a line between two of them would
+    suggest a trend that isn't there. Writes ``path`` (format from its extension) and returns the
+    figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = sorted({r["op"] for r in doc["results"]})
-    cols = min(3, len(ops))
-    nrows = -(-len(ops) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
-    for ax in axes.flat[len(ops) :]:
-        ax.set_visible(False)
-    for ax, op in zip(axes.flat, ops, strict=False):
-        rows = [r for r in doc["results"] if r["op"] == op]
-        for impl, series in sorted({(r["impl"], r.get("series", "")) for r in rows}):
-            pts = sorted(
-                (r["seq"], r["throughput"])
-                for r in rows
-                if (r["impl"], r.get("series", "")) == (impl, series)
-            )
-            style = "-" if impl.startswith("fastpe") else "--"
-            label = f"{impl} {series}".strip()
-            ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(op)
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(rows[0]["unit"])
-        ax.legend(fontsize=7)
-    env = doc["environment"]
-    fig.suptitle(f"fastpe on {env.get('gpu', env['machine'])}, {doc['dtype']}", fontsize=9)
-    fig.tight_layout()
+    rows = doc["results"]
+    ops = list(dict.fromkeys(r["op"] for r in rows))  # the grid's order: tables first
+    # one colour per implementation across every panel
+    palette = plt.get_cmap("tab10")
+    colours = {
+        impl: palette(i % 10) for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows))
+    }
+    layout = []
+    for op in ops:
+        op_rows = [r for r in rows if r["op"] == op]
+        cases = list(dict.fromkeys(r["case"] for r in op_rows))
+        impls = list(dict.fromkeys(r["impl"] for r in op_rows))
+        layout.append((op, op_rows, cases, impls))
+    # inches per panel: a band per case, tall enough for its bars, and room for the title and axis
+    heights = [1.1 + len(cases) * (0.25 + 0.2 * len(impls)) for _, _, cases, impls in layout]
+    fig, axes = plt.subplots(
+        len(ops), 1, figsize=(12, sum(heights)), squeeze=False, layout="constrained",
+        gridspec_kw={"height_ratios": heights},
+    )  # fmt: skip
+    for ax, (op, op_rows, cases, impls) in zip(axes[:, 0], layout, strict=True):
+        bar = 0.8 / len(impls)
+        widest = max(r["throughput"] for r in op_rows)
+        for j, impl in enumerate(impls):
+            for i, case in enumerate(cases):
+                r = next((r for r in op_rows if (r["case"], r["impl"]) == (case, impl)), None)
+                if r is None:  # skipped in this case
+                    continue
+                y = i + (j - (len(impls) - 1) / 2) * bar
+                # labelled once per panel, for its legend
+                label = None if impl in ax.get_legend_handles_labels()[1] else impl
+                ax.barh(y, r["throughput"], height=bar * 0.9, color=colours[impl], label=label)
+                text = f" {r['throughput']:.3g}"
+                name, ratio = speedup_over_target(rows, r)
+                if r["impl"].startswith("fastpe") and name is not None:
+                    text += (
+                        f"  ({name} not timed)" if ratio is None else f"  ({ratio:.2f}x vs {name})"
+                    )
+                ax.text(r["throughput"], y, text, va="center", fontsize=7)
+        ax.set_yticks(range(len(cases)), cases, fontsize=8)
+        ax.set_ylim(len(cases) - 0.5, -0.5)  # first case on top, as in the table
+        ax.set_xlim(0, widest * 1.45)  # room for the labels right of the longest bar
+        ax.set_xlabel(f"throughput, {op_rows[0]['unit']} (longer is faster)", fontsize=8)
+        ax.set_title(op, loc="left", fontsize=10, fontweight="bold")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+        ax.grid(axis="x", alpha=0.3)
+    env = doc.get("environment", {})
+    where = env.get("gpu", env.get("machine", ""))
+    fig.suptitle(f"fastpe bench on {where}, {doc.get('dtype', '')}", fontsize=10)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
 
 
 # What every row of a results document holds; the spread fields came later, so files of older

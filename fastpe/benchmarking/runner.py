@@ -60,7 +60,9 @@ def baselines_for(op: str, device: str, dtype: str) -> tuple[list[Baseline], dic
         if baseline.devices is not None and device_type not in baseline.devices:
             continue
         if (module := missing_module(baseline)) is not None:
-            refused[baseline.name] = f"needs {module}, which is not installed ({install_hint(module)})"
+            refused[baseline.name] = (
+                f"needs {module}, which is not installed ({install_hint(module)})"
+            )
             continue
         reason = baseline.cannot_take(dtype)
         if reason is None:
@@ -250,8 +252,8 @@ def time_left(grid, done: dict[str, list[float]], n: int) -> float | None:
 
 
 def _elapsed(clock, start: float, case_start: float, left: float | None) -> str:
-    """"35 s elapsed, ~1 min left": ``left`` (estimated at the start of the current case) less
-    the time the case has taken so far."""
+    """The progress suffix, e.g. "35 s elapsed, ~1 min left": ``left`` (estimated at the start
+    of the current case) less the time the case has taken so far."""
     now = clock()
     text = f"{duration(now - start)} elapsed"
     return text if left is None else f"{text}, ~{duration(max(left - (now - case_start), 0))} left"
