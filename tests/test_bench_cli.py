@@ -126,6 +126,19 @@ def test_progress_estimates_time_left_per_op(monkeypatch):
     ]
 
 
+def test_progress_when_a_case_runs_past_its_estimate():
+    # embed took 10 s; the second embed case has run 25 s: it counts as about to end, and the
+    # attention case after it keeps its estimate (10 s, the mean so far), rather than the whole
+    # estimate (20 s) less 25 s, which would print "~0 s left" with a case still to run
+    from fastpe.benchmarking import runner
+
+    grid = [bm.Case("embed", "a", 1), bm.Case("embed", "b", 1), bm.Case("attention", "c", 1)]
+    left = runner.time_left(grid, {"embed": [10.0]}, 2)
+    assert left == (10.0, 10.0)
+    assert runner._elapsed(lambda: 125.0, 0.0, 100.0, left) == "2 min elapsed, ~10 s left"
+    assert runner._elapsed(lambda: 104.0, 0.0, 100.0, left) == "2 min elapsed, ~16 s left"
+
+
 @pytest.mark.parametrize(
     "seconds, text",
     [(0.4, "0 s"), (35, "35 s"), (59.4, "59 s"), (60, "1 min"), (150, "3 min"), (3600, "1 h 00 min"),
@@ -185,15 +198,20 @@ def test_bench_without_torch(tmp_path):
     assert "elapsed" in done.stderr and "elapsed" not in out
 
 
-def test_bench_without_torch_cannot_time_gradients(tmp_path):
-    done = _bench_without(
-        tmp_path, ["torch"], "--ops", "embed", "--modes", "backward", "--plot", ""
-    )
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--modes", "backward"], "--modes backward: gradients are timed through torch autograd, "
+         "and torch is not installed (pip install torch)"),
+        (["--dtype", "bf16"], "--dtype bfloat16 needs torch (NumPy has no bfloat16): "
+         "pip install torch"),
+    ],
+)  # fmt: skip
+def test_bench_without_torch_refuses_what_needs_it(tmp_path, args, error):
+    done = _bench_without(tmp_path, ["torch"], "--ops", "embed", *args, "--plot", "")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "fastpe bench: error: --modes backward: gradients are timed through torch autograd, and "
-        "torch is not installed (pip install torch)"
-    )
+    assert done.stderr.strip().splitlines()[-1] == f"fastpe bench: error: {error}"
+    assert not (tmp_path / "fastpe-bench.json").exists()  # refused before any timing
 
 
 def test_bench_without_matplotlib(tmp_path):

@@ -238,25 +238,28 @@ def duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
-def time_left(grid, done: dict[str, list[float]], n: int) -> float | None:
-    """Seconds the cases ``grid[n - 1:]`` should take, from the seconds ``done`` took per op:
-    each case counts its op's mean so far (an attention case takes far longer than a table's),
-    or the mean of every case so far when none of its op has finished; None before any has."""
+def time_left(grid, done: dict[str, list[float]], n: int) -> tuple[float, float] | None:
+    """Seconds that case ``n`` (1-based) of ``grid`` and the cases after it should take, from the
+    seconds ``done`` took per op: each case counts its op's mean so far (an attention case takes
+    far longer than a table's), or the mean of every case so far when none of its op has
+    finished; None before any has."""
     every = [t for times in done.values() for t in times]
     if not every:
         return None
     overall = sum(every) / len(every)
-    return sum(
-        sum(done[c.op]) / len(done[c.op]) if done.get(c.op) else overall for c in grid[n - 1 :]
-    )
+    guess = [sum(done[c.op]) / len(done[c.op]) if done.get(c.op) else overall for c in grid]
+    return guess[n - 1], sum(guess[n:])
 
 
-def _elapsed(clock, start: float, case_start: float, left: float | None) -> str:
-    """The progress suffix, e.g. "35 s elapsed, ~1 min left": ``left`` (estimated at the start
-    of the current case) less the time the case has taken so far."""
+def _elapsed(clock, start: float, case_start: float, left: tuple[float, float] | None) -> str:
+    """The progress suffix, e.g. "35 s elapsed, ~1 min left": the current case's estimate less
+    the time it has taken so far (no less than nothing), plus the later cases' estimates."""
     now = clock()
     text = f"{duration(now - start)} elapsed"
-    return text if left is None else f"{text}, ~{duration(max(left - (now - case_start), 0))} left"
+    if left is None:
+        return text
+    current, later = left
+    return f"{text}, ~{duration(max(current - (now - case_start), 0) + later)} left"
 
 
 def run_benchmarks(
