@@ -159,16 +159,17 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _without_torch(args, notes: list[str]) -> list[str] | str:
+def _modes_without_torch(args, notes: list[str]) -> list[str]:
     """The modes to time when torch is not installed (forward only: gradients are timed through
-    torch autograd), noting what is left out; a one-line error when nothing is left."""
+    torch autograd), noting in ``notes`` what is left out; ValueError (one line) when the run
+    cannot go on without torch."""
     if args.dtype == "bfloat16":
-        return "--dtype bfloat16 needs torch (NumPy has no bfloat16): pip install torch"
+        raise ValueError("--dtype bfloat16 needs torch (NumPy has no bfloat16): pip install torch")
     grads = [m for m in args.modes if m != "forward"]
     if grads:
         why = "gradients are timed through torch autograd, and torch is not installed"
         if len(grads) == len(args.modes):
-            return f"--modes {' '.join(grads)}: {why} (pip install torch)"
+            raise ValueError(f"--modes {' '.join(grads)}: {why} (pip install torch)")
         notes.append(f"skipped: --modes {' '.join(grads)}: {why} (pip install torch)")
     return [m for m in args.modes if m == "forward"]
 
@@ -184,15 +185,16 @@ def bench(args) -> int:
     notes: list[str] = []
     modes = args.modes
     if not _installed("torch"):
-        modes = _without_torch(args, notes)
-        if isinstance(modes, str):
-            return _fail("bench", modes)
+        try:
+            modes = _modes_without_torch(args, notes)
+        except ValueError as exc:
+            return _fail("bench", str(exc))
     problems = [("--json", _cannot_write(args.json))]
     plot = args.plot
     if plot and not _installed("matplotlib"):
         notes.append(
-            "skipped: the plot: matplotlib is not installed (pip install matplotlib); the table "
-            "and the results JSON are written as usual"
+            "skipped: the plot, as matplotlib is not installed (pip install matplotlib); the "
+            "table and the results JSON are written as usual"
         )
         plot = None
     elif plot:
@@ -210,10 +212,13 @@ def bench(args) -> int:
             return _fail("bench", f"--cases: no case of the grid contains {args.cases}")
     grid = bm.in_modes(grid, modes)
     if generate and (absent := [m for m in ("torch", "transformers") if not _installed(m)]):
-        notes.append(
-            f"skipped: --ops generate: it runs transformers' model.generate(), which needs "
+        why = (
+            f"--ops generate: it runs transformers' model.generate(), which needs "
             f"{' and '.join(absent)} (pip install {' '.join(absent)})"
         )
+        if not grid:  # nothing else to time
+            return _fail("bench", why)
+        notes.append(f"skipped: {why}")
         generate = False
     for module, names in bm.missing_baselines(sorted({c.op for c in grid}), device).items():
         fastpe_note = " fastpe is timed on NumPy arrays;" if module == "torch" else ""

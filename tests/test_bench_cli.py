@@ -205,12 +205,17 @@ def test_bench_without_torch(tmp_path):
          "and torch is not installed (pip install torch)"),
         (["--dtype", "bf16"], "--dtype bfloat16 needs torch (NumPy has no bfloat16): "
          "pip install torch"),
+        # "torch", or "torch and transformers" where transformers is not installed either
+        (["--ops", "generate"], "--ops generate: it runs transformers' model.generate(), which "
+         "needs torch"),
     ],
 )  # fmt: skip
 def test_bench_without_torch_refuses_what_needs_it(tmp_path, args, error):
-    done = _bench_without(tmp_path, ["torch"], "--ops", "embed", *args, "--plot", "")
+    ops = [] if "--ops" in args else ["--ops", "embed"]
+    done = _bench_without(tmp_path, ["torch"], *ops, *args, "--plot", "")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == f"fastpe bench: error: {error}"
+    assert done.stderr.strip().splitlines()[-1].startswith(f"fastpe bench: error: {error}")
+    assert "pip install torch" in done.stderr
     assert not (tmp_path / "fastpe-bench.json").exists()  # refused before any timing
 
 
@@ -218,7 +223,9 @@ def test_bench_without_matplotlib(tmp_path):
     done = _bench_without(tmp_path, ["matplotlib"], "--ops", "rope_table")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
-    assert "skipped: the plot: matplotlib is not installed (pip install matplotlib)" in done.stderr
+    assert "skipped: the plot, as matplotlib is not installed (pip install matplotlib)" in (
+        done.stderr
+    )
     assert "plot:    none (matplotlib is not installed: pip install matplotlib)" in done.stdout
     assert _line(done.stdout, "rope_table", "fastpe[numba]")
     assert json.loads((tmp_path / "fastpe-bench.json").read_text())["results"]
