@@ -17,6 +17,18 @@ from fastpe import benchmarking as bm
 from fastpe.benchmarking.runner import package_version
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
+# the short names people type (and Triton, flash-attn and fastpe's own docs write)
+DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _dtype(text: str) -> str:
+    """A dtype option's value: one of DTYPES, or its short name in DTYPE_ALIASES."""
+    if text in DTYPES:
+        return text
+    if text in DTYPE_ALIASES:
+        return DTYPE_ALIASES[text]
+    accepted = ", ".join(f"{name} ({short})" for short, name in DTYPE_ALIASES.items())
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {accepted})")
 
 
 def info() -> str:
@@ -133,8 +145,6 @@ def _cannot_write(path: str) -> str | None:
 
 
 def _cannot_plot(path: str) -> str | None:
-    if importlib.util.find_spec("matplotlib") is None:
-        return "needs matplotlib (pip install matplotlib); pass --plot '' for no plot"
     ext = os.path.splitext(path)[1][1:].lower()
     if ext:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -145,30 +155,84 @@ def _cannot_plot(path: str) -> str | None:
     return _cannot_write(path)
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _modes_without_torch(args, notes: list[str]) -> list[str]:
+    """The modes to time when torch is not installed (forward only: gradients are timed through
+    torch autograd), noting in ``notes`` what is left out; ValueError (one line) when the run
+    cannot go on without torch."""
+    if args.dtype == "bfloat16":
+        raise ValueError("--dtype bfloat16 needs torch (NumPy has no bfloat16): pip install torch")
+    grads = [m for m in args.modes if m != "forward"]
+    if grads:
+        why = "gradients are timed through torch autograd, and torch is not installed"
+        if len(grads) == len(args.modes):
+            raise ValueError(f"--modes {' '.join(grads)}: {why} (pip install torch)")
+        notes.append(f"skipped: --modes {' '.join(grads)}: {why} (pip install torch)")
+    return [m for m in args.modes if m == "forward"]
+
+
 def bench(args) -> int:
     try:
         device = bm.resolve_device(args.device, "--device")
     except ValueError as exc:
         return _fail("bench", str(exc))
+    # Notes on what this run leaves out because a package is not installed: printed before the
+    # run starts (stderr), so that nobody waits an hour to learn the plot was never going to be
+    # drawn
+    notes: list[str] = []
+    modes = args.modes
+    if not _installed("torch"):
+        try:
+            modes = _modes_without_torch(args, notes)
+        except ValueError as exc:
+            return _fail("bench", str(exc))
     problems = [("--json", _cannot_write(args.json))]
-    if args.plot:
-        problems.append(("--plot", _cannot_plot(args.plot)))
+    plot = args.plot
+    if plot and not _installed("matplotlib"):
+        notes.append(
+            "skipped: the plot, as matplotlib is not installed (pip install matplotlib); the "
+            "table and the results JSON are written as usual"
+        )
+        plot = None
+    elif plot:
+        problems.append(("--plot", _cannot_plot(plot)))
     for option, problem in problems:
         if problem:
             return _fail("bench", f"{option}: {problem}")
     grid = bm.QUICK_GRID if args.quick else bm.FULL_GRID
     if args.ops:
         grid = [c for c in grid if c.op in args.ops]
+    generate = bool(args.ops and "generate" in args.ops)
     if args.cases:
         grid = [c for c in grid if any(text in c.name for text in args.cases)]
-        if not grid and not (args.ops and "generate" in args.ops):
+        if not grid and not generate:
             return _fail("bench", f"--cases: no case of the grid contains {args.cases}")
-    grid = bm.in_modes(grid, args.modes)
+    grid = bm.in_modes(grid, modes)
+    if generate and (absent := [m for m in ("torch", "transformers") if not _installed(m)]):
+        why = (
+            f"--ops generate: it runs transformers' model.generate(), which needs "
+            f"{' and '.join(absent)} (pip install {' '.join(absent)})"
+        )
+        if not grid:  # nothing else to time
+            return _fail("bench", why)
+        notes.append(f"skipped: {why}")
+        generate = False
+    for module, names in bm.missing_baselines(sorted({c.op for c in grid}), device).items():
+        fastpe_note = " fastpe is timed on NumPy arrays;" if module == "torch" else ""
+        notes.append(
+            f"{module} is not installed:{fastpe_note} skipping the baselines that need it "
+            f"({', '.join(names)}); {bm.install_hint(module)} to time them"
+        )
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     print(info(), end="\n\n")
+    for note in notes:
+        print(note, file=sys.stderr)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     doc = bm.run_benchmarks(grid, device, dtype, progress=progress)
-    if args.ops and "generate" in args.ops:  # opt-in only: minutes on a CPU
+    if generate:  # opt-in only: minutes on a CPU
         from fastpe.benchmarking.generate import run_generate
 
         doc["results"] += run_generate(device, dtype, progress=progress)
@@ -178,9 +242,11 @@ def bench(args) -> int:
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"\nresults: {args.json}")
-    if args.plot and doc["results"]:
-        bm.plot(doc, args.plot)
-        print(f"plot:    {args.plot}")
+    if plot and doc["results"]:
+        bm.plot(doc, plot)
+        print(f"plot:    {plot}")
+    elif args.plot and not plot:
+        print("plot:    none (matplotlib is not installed: pip install matplotlib)")
     return 0
 
 
@@ -299,18 +365,21 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         default="fastpe-bench.png",
         metavar="PATH",
-        help="plot of throughput vs sequence length, format from the extension, needs "
-        "matplotlib (%(default)s; '' for none)",
+        help="bar chart of each case's throughput, one panel per op, format from the "
+        "extension (%(default)s; '' for none); skipped with a note when matplotlib is not "
+        "installed",
     )
     b.add_argument(
         "--device", default=None, help="cpu or cuda[:N] (default: cuda when torch sees a GPU)"
     )
     b.add_argument(
         "--dtype",
-        choices=DTYPES,
+        type=_dtype,
         default=None,
         metavar="DTYPE",
-        help="dtype of the inputs: %(choices)s (default: float32 on CPU, bfloat16 on GPU); "
+        help="dtype of the inputs: "
+        + ", ".join(f"{name} ({short})" for short, name in DTYPE_ALIASES.items())
+        + " (default: float32 on CPU, bfloat16 on GPU); "
         "baselines that cannot take it are skipped, and the tables are computed in float32",
     )
     r = sub.add_parser(

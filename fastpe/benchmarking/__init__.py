@@ -6,7 +6,7 @@ is compared with; ``runner``: which implementations run here, timing, peaks, the
 document; ``report``: tables and the plot of a results document.
 """
 
-from .baselines import BASELINES, TARGET_BASELINE, Baseline, target_baseline
+from .baselines import BASELINES, TARGET_BASELINE, Baseline, install_hint, target_baseline
 from .cases import (
     FULL_GRID,
     MODES,
@@ -23,7 +23,14 @@ from .cases import (
     with_mode,
     work,
 )
-from .report import caveats, format_summary, format_table, load_results, plot
+from .report import (
+    caveats,
+    format_summary,
+    format_table,
+    load_results,
+    plot,
+    speedup_over_target,
+)
 from .runner import (
     Timing,
     baselines_for,
@@ -31,6 +38,7 @@ from .runner import (
     implementation_names,
     implementations,
     measure_peaks,
+    missing_baselines,
     resolve_device,
     run_benchmarks,
     time_callable,
@@ -57,14 +65,17 @@ __all__ = [
     "implementation_names",
     "implementations",
     "in_modes",
+    "install_hint",
     "load_results",
     "make_inputs",
     "max_error",
     "measure_peaks",
+    "missing_baselines",
     "plot",
     "reference",
     "resolve_device",
     "run_benchmarks",
+    "speedup_over_target",
     "target_baseline",
     "time_callable",
     "with_mode",

@@ -27,6 +27,11 @@ class Baseline:
     dtypes: frozenset[str] | None = None  # input dtypes it takes (None: any)
     # (case) -> why it cannot compute this case (an option it lacks), or None
     cannot_run: Callable[[Case], str | None] = lambda case: None
+    requires: tuple[str, ...] = ()  # other modules it imports (transformers' RoPE: torch)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (self.module, *self.requires)
 
     def cannot_take(self, dtype: str) -> str | None:
         """Why this baseline cannot be timed with ``dtype`` inputs, or None."""
@@ -56,7 +61,8 @@ def _numpy_sinusoidal(case: Case, x: dict):
 
 def _numpy_embed(case: Case, x: dict):
     p = case.params
-    w, ids = x["weight"].numpy(), x["ids"].numpy()
+    # the inputs are torch tensors on the CPU, or NumPy arrays when torch is not installed
+    w, ids = np.asarray(x["weight"]), np.asarray(x["ids"])
     pe = fastpe.sinusoidal_table(p["seq"], p["dim"]).astype(w.dtype)
     scale = np.float32(math.sqrt(p["dim"]))
     return lambda: w[ids] * scale + pe
@@ -183,8 +189,8 @@ BASELINES: dict[str, tuple[Baseline, ...]] = {
     ),
     "rope_table": (Baseline("torch eager", "torch", _torch_rope_table),),
     "apply_rope": (
-        Baseline("transformers", "transformers", _transformers_rope),
-        Baseline("liger", "liger_kernel", _liger_rope, devices=_CUDA),
+        Baseline("transformers", "transformers", _transformers_rope, requires=("torch",)),
+        Baseline("liger", "liger_kernel", _liger_rope, devices=_CUDA, requires=("torch",)),
     ),
     "embed": (
         # reads the tensors' memory
@@ -201,9 +207,24 @@ BASELINES: dict[str, tuple[Baseline, ...]] = {
     ),
     "attention": (
         Baseline("torch SDPA", "torch", _torch_sdpa, cannot_run=_sdpa_cannot_run),
-        Baseline("flash-attn", "flash_attn", _flash_attn, devices=_CUDA, dtypes=_HALF),
+        Baseline(
+            "flash-attn",
+            "flash_attn",
+            _flash_attn,
+            devices=_CUDA,
+            dtypes=_HALF,
+            requires=("torch",),
+        ),
     ),
 }
+
+# What to pip install for a module a baseline needs, where the names differ
+PIP_NAMES = {"flash_attn": "flash-attn", "liger_kernel": "liger-kernel"}
+
+
+def install_hint(module: str) -> str:
+    return f"pip install {PIP_NAMES.get(module, module)}"
+
 
 # The baseline each op's speed target is stated against (what users run today).
 TARGET_BASELINE = {
@@ -212,6 +233,7 @@ TARGET_BASELINE = {
     "apply_rope": "transformers",
     "embed": "torch eager",
     "attention": "torch SDPA",
+    "generate": "sdpa",  # `fastpe bench --ops generate`: transformers' attn_implementation="sdpa"
 }
 # where the target of the backward and full modes is another baseline
 _GRAD_TARGET_BASELINE = {"embed": "nn.Embedding"}

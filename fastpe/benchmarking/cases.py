@@ -7,6 +7,7 @@ baselines in ``baselines.py``).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,9 +27,9 @@ MODES = ("forward", "backward", "full")
 class Case:
     op: str  # a key of OPS
     label: str  # shape and options, for tables
-    seq: int  # sequence length, the x axis of the plot
+    seq: int  # sequence length
     params: dict = field(default_factory=dict)
-    series: str = ""  # cases of one series differ only in length: joined by a line in the plot
+    series: str = ""  # cases of one series differ only in length (kept in the results JSON)
 
     @property
     def name(self) -> str:
@@ -230,14 +231,26 @@ def _attention_reference(p, x):
     )  # fmt: skip
 
 
+def _table_call(fn, args, backend, device, **kwargs):
+    """fastpe's table ``fn`` as the bench times it: a tensor on ``device``, or a NumPy array when
+    torch is not installed (``device=None``; a device asks for a torch tensor)."""
+    place = device if importlib.util.find_spec("torch") is not None else None
+    return lambda: fn(*args, device=place, backend=backend, **kwargs)
+
+
+def _float32(a):
+    """A float32 copy of a table: torch tensors, or NumPy arrays when torch is not installed."""
+    return a.float() if hasattr(a, "float") else a.astype(np.float32)
+
+
 def _apply_rope_call(p, x, backend, device):
     # q and k in one call, as transformers' apply_rotary_pos_emb takes them
     if "position" in p:  # rows picked by position from the whole table, in the call
-        cos, sin = x["table_cos"].float(), x["table_sin"].float()
+        cos, sin = _float32(x["table_cos"]), _float32(x["table_sin"])
         return lambda: fastpe.apply_rope(
             (x["q"], x["k"]), cos, sin, positions=x["positions"], backend=backend
         )
-    cos, sin = x["cos"].float(), x["sin"].float()
+    cos, sin = _float32(x["cos"]), _float32(x["sin"])
     return lambda: fastpe.apply_rope((x["q"], x["k"]), cos, sin, backend=backend)
 
 
@@ -276,10 +289,12 @@ OPS: dict[str, OpSpec] = {
         reference=lambda p, x: fastpe.sinusoidal_table(
             p["positions"], p["dim"], offset=p.get("offset", 0), dtype="float64", **_ORACLE
         ),
-        fastpe=lambda p, x, backend, device: (
-            lambda: fastpe.sinusoidal_table(
-                p["positions"], p["dim"], offset=p.get("offset", 0), device=device, backend=backend
-            )
+        fastpe=lambda p, x, backend, device: _table_call(
+            fastpe.sinusoidal_table,
+            (p["positions"], p["dim"]),
+            backend,
+            device,
+            offset=p.get("offset", 0),
         ),
     ),
     "rope_table": OpSpec(
@@ -289,10 +304,8 @@ OPS: dict[str, OpSpec] = {
         reference=lambda p, x: fastpe.rope_table(
             p["positions"], p["rotary_dim"], dtype="float64", **_ORACLE
         ),
-        fastpe=lambda p, x, backend, device: (
-            lambda: fastpe.rope_table(
-                p["positions"], p["rotary_dim"], device=device, backend=backend
-            )
+        fastpe=lambda p, x, backend, device: _table_call(
+            fastpe.rope_table, (p["positions"], p["rotary_dim"]), backend, device
         ),
     ),
     "apply_rope": OpSpec(

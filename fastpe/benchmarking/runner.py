@@ -16,7 +16,7 @@ import numpy as np
 import fastpe
 from fastpe.backends import kernel_backends, unavailable_reason
 
-from .baselines import BASELINES, Baseline
+from .baselines import BASELINES, Baseline, install_hint
 from .cases import OPS, Case, autograd_call, make_inputs, max_error, reference, with_grad, work
 
 
@@ -31,15 +31,38 @@ def implementation_names(op: str) -> list[str]:
     return [f"fastpe[{n}]" for n in fastpe_backends()] + [b.name for b in BASELINES[op]]
 
 
+def missing_module(baseline: Baseline) -> str | None:
+    """The first module ``baseline`` needs that is not installed here, or None."""
+    return next((m for m in baseline.modules if importlib.util.find_spec(m) is None), None)
+
+
+def missing_baselines(ops, device: str) -> dict[str, list[str]]:
+    """Per module that is not installed here, the baselines of ``ops`` on ``device`` that need it
+    (names in table order, each once)."""
+    device_type = device.split(":")[0]
+    missing: dict[str, list[str]] = {}
+    for op in ops:
+        for baseline in BASELINES.get(op, ()):
+            if baseline.devices is not None and device_type not in baseline.devices:
+                continue
+            module = missing_module(baseline)
+            if module is not None and baseline.name not in missing.setdefault(module, []):
+                missing[module].append(baseline.name)
+    return missing
+
+
 def baselines_for(op: str, device: str, dtype: str) -> tuple[list[Baseline], dict[str, str]]:
     """The baselines of ``op`` that run on ``device`` here, split into those that take ``dtype``
-    and, by name, why the others cannot."""
+    and, by name, why the others cannot (a module that is not installed, or the dtype)."""
     device_type = device.split(":")[0]
     runnable, refused = [], {}
     for baseline in BASELINES[op]:
         if baseline.devices is not None and device_type not in baseline.devices:
             continue
-        if importlib.util.find_spec(baseline.module) is None:
+        if (module := missing_module(baseline)) is not None:
+            refused[baseline.name] = (
+                f"needs {module}, which is not installed ({install_hint(module)})"
+            )
             continue
         reason = baseline.cannot_take(dtype)
         if reason is None:
@@ -207,16 +230,60 @@ def environment(device: str, peaks: dict) -> dict:
     return env
 
 
-def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=print) -> dict:
+def duration(seconds: float) -> str:
+    """``seconds`` as a person reads a wait: "35 s", "4 min", "1 h 05 min"."""
+    if seconds < 59.5:
+        return f"{seconds:.0f} s"
+    minutes = int(seconds / 60 + 0.5)  # half up: round() would give 2.5 min as "2 min"
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def time_left(grid, done: dict[str, list[float]], n: int) -> tuple[float, float] | None:
+    """Seconds that case ``n`` (1-based) of ``grid`` and the cases after it should take, from the
+    seconds ``done`` took per op: each case counts its op's mean so far (an attention case takes
+    far longer than a table's), or the mean of every case so far when none of its op has
+    finished; None before any has."""
+    every = [t for times in done.values() for t in times]
+    if not every:
+        return None
+    overall = sum(every) / len(every)
+    guess = [sum(done[c.op]) / len(done[c.op]) if done.get(c.op) else overall for c in grid]
+    return guess[n - 1], sum(guess[n:])
+
+
+def _elapsed(clock, start: float, case_start: float, left: tuple[float, float] | None) -> str:
+    """The progress suffix, e.g. "35 s elapsed, ~1 min left": the current case's estimate less
+    the time it has taken so far (no less than nothing), plus the later cases' estimates."""
+    now = clock()
+    text = f"{duration(now - start)} elapsed"
+    if left is None:
+        return text
+    current, later = left
+    return f"{text}, ~{duration(max(current - (now - case_start), 0) + later)} left"
+
+
+def run_benchmarks(
+    grid,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress=print,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
     """Time every implementation of every case; returns the JSON-able results document.
 
     Implementations that cannot take ``dtype`` (a baseline's dtype table, or a fastpe backend's
-    capability table) are listed under "skipped" with the reason instead of being timed."""
+    capability table) are listed under "skipped" with the reason instead of being timed.
+    ``progress`` gets one line per implementation timed, with the time elapsed and an estimate of
+    the time left (``clock``: seconds, a parameter for tests)."""
+    start = clock()
     peaks = measure_peaks()
     # bytes per element of the timed inputs (NumPy has no bfloat16 to ask)
     itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
     rows, skipped = [], []
+    done: dict[str, list[float]] = {}  # seconds each finished case took, per op
     for n, case in enumerate(grid, 1):
+        case_start, left = clock(), time_left(grid, done, n)
         inputs = make_inputs(case, device, dtype)
         expected = reference(case, inputs)
         amount, unit = work(case, itemsize=itemsize)
@@ -228,7 +295,8 @@ def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=p
             skipped.append({"op": case.op, "case": case.label, "impl": name, "reason": reason})
         case_rows = []
         for name, fn in implementations(case, inputs, device, dtype).items():
-            progress(f"[{n}/{len(grid)}] {case.name}: {name} ...")
+            when = _elapsed(clock, start, case_start, left)
+            progress(f"[{n}/{len(grid)}] {case.name}: {name} ... {when}")
             try:
                 timing = time_callable(fn, device)
             except fastpe.BackendNotSupportedError as exc:  # refused before any kernel ran
@@ -251,6 +319,7 @@ def run_benchmarks(grid, device: str = "cpu", dtype: str = "float32", progress=p
         for r in case_rows:
             r["speedup_vs_best_baseline"] = None if best is None else best / r["median_s"]
         rows += case_rows
+        done.setdefault(case.op, []).append(clock() - case_start)
     doc = {"environment": environment(device, peaks), "dtype": dtype, "results": rows}
     if skipped:
         doc["skipped"] = skipped
