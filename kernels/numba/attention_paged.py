@@ -80,22 +80,19 @@ def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst):
 
 
 @intrinsic
-def _prefetch(typingctx, array, index):
-    """Ask the CPU to bring the cache line holding element ``index`` (in flat order) of a
-    C-contiguous array into its L2 cache: a hint (x86 prefetcht1), no load, no fault, no
-    result. The index must lie within the array."""
-    if not (isinstance(array, types.Array) and array.layout == "C"):
-        return None
-    if not isinstance(index, types.Integer):
+def _prefetch(typingctx, array, offset):
+    """Ask the CPU to bring the cache line ``offset`` bytes past the first element of
+    ``array`` (any layout: the caller computes the offset from the strides) into its L2 cache:
+    a hint (x86 prefetcht1), no load, no fault, no result. The byte must lie within the array's
+    memory."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         offset = context.cast(builder, args[1], signature.args[1], types.intp)
-        element = context.get_data_type(signature.args[0].dtype)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
         byte_ptr = ir.IntType(8).as_pointer()
-        address = cgutils.pointer_add(builder, ary.data, builder.mul(offset, itemsize), byte_ptr)
+        address = cgutils.pointer_add(builder, ary.data, offset, byte_ptr)
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
         fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
@@ -103,19 +100,26 @@ def _prefetch(typingctx, array, index):
         builder.call(fn, [address, i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 
-    return types.void(array, index), codegen
+    return types.void(array, offset), codegen
 
 
 @njit(cache=True)
 def _prefetch_rows(src, row, n, hk):
-    """Prefetch head hk of rows row … row + n - 1 of src [R, H, D] (64-byte cache lines)."""
-    heads, width = src.shape[1], src.shape[2]
-    step = max(1, 64 // src.itemsize)
+    """Prefetch head hk of rows row … row + n - 1 of src [R, H, D] (64-byte cache lines), at
+    src's strides: packed k/v views (kvpacked, every-other-head) and caches read in place
+    through a row view are not C-contiguous."""
+    row_stride, head_stride, col_stride = src.strides
+    width = src.shape[2]
+    # a head's slice is one byte range when its elements are adjacent: one prefetch per line;
+    # else one per element (a hint each, cheap next to the multiplications they precede)
+    dense = col_stride == src.itemsize
+    step = 64 if dense else col_stride
+    span = (width - 1) * col_stride
     for r in range(row, row + n):
-        base = (r * heads + hk) * width
-        for x in range(base, base + width, step):
+        base = r * row_stride + hk * head_stride
+        for x in range(base, base + span + 1, max(step, 1)):
             _prefetch(src, x)
-        _prefetch(src, base + width - 1)  # the last line, when the head's slice is unaligned
+        _prefetch(src, base + span)  # the last line, when the head's slice is unaligned
 
 
 # Rows per page run: every kv head of up to this many cache rows is consumed before the next
@@ -136,26 +140,29 @@ def _page_run(page_start, page_size, b, j, left):
     return page_start[b, page] + j - page * page_size, run
 
 
-def _is_fp16(array):
-    """True for arrays of float16 bits (a compile-time constant)."""
+def _needs_scratch(array):
+    """True for arrays the few-row loops do not read in place (a compile-time constant):
+    float16 bits and any array that is not C-contiguous."""
 
 
-@overload(_is_fp16, inline="always")
-def _is_fp16_impl(array):
-    fp16 = array.dtype == types.int16
-    return lambda array: fp16
+@overload(_needs_scratch, inline="always")
+def _needs_scratch_impl(array):
+    copy = array.dtype == types.int16 or array.layout != "C"
+    return lambda array: copy
 
 
 def _loop_rows(rows, scratch):
-    """Cache rows [n, H, D] as the few-row loops read them: in place for floats and bfloat16 bits
-    (widened by a shift as read), widened once into the flat scratch for float16 bits, whose
-    exact conversion branches: widened inside the loops (four times, once per query row) it
-    kept them from vectorising and ran 2.3x slower than the contiguous decode."""
+    """Cache rows [n, H, D] as the few-row loops read them: in place for C-contiguous floats and
+    bfloat16 bits (widened by a shift as read); copied (widened) once into the flat scratch for
+    float16 bits, whose exact conversion branches (widened inside the loops, four times, once
+    per query row, it kept them from vectorising and ran 2.3x slower than the contiguous
+    decode), and for strided rows (packed k/v views, every-other-head): on layout 'A' the loops
+    do not know the unit stride of D and ran 9x slower."""
 
 
 @overload(_loop_rows, inline="always")
 def _loop_rows_impl(rows, scratch):
-    if rows.dtype == types.int16:
+    if rows.dtype == types.int16 or rows.layout != "C":
 
         def widen_into(rows, scratch):
             n, heads, width = rows.shape
@@ -294,9 +301,10 @@ def _attention_paged_direct_numba(
         work = np.empty((hkv, 4, m), dtype=part_out.dtype)
         s_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
         p_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
-        # float16 runs widened (_loop_rows); empty, and unused, for other inputs
+        # float16 and strided runs copied (_loop_rows); empty, and unused, for other inputs
         scratch = np.empty(
-            RUN_ROWS * hkv * max(d, dv) if _is_fp16(k) or _is_fp16(v) else 0, part_out.dtype
+            RUN_ROWS * hkv * max(d, dv) if _needs_scratch(k) or _needs_scratch(v) else 0,
+            part_out.dtype,
         )
         tail = (j_stop - j_begin) % block_n
         s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
