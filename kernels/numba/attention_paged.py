@@ -79,18 +79,17 @@ def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst):
     return dst[:n]
 
 
-@intrinsic
-def _prefetch(typingctx, array, offset):
-    """Ask the CPU to bring the cache line ``offset`` bytes past the first element of
-    ``array`` (any layout: the caller computes the offset from the strides) into its L2 cache:
-    a hint (x86 prefetcht1), no load, no fault, no result. The byte must lie within the array's
-    memory."""
-    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
-        return None
+def _prefetch_codegen(element_index):
+    """llvm.prefetch of the cache line at an element index (C-contiguous arrays: the offset is
+    the index times the item size) or at a byte offset (any layout)."""
 
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        if element_index:
+            element = context.get_data_type(signature.args[0].dtype)
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
+            offset = builder.mul(offset, itemsize)
         byte_ptr = ir.IntType(8).as_pointer()
         address = cgutils.pointer_add(builder, ary.data, offset, byte_ptr)
         i32 = ir.IntType(32)
@@ -100,26 +99,63 @@ def _prefetch(typingctx, array, offset):
         builder.call(fn, [address, i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 
-    return types.void(array, offset), codegen
+    return codegen
 
 
-@njit(cache=True)
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Ask the CPU to bring the cache line holding element ``index`` (in flat order) of a
+    C-contiguous array into its L2 cache: a hint (x86 prefetcht1), no load, no fault, no
+    result. The index must lie within the array."""
+    if not (isinstance(array, types.Array) and array.layout == "C"):
+        return None
+    if not isinstance(index, types.Integer):
+        return None
+    return types.void(array, index), _prefetch_codegen(True)
+
+
+@intrinsic
+def _prefetch_bytes(typingctx, array, offset):
+    """``_prefetch`` for arrays of any layout: the line ``offset`` bytes past the first
+    element (the caller computes it from the strides; it must lie within the array's memory)."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+    return types.void(array, offset), _prefetch_codegen(False)
+
+
 def _prefetch_rows(src, row, n, hk):
-    """Prefetch head hk of rows row … row + n - 1 of src [R, H, D] (64-byte cache lines), at
-    src's strides: packed k/v views (kvpacked, every-other-head) and caches read in place
-    through a row view are not C-contiguous."""
-    row_stride, head_stride, col_stride = src.strides
-    width = src.shape[2]
-    # a head's slice is one byte range when its elements are adjacent: one prefetch per line;
-    # else one per element (a hint each, cheap next to the multiplications they precede)
-    dense = col_stride == src.itemsize
-    step = 64 if dense else col_stride
-    span = (width - 1) * col_stride
-    for r in range(row, row + n):
-        base = r * row_stride + hk * head_stride
-        for x in range(base, base + span + 1, max(step, 1)):
-            _prefetch(src, x)
-        _prefetch(src, base + span)  # the last line, when the head's slice is unaligned
+    """Prefetch head hk of rows row … row + n - 1 of src [R, H, D] (64-byte cache lines)."""
+
+
+@overload(_prefetch_rows)
+def _prefetch_rows_impl(src, row, n, hk):
+    if src.layout == "C":
+
+        def contiguous(src, row, n, hk):
+            heads, width = src.shape[1], src.shape[2]
+            step = max(1, 64 // src.itemsize)
+            for r in range(row, row + n):
+                base = (r * heads + hk) * width
+                for x in range(base, base + width, step):
+                    _prefetch(src, x)
+                _prefetch(src, base + width - 1)  # the last line, when the slice is unaligned
+
+        return contiguous
+
+    def strided(src, row, n, hk):
+        # packed k/v views (kvpacked, every-other-head) and caches read in place through a
+        # row view: addresses from the strides; a head's slice is one byte range when its
+        # elements are adjacent (one prefetch per line), else one prefetch per element
+        row_stride, head_stride, col_stride = src.strides
+        step = 64 if col_stride == src.itemsize else col_stride
+        span = (src.shape[2] - 1) * col_stride
+        for r in range(row, row + n):
+            base = r * row_stride + hk * head_stride
+            for x in range(base, base + span + 1, max(step, 1)):
+                _prefetch_bytes(src, x)
+            _prefetch_bytes(src, base + span)  # the last line, when the slice is unaligned
+
+    return strided
 
 
 # Rows per page run: every kv head of up to this many cache rows is consumed before the next
