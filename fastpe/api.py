@@ -360,6 +360,11 @@ def attention_kvcache(
     lse [B, Hq, Sq] float32. Unused block-table entries (past a sequence's last page) are never
     read; read ones must lie in [0, num_blocks); a page receiving new tokens must not be used by
     another sequence.
+
+    The caches are read in place, never copied: contiguous, the halves ``kv[:, 0]``/``kv[:, 1]``
+    of one buffer, sliced or transposed views; layouts no page table can address are refused
+    before anything is written (docs/README.md#kv-caches-and-their-memory-layout). Empty work
+    (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
     """
     arrays = (q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin)
     if _torch_graph(*arrays):
