@@ -1,7 +1,7 @@
 """Decode on a non-contiguous KV cache vs a contiguous cache of the same shape, in one run
 (interleaved rounds, median and spread).
 
-    .venv/bin/python bench/strided_cache.py [--rounds 7] [--dtype float32|bfloat16] [--backend numba]
+    .venv/bin/python bench/strided_cache.py [--rounds 7] [--dtype float32|bfloat16]
 
 B 8, Sk 4096, Hq 32, Hkv 8, D 128, one query per sequence, causal, fastpe.attention_kvcache:
 

@@ -314,6 +314,26 @@ def test_kvcache_numpy_cache_layouts(backend, kind):
     assert np.array_equal(given["v_cache"], want[2].numpy())
 
 
+@pytest.mark.parametrize("backend", [None, "numba", "numpy"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_flash_attn_with_kvcache_on_cache_halves(backend, paged):
+    """flash_attn_with_kvcache on the K and V halves of one buffer, appending: FlashAttention's
+    serving layout through its own entry point (rotary_interleaved=False: the reference's)."""
+    args = _kvcache_case(paged)
+    want = _kvcache_want(args)
+    kc, vc = _kv_halves(args["k_cache"], args["v_cache"])
+    extra = {n: args[n] for n in ("block_table", "cache_batch_idx") if n in args}
+    with fastpe.use_backend(backend) if backend else _nothing():
+        out = flash_attn.flash_attn_with_kvcache(
+            args["q"], kc, vc, args["k"], args["v"], rotary_cos=args["rotary_cos"],
+            rotary_sin=args["rotary_sin"], cache_seqlens=args["cache_seqlens"], causal=True,
+            rotary_interleaved=False, **extra,
+        )  # fmt: skip
+    close(out, want[0], what="out")
+    close(kc, want[1], atol=1e-6, what="k_cache")
+    assert torch.equal(vc, want[2])
+
+
 @pytest.mark.parametrize(
     "paged,arg,kind",
     [(True, "k_cache,v_cache", "kv-halves"), (False, "k_cache,v_cache", "sliced-positions"),

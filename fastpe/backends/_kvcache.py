@@ -25,6 +25,11 @@ def rows_per_block(name: str, cache) -> int:
     """Rows of the row view between the starts of two consecutive blocks of ``cache``
     [num_blocks, block_size, H, D]; ValueError naming ``name`` for a layout that cannot be read
     in place."""
+    if not _arrays.is_tensor(cache) and any(s % cache.itemsize for s in cache.strides):
+        raise ValueError(
+            f"{name} has byte strides {cache.strides}, not multiples of its item size "
+            f"{cache.itemsize}; pass np.ascontiguousarray({name}), made once and kept"
+        )
     blocks, width = cache.shape[0], cache.shape[1]
     block_stride, row_stride = _arrays.strides(cache)[:2]
     # strides of dims of size 1 are arbitrary (torch and NumPy report anything there)

@@ -4,8 +4,9 @@ One kernel serves packed variable-length batches (``attention_varlen``) and KV c
 or contiguous (``attention_kvcache``). Logical shapes:
 
 - q [Tq, Hq, D]: the queries of sequence b are rows q_start[b] … q_start[b] + q_len[b] - 1;
-- k [R, Hkv, D], v [R, Hkv, Dv]: physical key rows. Key j of sequence b (j < k_len[b]) is row
-  ``page_start[b, j // page_size] + j % page_size``. A packed batch is one page per sequence
+- k [R, Hkv, D], v [R, Hkv, Dv]: physical key rows, at any strides (packed views such as
+  ``kv[:, 0]``, caches read in place through a row view). Key j of sequence b (j < k_len[b])
+  is row ``page_start[b, j // page_size] + j % page_size``. A packed batch is one page per sequence
   (page_start[b, 0] = cu_seqlens_k[b]); a paged cache is [num_blocks·block_size, Hkv, D] with
   page_start = block_table·block_size; a contiguous cache [B, S, Hkv, D] is one page of S rows
   per sequence.
@@ -19,7 +20,8 @@ sequence's length and unused block-table entries are never touched):
 - thin row tiles (decoding: at most SMALL_ROWS = query heads of a kv head x positions), one
   item over every kv head (``_attend_direct``): the contiguous decode's few-row loops
   (``_scores_small``, ``_add_weighted_values_small``) read the cache rows in place (bfloat16
-  bits widened as read, float16 ones once per run: ``_loop_rows``), in runs of at most
+  bits widened as read; float16 ones, and rows that are not C-contiguous, copied once per run:
+  ``_loop_rows``), in runs of at most
   RUN_ROWS rows of one page, every head of a run before the next, with the next run prefetched
   (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
