@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 import fastpe  # noqa: E402
 from fastpe import flash_attn  # noqa: E402
-from test_serving import close, ref_kvcache, ref_varlen  # noqa: E402
+from test_serving import close, ref_attention, ref_kvcache, ref_varlen  # noqa: E402
 
 CPU_BACKENDS = ["numba", "numpy"]
 
@@ -387,6 +387,42 @@ def test_kvcache_numba_reads_strided_cache_in_place(monkeypatch, paged, kind):
     _check_kvcache(args, given, bases, out, want)
     (k_rows, v_rows), = seen
     assert _shares(k_rows, given["k_cache"]) and _shares(v_rows, given["v_cache"])
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["serial", "parallel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("layout", ["kv-halves", "heads-major"])
+@pytest.mark.parametrize("hq,hkv,sq", [(16, 1, 1), (8, 2, 12)], ids=["decode-tiles", "gathered-tiles"])
+def test_kvcache_numba_strided_cache_every_kernel_path(hq, hkv, sq, layout, dtype, serial,
+                                                       monkeypatch):  # fmt: skip
+    """Strided caches through both Numba tile paths (decode tiles of at most 16 rows read in
+    place or copied per run; larger tiles gathered), run serially and in parallel with split
+    keys, in every dtype: the answer of the same values in contiguous caches, by hand."""
+    from fastpe.kernels.numba import attention_paged
+
+    monkeypatch.setattr(attention_paged, "SERIAL_WORK", 1 << 40 if serial else -1)
+    gen = torch.Generator().manual_seed(hq + sq)
+    dt = getattr(torch, dtype)
+    lengths, page, d = [0, 300, 61], 16, 32
+    pages = [-(-(n + 0) // page) for n in lengths]
+    table = torch.full((3, max(pages)), -1, dtype=torch.int32)
+    perm = torch.randperm(sum(pages), generator=gen).to(torch.int32)
+    for b, start in enumerate(np.cumsum([0, *pages[:-1]])):
+        table[b, : pages[b]] = perm[start : start + pages[b]]
+    k_cache = torch.randn(sum(pages), page, hkv, d, generator=gen).to(dt)
+    v_cache = torch.randn(sum(pages), page, hkv, d, generator=gen).to(dt)
+    if layout == "kv-halves":
+        kc, vc = _kv_halves(k_cache, v_cache)
+    else:  # [blocks, H, block_size, D] memory seen as [blocks, block_size, H, D]
+        kc, vc = transposed(k_cache, 1, 2), transposed(v_cache, 1, 2)
+    q = torch.randn(3, sq, hq, d, generator=gen).to(dt)
+    out = fastpe.attention_kvcache(q, kc, vc, cache_seqlens=torch.tensor(lengths), causal=True,
+                                   block_table=table, backend="numba")  # fmt: skip
+    for b, n in enumerate(lengths):
+        keys = k_cache[table[b, : pages[b]].long()].reshape(-1, hkv, d)[:n]
+        vals = v_cache[table[b, : pages[b]].long()].reshape(-1, hkv, d)[:n]
+        want, _ = ref_attention(q[b], keys, vals, causal=True)
+        close(out[b], want, atol=2e-5 if dtype == "float32" else 1e-2, what=f"out {b}")
 
 
 def test_kvcache_triton_reads_strided_cache_in_place(monkeypatch):
