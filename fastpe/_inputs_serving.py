@@ -26,7 +26,6 @@ from fastpe._inputs import (
     check_window,
 )
 from fastpe._options import Rope, check_rope_tables
-from fastpe.backends._kvcache import rows_per_block
 from fastpe._validate import (
     check_bool,
     check_choice,
@@ -37,6 +36,7 @@ from fastpe._validate import (
     check_range,
     check_same_placement,
 )
+from fastpe.backends._kvcache import rows_per_block
 
 
 def _host_ints(name: str, x, *, ndim: int) -> np.ndarray:

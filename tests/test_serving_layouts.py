@@ -348,6 +348,23 @@ def test_kvcache_argument_layouts_triton(paged, arg, kind):
     _check_kvcache(args, given, bases, out, want)
 
 
+@pytest.mark.parametrize(
+    "arg,kind",
+    [("q", "transposed"), ("k", "strided-dim"), ("k,v", "strided-heads"), ("cu_seqlens_k", "strided")],
+)  # fmt: skip
+def test_varlen_argument_layouts_triton(arg, kind):
+    """A few of the varlen sweep's cases under the Triton interpreter (tiny shapes)."""
+    pytest.importorskip("triton")
+    args = _varlen_case(hq=2, hkv=1, d=16)
+    want, _ = ref_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
+                         args["cu_seqlens_k"], causal=True)  # fmt: skip
+    given = dict(args)
+    for name in arg.split(","):
+        variant = CU_VARIANTS[kind] if name.startswith("cu_") else VARLEN_VARIANTS[kind]
+        given[name] = variant(args[name])
+    close(fastpe.attention_varlen(**given, causal=True, backend="triton"), want, what="out")
+
+
 def test_varlen_kvpacked_triton():
     pytest.importorskip("triton")
     q, kv, cu = _kvpacked_case([2, 1], h=2)
