@@ -36,6 +36,7 @@ from fastpe._validate import (
     check_range,
     check_same_placement,
 )
+from fastpe.backends._kvcache import rows_per_block
 
 
 def _host_ints(name: str, x, *, ndim: int) -> np.ndarray:
@@ -285,6 +286,7 @@ class AttentionKVCacheInputs(_Inputs):
     cache_seqlens: np.ndarray  # host int64 [B]: keys already in the cache
     page_table: np.ndarray  # host int64 [B, pages]
     page_size: int
+    rows_per_block: int  # block stride in rows of the caches' row views (backends/_kvcache.py)
     paged: bool
     rotary: tuple | None  # (cos, sin, interleaved)
     q_positions: np.ndarray | None  # host int64 [B, Sq] rows of the rotary tables
@@ -345,6 +347,7 @@ class AttentionKVCacheInputs(_Inputs):
         _check_heads("q", hq, "k_cache", hkv)
         if d == 0:
             raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
+        per_block = _check_cache_layouts(k_cache, v_cache)
         named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
         if (k is None) != (v is None):
             raise ValueError("k and v (new tokens to append) must be given together")
@@ -459,6 +462,7 @@ class AttentionKVCacheInputs(_Inputs):
             cache_seqlens=lengths,
             page_table=table,
             page_size=page_size,
+            rows_per_block=per_block,
             paged=paged,
             rotary=rotary,
             q_positions=q_positions,
@@ -480,6 +484,22 @@ class AttentionKVCacheInputs(_Inputs):
         page = pos // self.page_size
         block = np.take_along_axis(self.page_table, page, axis=1)
         return block, pos - page * self.page_size
+
+
+def _check_cache_layouts(k_cache, v_cache) -> int:
+    """Rows per block of the row views both caches are read through in place (one page table
+    addresses both, so they must agree)."""
+    per_k = rows_per_block("k_cache", k_cache)
+    per_v = rows_per_block("v_cache", v_cache)
+    if per_k != per_v:
+        raise ValueError(
+            f"k_cache and v_cache must place their blocks the same number of positions apart "
+            f"to be read in place with one block table; got block strides of {per_k} (k_cache, "
+            f"strides {_arrays.strides(k_cache)}) and {per_v} (v_cache, strides "
+            f"{_arrays.strides(v_cache)}) positions; pass caches of one layout, e.g. both "
+            f".contiguous(), made once and kept for every step"
+        )
+    return per_k
 
 
 def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new: int) -> np.ndarray:

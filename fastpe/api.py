@@ -362,6 +362,11 @@ def attention_kvcache(
     another sequence. Arguments that share memory with the caches mean their values as passed
     (read before the append); caches sharing an element are refused when appending
     (docs/README.md#arguments-that-share-memory).
+
+    The caches are read in place, never copied: contiguous, the halves ``kv[:, 0]``/``kv[:, 1]``
+    of one buffer, sliced or transposed views; layouts no page table can address are refused
+    before anything is written (docs/README.md#kv-caches-and-their-memory-layout). Empty work
+    (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
     """
     arrays = (q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin)
     if _torch_graph(*arrays):

@@ -352,11 +352,12 @@ class AttentionKVCache(_Numba):
     op = "attention_kvcache"
 
     def run(self, inp):
-        from fastpe.backends._kvcache import write_new_tokens
+        from fastpe.backends._kvcache import cache_rows, write_new_tokens
         from fastpe.kernels.numba.apply_rope import apply_rope_numba
         from fastpe.kernels.numba.attention_paged import attention_paged_numba
 
         batch, sq, hq, d = inp.q.shape
+        dv = inp.v_cache.shape[3]
         dtype = compute_dtype(inp.dtype)
         # CPU caches come back as views of the caller's memory (half types as their bits)
         q, k_cache, v_cache = (to_host_bits(t, dtype) for t in (inp.q, inp.k_cache, inp.v_cache))
@@ -373,18 +374,19 @@ class AttentionKVCache(_Numba):
                                      layout="bshd",
                                      out=np.empty(q.shape, np.float32) if wide else None)  # fmt: skip
             write_new_tokens(inp, k_cache, v_cache, k_new, v_new)
-        hkv = k_cache.shape[2]
+        # the caches are read in place through row views, whatever their strides
+        k_rows, v_rows, page_start = cache_rows(inp, k_cache, v_cache)
         out, lse = attention_paged_numba(
-            q.reshape(batch * sq, hq, d),
-            k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, v_cache.shape[3]),
+            q.reshape(batch * sq, hq, d), k_rows, v_rows,
             q_start=np.arange(batch, dtype=np.int64) * sq, q_len=np.full(batch, sq, np.int64),
-            k_len=inp.seqlens, page_start=inp.page_table * inp.page_size,
+            k_len=inp.seqlens, page_start=page_start,
             page_size=inp.page_size, scale=inp.scale, causal=inp.causal, bottom_right=True,
             alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
             window=inp.window, softcap=inp.softcap,
             sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
         )  # fmt: skip
-        out = from_host(out.reshape(batch, sq, hq, -1), inp.placement, inp.dtype)
+        # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
+        out = from_host(out.reshape(batch, sq, hq, dv), inp.placement, inp.dtype)
         if not inp.return_lse:
             return out
         lse = np.ascontiguousarray(lse.reshape(hq, batch, sq).transpose(1, 0, 2))

@@ -6,6 +6,8 @@ reference every other backend is tested against, and is the last automatic candi
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from fastpe import _arrays, reference
@@ -244,7 +246,7 @@ class AttentionKVCache(_Numpy):
     op = "attention_kvcache"
 
     def run(self, inp):
-        from fastpe.backends._kvcache import write_new_tokens
+        from fastpe.backends._kvcache import cache_rows, write_new_tokens
 
         batch, sq, hq, d = inp.q.shape
         q = to_float64(inp.q)
@@ -263,13 +265,16 @@ class AttentionKVCache(_Numpy):
             write_new_tokens(
                 inp, inp.k_cache, inp.v_cache, from_float64(k_new, inp.placement, inp.dtype), inp.v
             )
-        k_cache, v_cache = to_float64(inp.k_cache), to_float64(inp.v_cache)
+        # only the keys read are gathered, through row views of the caches' memory, then
+        # widened: converting whole caches would copy every block of a large cache per call
+        k_rows, v_rows, page_start = cache_rows(inp, inp.k_cache, inp.v_cache)
         lengths = inp.seqlens
-        keys = [np.arange(n) for n in lengths]
-        blocks = [inp.page_table[b, j // inp.page_size] for b, j in enumerate(keys)]
-        offsets = [j % inp.page_size for j in keys]
-        k = np.concatenate([k_cache[p, o] for p, o in zip(blocks, offsets, strict=True)])
-        v = np.concatenate([v_cache[p, o] for p, o in zip(blocks, offsets, strict=True)])
+        index = np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [page_start[b, j // inp.page_size] + j % inp.page_size
+               for b, j in enumerate(np.arange(n) for n in lengths)]
+        )  # fmt: skip
+        k, v = (to_float64(_take_rows(rows, index)) for rows in (k_rows, v_rows))
         cu_k = np.concatenate([[0], np.cumsum(lengths)])
         out, lse = reference.attention_varlen(
             q.reshape(batch * sq, hq, d), k, v, np.arange(batch + 1) * sq, cu_k,
@@ -278,11 +283,20 @@ class AttentionKVCache(_Numpy):
             window=inp.window, softcap=inp.softcap,
             sinks=None if inp.sinks is None else to_float64(inp.sinks),
         )  # fmt: skip
-        out = from_float64(out.reshape(batch, sq, hq, -1), inp.placement, inp.dtype)
+        # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
+        out = out.reshape(batch, sq, hq, inp.v_cache.shape[3])
+        out = from_float64(out, inp.placement, inp.dtype)
         if not inp.return_lse:
             return out
         lse = lse.reshape(hq, batch, sq).transpose(1, 0, 2)
         return out, from_float64(lse, inp.placement, "float32")
+
+
+def _take_rows(rows, index):
+    """rows[index] of a NumPy array or a tensor (on its device), index host int64."""
+    if _arrays.is_tensor(rows):
+        return rows[sys.modules["torch"].from_numpy(index).to(rows.device)]
+    return rows[index]
 
 
 IMPLEMENTATIONS = (

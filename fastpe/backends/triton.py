@@ -335,7 +335,7 @@ class AttentionKVCache(_Triton):
         return []
 
     def run(self, inp):
-        from fastpe.backends._kvcache import write_new_tokens
+        from fastpe.backends._kvcache import cache_rows, write_new_tokens
         from fastpe.kernels.triton.apply_rope import apply_rope_triton
         from fastpe.kernels.triton.attention_paged import attention_paged_triton
 
@@ -356,23 +356,22 @@ class AttentionKVCache(_Triton):
                 )
                 q = q.to(inp.q.dtype)
             write_new_tokens(inp, inp.k_cache, inp.v_cache, k_new, inp.v)
-        hkv = inp.k_cache.shape[2]
-        # [blocks, block_size, Hkv, D] -> rows: a view for caches contiguous in their first two
-        # dims (else reshape copies, after the write above)
-        k_rows = inp.k_cache.reshape(-1, hkv, d)
-        v_rows = inp.v_cache.reshape(-1, hkv, inp.v_cache.shape[3])
+        # the caches are read in place through row views, whatever their strides (a reshape
+        # to rows would copy a non-contiguous cache whole on every call)
+        k_rows, v_rows, page_start = cache_rows(inp, inp.k_cache, inp.v_cache)
         out, lse = attention_paged_triton(
             q.reshape(batch * sq, hq, d), k_rows, v_rows,
             q_start=_host_int64(np.arange(batch) * sq, device),
             q_len=_host_int64(np.full(batch, sq), device), k_len=_host_int64(inp.seqlens, device),
-            page_start=_host_int64(inp.page_table * inp.page_size, device),
+            page_start=_host_int64(page_start, device),
             page_size=inp.page_size, scale=inp.scale, causal=inp.causal, bottom_right=True,
             alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
             window=inp.window, softcap=inp.softcap,
             sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
             num_sms=_sms(device),
         )  # fmt: skip
-        out = out.reshape(batch, sq, hq, -1)
+        # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
+        out = out.reshape(batch, sq, hq, inp.v_cache.shape[3])
         if not inp.return_lse:
             return out
         return out, lse.reshape(hq, batch, sq).transpose(0, 1)

@@ -4,8 +4,9 @@ One kernel serves packed variable-length batches (``attention_varlen``) and KV c
 or contiguous (``attention_kvcache``). Logical shapes:
 
 - q [Tq, Hq, D]: the queries of sequence b are rows q_start[b] … q_start[b] + q_len[b] - 1;
-- k [R, Hkv, D], v [R, Hkv, Dv]: physical key rows. Key j of sequence b (j < k_len[b]) is row
-  ``page_start[b, j // page_size] + j % page_size``. A packed batch is one page per sequence
+- k [R, Hkv, D], v [R, Hkv, Dv]: physical key rows, at any strides (packed views such as
+  ``kv[:, 0]``, caches read in place through a row view). Key j of sequence b (j < k_len[b])
+  is row ``page_start[b, j // page_size] + j % page_size``. A packed batch is one page per sequence
   (page_start[b, 0] = cu_seqlens_k[b]); a paged cache is [num_blocks·block_size, Hkv, D] with
   page_start = block_table·block_size; a contiguous cache [B, S, Hkv, D] is one page of S rows
   per sequence.
@@ -19,7 +20,8 @@ sequence's length and unused block-table entries are never touched):
 - thin row tiles (decoding: at most SMALL_ROWS = query heads of a kv head x positions), one
   item over every kv head (``_attend_direct``): the contiguous decode's few-row loops
   (``_scores_small``, ``_add_weighted_values_small``) read the cache rows in place (bfloat16
-  bits widened as read, float16 ones once per run: ``_loop_rows``), in runs of at most
+  bits widened as read; float16 ones, and rows that are not C-contiguous, copied once per run:
+  ``_loop_rows``), in runs of at most
   RUN_ROWS rows of one page, every head of a run before the next, with the next run prefetched
   (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
@@ -79,6 +81,29 @@ def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst):
     return dst[:n]
 
 
+def _prefetch_codegen(element_index):
+    """llvm.prefetch of the cache line at an element index (C-contiguous arrays: the offset is
+    the index times the item size) or at a byte offset (any layout)."""
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        offset = context.cast(builder, args[1], signature.args[1], types.intp)
+        if element_index:
+            element = context.get_data_type(signature.args[0].dtype)
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
+            offset = builder.mul(offset, itemsize)
+        byte_ptr = ir.IntType(8).as_pointer()
+        address = cgutils.pointer_add(builder, ary.data, offset, byte_ptr)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
+        # read, locality 2 (L2, not L1, which the current run fills: 3-5% faster than L1), data
+        builder.call(fn, [address, i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def _prefetch(typingctx, array, index):
     """Ask the CPU to bring the cache line holding element ``index`` (in flat order) of a
@@ -88,34 +113,51 @@ def _prefetch(typingctx, array, index):
         return None
     if not isinstance(index, types.Integer):
         return None
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        offset = context.cast(builder, args[1], signature.args[1], types.intp)
-        element = context.get_data_type(signature.args[0].dtype)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
-        byte_ptr = ir.IntType(8).as_pointer()
-        address = cgutils.pointer_add(builder, ary.data, builder.mul(offset, itemsize), byte_ptr)
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fnty)
-        # read, locality 2 (L2, not L1, which the current run fills: 3-5% faster than L1), data
-        builder.call(fn, [address, i32(0), i32(2), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(array, index), codegen
+    return types.void(array, index), _prefetch_codegen(True)
 
 
-@njit(cache=True)
+@intrinsic
+def _prefetch_bytes(typingctx, array, offset):
+    """``_prefetch`` for arrays of any layout: the line ``offset`` bytes past the first
+    element (the caller computes it from the strides; it must lie within the array's memory)."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+    return types.void(array, offset), _prefetch_codegen(False)
+
+
 def _prefetch_rows(src, row, n, hk):
     """Prefetch head hk of rows row … row + n - 1 of src [R, H, D] (64-byte cache lines)."""
-    heads, width = src.shape[1], src.shape[2]
-    step = max(1, 64 // src.itemsize)
-    for r in range(row, row + n):
-        base = (r * heads + hk) * width
-        for x in range(base, base + width, step):
-            _prefetch(src, x)
-        _prefetch(src, base + width - 1)  # the last line, when the head's slice is unaligned
+
+
+@overload(_prefetch_rows)
+def _prefetch_rows_impl(src, row, n, hk):
+    if src.layout == "C":
+
+        def contiguous(src, row, n, hk):
+            heads, width = src.shape[1], src.shape[2]
+            step = max(1, 64 // src.itemsize)
+            for r in range(row, row + n):
+                base = (r * heads + hk) * width
+                for x in range(base, base + width, step):
+                    _prefetch(src, x)
+                _prefetch(src, base + width - 1)  # the last line, when the slice is unaligned
+
+        return contiguous
+
+    def strided(src, row, n, hk):
+        # packed k/v views (kvpacked, every-other-head) and caches read in place through a
+        # row view: addresses from the strides; a head's slice is one byte range when its
+        # elements are adjacent (one prefetch per line), else one prefetch per element
+        row_stride, head_stride, col_stride = src.strides
+        step = 64 if col_stride == src.itemsize else col_stride
+        span = (src.shape[2] - 1) * col_stride
+        for r in range(row, row + n):
+            base = r * row_stride + hk * head_stride
+            for x in range(base, base + span + 1, max(step, 1)):
+                _prefetch_bytes(src, x)
+            _prefetch_bytes(src, base + span)  # the last line, when the slice is unaligned
+
+    return strided
 
 
 # Rows per page run: every kv head of up to this many cache rows is consumed before the next
@@ -136,26 +178,29 @@ def _page_run(page_start, page_size, b, j, left):
     return page_start[b, page] + j - page * page_size, run
 
 
-def _is_fp16(array):
-    """True for arrays of float16 bits (a compile-time constant)."""
+def _needs_scratch(array):
+    """True for arrays the few-row loops do not read in place (a compile-time constant):
+    float16 bits and any array that is not C-contiguous."""
 
 
-@overload(_is_fp16, inline="always")
-def _is_fp16_impl(array):
-    fp16 = array.dtype == types.int16
-    return lambda array: fp16
+@overload(_needs_scratch, inline="always")
+def _needs_scratch_impl(array):
+    copy = array.dtype == types.int16 or array.layout != "C"
+    return lambda array: copy
 
 
 def _loop_rows(rows, scratch):
-    """Cache rows [n, H, D] as the few-row loops read them: in place for floats and bfloat16 bits
-    (widened by a shift as read), widened once into the flat scratch for float16 bits, whose
-    exact conversion branches: widened inside the loops (four times, once per query row) it
-    kept them from vectorising and ran 2.3x slower than the contiguous decode."""
+    """Cache rows [n, H, D] as the few-row loops read them: in place for C-contiguous floats and
+    bfloat16 bits (widened by a shift as read); copied (widened) once into the flat scratch for
+    float16 bits, whose exact conversion branches (widened inside the loops, four times, once
+    per query row, it kept them from vectorising and ran 2.3x slower than the contiguous
+    decode), and for strided rows (packed k/v views, every-other-head): on layout 'A' the loops
+    do not know the unit stride of D and ran 9x slower."""
 
 
 @overload(_loop_rows, inline="always")
 def _loop_rows_impl(rows, scratch):
-    if rows.dtype == types.int16:
+    if rows.dtype == types.int16 or rows.layout != "C":
 
         def widen_into(rows, scratch):
             n, heads, width = rows.shape
@@ -294,9 +339,10 @@ def _attention_paged_direct_numba(
         work = np.empty((hkv, 4, m), dtype=part_out.dtype)
         s_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
         p_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
-        # float16 runs widened (_loop_rows); empty, and unused, for other inputs
+        # float16 and strided runs copied (_loop_rows); empty, and unused, for other inputs
         scratch = np.empty(
-            RUN_ROWS * hkv * max(d, dv) if _is_fp16(k) or _is_fp16(v) else 0, part_out.dtype
+            RUN_ROWS * hkv * max(d, dv) if _needs_scratch(k) or _needs_scratch(v) else 0,
+            part_out.dtype,
         )
         tail = (j_stop - j_begin) % block_n
         s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
