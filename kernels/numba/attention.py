@@ -104,22 +104,20 @@ def _exp2(x):
     return power if x == x else x
 
 
-# tanh(x) = x·P(x²)/Q(x²) on |x| <= 9 (beyond, tanh rounds to ±1 in float32): a degree 4/4
-# rational in x² fitted for fastpe (reweighted least squares on [0, 9]); max |error| 3.5e-7 when
-# evaluated in float32 Horner form over all floats, relative error 3.5e-7 near 0.
-_TP = (0.9999999066313059, 0.1337330185628074, 0.0034867033928936463, 2.0473735914323856e-05,
-       1.3186680775101323e-08)  # fmt: skip
-_TQ = (1.0, 0.46706598817046174, 0.02584244721282622, 0.0003271580086858343,
-       7.703708089501493e-07)  # fmt: skip
+# tanh(x)/x = P(x²)/Q(x²) on |x| <= 9 (beyond, tanh rounds to ±1 in float32): a degree 4/4
+# rational in x² fitted for fastpe (Lawson-reweighted least squares on the relative error over
+# [0, 9]); relative error 2.1e-8 in exact arithmetic, at most 3.3 ulp of tanh evaluated in
+# float32 Horner form (the roundings of Horner's steps, not the fit, set that).
+_TP = (0.9999999794671105, 0.13381017025367345, 0.003495577585278725, 2.060889880275588e-05,
+       1.3354396314089421e-08)  # fmt: skip
+_TQ = (1.0, 0.4671433262729406, 0.025876942889573283, 0.00032856171000776,
+       7.776451609754166e-07)  # fmt: skip
 
 
 @njit(cache=True, fastmath=_FLAGS, inline="always")
-def _tanh32(x):
-    """tanh in float32: one rational, no exp and no branch — half the cost of tanh through exp
-    (which cancels near 0 and needed a series there). NaN stays NaN (the clamps keep it)."""
-    x = x if not x > 9.0 else np.float32(9.0)
-    x = x if not x < -9.0 else np.float32(-9.0)
-    t = x * x
+def _tanh_ratio32(t):
+    """tanh(x)/x in float32 for t = x² <= 81: one rational, no exp and no branch — half the
+    cost of tanh through exp (which cancels near 0 and needed a series there)."""
     p = np.float32(_TP[4])
     p = p * t + np.float32(_TP[3])
     p = p * t + np.float32(_TP[2])
@@ -130,24 +128,44 @@ def _tanh32(x):
     q = q * t + np.float32(_TQ[2])
     q = q * t + np.float32(_TQ[1])
     q = q * t + np.float32(_TQ[0])
-    return x * p / q
+    return p / q
 
 
 # error_model="numpy": Python's error model guards every division against zero with a branch,
 # which stops LLVM vectorising the loop (20x slower); here the divisor Q(x²) is >= 1.
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def _softcap(s, cap, is_f32):
-    """s = cap·tanh(s / cap) on a tile (cap in the scores' units)."""
-    inv = 1.0 / cap
+def _softcap(s, cap, is_f32, unit=1.0):
+    """s = c·tanh(s / c) on a tile of scores in ``unit``s per natural unit, c = cap·unit.
+
+    Computed as s·(tanh(x)/x) with x = s·(1/c), never as c·tanh(x): c and 1/c are each clamped
+    to the compute dtype's largest finite value, so that any finite positive cap works (a huge
+    cap's c overflowing to inf made inf·0 = NaN; a tiny one's 1/c likewise), and the product
+    with c costs no rounding. Where c overflowed, |x| < 1 for every finite score, so c is only
+    ever used finite: for |x| > 9 (float32, where tanh rounds to ±1) or > 1 (float64). A NaN
+    score stays NaN; an overflowed (infinite) one becomes ±c.
+    """
+    big = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
+    capped = min(cap * unit, big)
+    inv = min(1.0 / cap / unit, big)
     if is_f32:
-        cap32, inv32 = np.float32(cap), np.float32(inv)
+        cap32, inv32 = np.float32(capped), np.float32(inv)
         for r in range(s.shape[0]):
             for c in range(s.shape[1]):
-                s[r, c] = cap32 * _tanh32(s[r, c] * inv32)
+                v = s[r, c]
+                x = v * inv32
+                t = x * x
+                t = t if t < 81.0 else np.float32(81.0)  # NaN goes on to v·ratio = NaN
+                saturated = abs(x) > 9.0
+                s[r, c] = (cap32 if v > 0.0 else -cap32) if saturated else v * _tanh_ratio32(t)
     else:
         for r in range(s.shape[0]):
             for c in range(s.shape[1]):
-                s[r, c] = cap * math.tanh(s[r, c] * inv)
+                v = s[r, c]
+                x = v * inv
+                if abs(x) > 1.0:
+                    s[r, c] = capped * math.tanh(x)
+                elif x != 0.0:  # tanh(x)/x is accurate down to the smallest subnormal x
+                    s[r, c] = v * (math.tanh(x) / x)
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -420,7 +438,7 @@ def _attend_tile(
     else:
         np.dot(qt, kt.T, s)
     if softcap > 0.0:
-        _softcap(s, softcap * unit, is_f32)
+        _softcap(s, softcap, is_f32, unit)
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
     _apply_tile_masks(
         s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,

@@ -201,7 +201,7 @@ def _attend_direct(
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308
     for hk in range(hkv):
         if softcap > 0.0:
-            _softcap(s[hk], softcap * unit, is_f32)
+            _softcap(s[hk], softcap, is_f32, unit)
         _apply_tile_masks(
             s[hk], b, hk, group, i0, npos, j0, n, shift, win_left, win_right, False, mask_bool,
             mask_add, False, mask_limit, unit, has_alibi, alibi, length, False, bias, 0,
