@@ -762,7 +762,10 @@ def attention_numba(
         )  # fmt: skip
         bias_offset = -first
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
-    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
+    # split parts keep their lse in float64 until merged: the merge weighs each part by
+    # exp(part_lse - lse), and an lse of size ~40 rounded to float32 is alone a relative 1e-6
+    # error of that weight (as large as torch's whole float32 error on a decode step)
+    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
     kernel = _attention_numba.serial if serial else _attention_numba
     # rows of a tile: the query heads of a kv head times the positions of a query block; tiles
     # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads

@@ -443,7 +443,8 @@ def attention_paged_numba(
     if alibi_slopes is not None:
         alibi = np.ascontiguousarray(alibi_slopes * unit, dtype=dtype)
     part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
-    part_lse = np.empty((n_splits, total_q, hq), dtype=np.float32)
+    # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
+    part_lse = np.empty((n_splits, total_q, hq), dtype=np.float64 if n_splits > 1 else np.float32)
     has_sinks = sinks is not None
     sinks = _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64)
     kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
