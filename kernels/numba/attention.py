@@ -104,50 +104,68 @@ def _exp2(x):
     return power if x == x else x
 
 
-# tanh(x) = x·P(x²)/Q(x²) on |x| <= 9 (beyond, tanh rounds to ±1 in float32): a degree 4/4
-# rational in x² fitted for fastpe (reweighted least squares on [0, 9]); max |error| 3.5e-7 when
-# evaluated in float32 Horner form over all floats, relative error 3.5e-7 near 0.
-_TP = (0.9999999066313059, 0.1337330185628074, 0.0034867033928936463, 2.0473735914323856e-05,
-       1.3186680775101323e-08)  # fmt: skip
-_TQ = (1.0, 0.46706598817046174, 0.02584244721282622, 0.0003271580086858343,
-       7.703708089501493e-07)  # fmt: skip
+# tanh(x)/x = P(x²)/Q(x²) on |x| <= 9 (beyond, tanh rounds to ±1 in float32): a degree 4/4
+# rational in x² fitted for fastpe (Lawson-reweighted least squares on the relative error over
+# [0, 9]); relative error 2.1e-8. Evaluated in float64 even for float32 scores: float32 Horner
+# steps alone cost 3 ulp of tanh, and a soft-capped score's rounding error, scaled by the scores'
+# size, was the largest term of float32 attention's error (2x torch's with softcap); in float64
+# the capped score is rounded once, within 0.85 ulp, for about 6 µs more per 128 x 256 tile.
+_TP = (0.9999999794671105, 0.13381017025367345, 0.003495577585278725, 2.060889880275588e-05,
+       1.3354396314089421e-08)  # fmt: skip
+_TQ = (1.0, 0.4671433262729406, 0.025876942889573283, 0.00032856171000776,
+       7.776451609754166e-07)  # fmt: skip
 
 
 @njit(cache=True, fastmath=_FLAGS, inline="always")
-def _tanh32(x):
-    """tanh in float32: one rational, no exp and no branch — half the cost of tanh through exp
-    (which cancels near 0 and needed a series there). NaN stays NaN (the clamps keep it)."""
-    x = x if not x > 9.0 else np.float32(9.0)
-    x = x if not x < -9.0 else np.float32(-9.0)
-    t = x * x
-    p = np.float32(_TP[4])
-    p = p * t + np.float32(_TP[3])
-    p = p * t + np.float32(_TP[2])
-    p = p * t + np.float32(_TP[1])
-    p = p * t + np.float32(_TP[0])
-    q = np.float32(_TQ[4])
-    q = q * t + np.float32(_TQ[3])
-    q = q * t + np.float32(_TQ[2])
-    q = q * t + np.float32(_TQ[1])
-    q = q * t + np.float32(_TQ[0])
-    return x * p / q
+def _tanh_ratio64(t):
+    """tanh(x)/x for t = x² <= 81 in float64: one rational, no exp and no branch."""
+    p = _TP[4]
+    p = p * t + _TP[3]
+    p = p * t + _TP[2]
+    p = p * t + _TP[1]
+    p = p * t + _TP[0]
+    q = _TQ[4]
+    q = q * t + _TQ[3]
+    q = q * t + _TQ[2]
+    q = q * t + _TQ[1]
+    q = q * t + _TQ[0]
+    return p / q
 
 
 # error_model="numpy": Python's error model guards every division against zero with a branch,
 # which stops LLVM vectorising the loop (20x slower); here the divisor Q(x²) is >= 1.
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def _softcap(s, cap, is_f32):
-    """s = cap·tanh(s / cap) on a tile (cap in the scores' units)."""
-    inv = 1.0 / cap
+def _softcap(s, cap, is_f32, unit=1.0):
+    """s = c·tanh(s / c) on a tile of scores in ``unit``s per natural unit, c = cap·unit.
+
+    Computed as s·(tanh(x)/x) with x = s·(1/c), never as c·tanh(x): c and 1/c are each clamped
+    to the compute dtype's largest finite value, so that any finite positive cap works (a huge
+    cap's c overflowing to inf made inf·0 = NaN; a tiny one's 1/c likewise), and the product
+    with c costs no rounding. Where c overflowed, |x| < 1 for every finite score, so c is only
+    ever used finite: for |x| > 9 (float32, where tanh rounds to ±1) or > 1 (float64). A NaN
+    score stays NaN; an overflowed (infinite) one becomes ±c.
+    """
+    big = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
+    capped = min(cap * unit, big)
+    inv = min(1.0 / cap / unit, big)
     if is_f32:
-        cap32, inv32 = np.float32(cap), np.float32(inv)
         for r in range(s.shape[0]):
             for c in range(s.shape[1]):
-                s[r, c] = cap32 * _tanh32(s[r, c] * inv32)
+                v = np.float64(s[r, c])
+                x = v * inv
+                t = x * x
+                t = t if t < 81.0 else 81.0  # NaN goes on to v·ratio = NaN
+                saturated = abs(x) > 9.0
+                s[r, c] = (capped if v > 0.0 else -capped) if saturated else v * _tanh_ratio64(t)
     else:
         for r in range(s.shape[0]):
             for c in range(s.shape[1]):
-                s[r, c] = cap * math.tanh(s[r, c] * inv)
+                v = s[r, c]
+                x = v * inv
+                if abs(x) > 1.0:
+                    s[r, c] = capped * math.tanh(x)
+                elif x != 0.0:  # tanh(x)/x is accurate down to the smallest subnormal x
+                    s[r, c] = v * (math.tanh(x) / x)
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -420,7 +438,7 @@ def _attend_tile(
     else:
         np.dot(qt, kt.T, s)
     if softcap > 0.0:
-        _softcap(s, softcap * unit, is_f32)
+        _softcap(s, softcap, is_f32, unit)
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
     _apply_tile_masks(
         s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,
@@ -744,7 +762,10 @@ def attention_numba(
         )  # fmt: skip
         bias_offset = -first
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
-    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float32)
+    # split parts keep their lse in float64 until merged: the merge weighs each part by
+    # exp(part_lse - lse), and an lse of size ~40 rounded to float32 is alone a relative 1e-6
+    # error of that weight (as large as torch's whole float32 error on a decode step)
+    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
     kernel = _attention_numba.serial if serial else _attention_numba
     # rows of a tile: the query heads of a kv head times the positions of a query block; tiles
     # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads

@@ -54,7 +54,8 @@ def _backward_tile(
     np.dot(qs, kt.T, s)
     slope = np.empty((m, n) if softcap > 0.0 else (0, 0), dtype=qs.dtype)
     if softcap > 0.0:
-        inv = 1.0 / softcap
+        # clamped: the reciprocal of a subnormal cap is inf, and 0·inf (a zero score) NaN
+        inv = min(1.0 / softcap, 1.7976931348623157e308)
         for r in range(m):
             for c in range(n):
                 t = np.tanh(s[r, c] * inv)

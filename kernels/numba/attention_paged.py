@@ -246,7 +246,7 @@ def _attend_direct(
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308
     for hk in range(hkv):
         if softcap > 0.0:
-            _softcap(s[hk], softcap * unit, is_f32)
+            _softcap(s[hk], softcap, is_f32, unit)
         _apply_tile_masks(
             s[hk], b, hk, group, i0, npos, j0, n, shift, win_left, win_right, False, mask_bool,
             mask_add, False, mask_limit, unit, has_alibi, alibi, length, False, bias, 0,
@@ -489,7 +489,8 @@ def attention_paged_numba(
     if alibi_slopes is not None:
         alibi = np.ascontiguousarray(alibi_slopes * unit, dtype=dtype)
     part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
-    part_lse = np.empty((n_splits, total_q, hq), dtype=np.float32)
+    # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
+    part_lse = np.empty((n_splits, total_q, hq), dtype=np.float64 if n_splits > 1 else np.float32)
     has_sinks = sinks is not None
     sinks = _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64)
     kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
