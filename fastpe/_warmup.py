@@ -448,6 +448,11 @@ def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=Fal
     items = plan(ops, dtypes, features, model_config, flash)
     jobs = default_jobs(len(items)) if jobs is None else jobs
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    if jobs > 0 and cache_directory() is None:
+        # workers could keep nothing for this process: compile here, where it is used
+        say("fastpe warmup: no writable kernel cache (set NUMBA_CACHE_DIR), compiling in this "
+            "process only")  # fmt: skip
+        jobs = 0
     start = time.perf_counter()
     results: list[Result] = []
 
