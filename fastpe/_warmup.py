@@ -405,8 +405,9 @@ class Report:
     def summary(self) -> str:
         compiled = sum(len(r.compiled) for r in self.results)
         lines = [
-            f"warmup: {len(self.results)} item(s) in {self.seconds:.1f} s on {self.jobs} "
-            f"process(es); {compiled} kernel compile(s)"
+            f"warmup: {len(self.results)} item(s) in {self.seconds:.1f} s "
+            + (f"on {self.jobs} worker process(es)" if self.jobs > 0 else "in this process")
+            + f"; {compiled} kernel compile(s)"
             + ("" if compiled else " (everything was already in the cache)")
         ]
         for r in self.results:
@@ -429,8 +430,18 @@ class Report:
         return "\n".join(lines)
 
 
-def default_jobs(items: int) -> int:
-    return max(1, min(items, os.cpu_count() or 1))
+# the ops whose items compile for tens of seconds (the attention kernels and their twins)
+_HEAVY = {"attention", "attention_varlen", "attention_kvcache"}
+
+
+def default_jobs(items: list[Item]) -> int:
+    """Worker processes for ``items``: one per heavy item up to one per CPU, or none (this
+    process) for at most one heavy item. Each worker pays a Python start and the numba import
+    before compiling, which only long compiles repay: on the 2-core CI machine, under load,
+    float32 + bfloat16 attention took 33 s on 2 workers against 41 s on 1, while the four table
+    and RoPE ops took 17-24 s on 2 workers against 11-16 s on 1."""
+    heavy = sum(item.op in _HEAVY for item in items)
+    return min(heavy, os.cpu_count() or 1) if heavy > 1 else 0
 
 
 def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=False, jobs=None,
@@ -440,13 +451,13 @@ def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=Fal
     ``ops`` (default ["attention"]), ``dtypes`` (default ["float32"]) and ``features``
     (``causal window softcap sinks alibi mask rope decode paged backward``: those the workload's
     calls use together) — or ``model_config`` (a transformers config, ``config.json`` path or
-    directory; see ``plan``). Items run in ``jobs`` worker processes (default: one per CPU, at
-    most one per item; 0 runs them in this process), then with ``check`` a fresh process makes
-    every call again and reports (and compiles) anything still missing. ``progress`` prints a
+    directory; see ``plan``). Items run in ``jobs`` worker processes (0: in this process;
+    default: ``default_jobs``), then with ``check`` a fresh process makes every call again and
+    reports (and compiles) anything still missing. ``progress`` prints a
     line per item on stderr. Returns a ``Report`` (``print(report.summary())``).
     """
     items = plan(ops, dtypes, features, model_config, flash)
-    jobs = default_jobs(len(items)) if jobs is None else jobs
+    jobs = default_jobs(items) if jobs is None else jobs
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
     if jobs > 0 and cache_directory() is None:
         # workers could keep nothing for this process: compile here, where it is used
@@ -461,10 +472,19 @@ def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=Fal
         status = f"failed: {result.error}" if result.error else f"{len(result.compiled)} compiled"
         say(f"[{len(results)}/{len(items)}] {result.item.label}  {result.seconds:.1f} s  {status}")
 
-    say(f"fastpe warmup: {len(items)} item(s) on {max(jobs, 1)} process(es)")
+    where = f"{jobs} worker process(es)" if jobs > 0 else "this process"
+    say(f"fastpe warmup: {len(items)} item(s) in {where}")
     if jobs <= 0:
-        for item in items:
-            done(run_item(item))
+        quiet = os.environ.get("FASTPE_QUIET_COMPILE")
+        os.environ["FASTPE_QUIET_COMPILE"] = "1"  # the progress lines say it already
+        try:
+            for item in items:
+                done(run_item(item))
+        finally:
+            if quiet is None:
+                del os.environ["FASTPE_QUIET_COMPILE"]
+            else:
+                os.environ["FASTPE_QUIET_COMPILE"] = quiet
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -480,7 +500,7 @@ def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=Fal
     order = {item: i for i, item in enumerate(items)}
     results.sort(key=lambda r: order[r.item])
     checked: list[Result] = []
-    if check and jobs > 0:
+    if check and cache_directory() is not None:
         say("check: a fresh process repeats every call…")
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

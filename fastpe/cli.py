@@ -424,7 +424,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     w.add_argument(
         "--jobs", type=int, default=None, metavar="N",
-        help="worker processes (default: one per CPU, at most one per item; 0: in this process)",
+        help="worker processes (0: in this process; default: one per attention item up to "
+        "one per CPU when there are several, else 0: a worker's start costs more than it saves "
+        "on short compiles)",
     )  # fmt: skip
     w.add_argument(
         "--no-check", action="store_true",

@@ -110,7 +110,7 @@ def test_warmup_compiles_what_a_later_process_uses(warmed, tmp_path):
     assert result.returncode == 0, result.stderr
     # progress on stderr, one line per item; the summary on stdout
     assert "[1/2]" in result.stderr and "[2/2]" in result.stderr
-    assert "on 2 process(es)" in result.stdout
+    assert "on 2 worker process(es)" in result.stdout
     assert "check: a fresh process loaded every kernel from the cache" in result.stdout
     assert f"cache: {cache}" in result.stdout
     compiles = int(result.stdout.split("; ")[1].split()[0])
@@ -135,7 +135,8 @@ def test_warmup_in_process_from_python(tmp_path):
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "sinusoidal_table float64" in result.stdout
-    assert "on 0 process(es); 1 kernel compile(s)" in result.stdout
+    assert "in this process; 1 kernel compile(s)" in result.stdout
+    assert "check: a fresh process loaded every kernel from the cache" in result.stdout
 
 
 def test_info_and_cache_clear(warmed):
@@ -250,6 +251,15 @@ def test_warmup_cli_dry_run_and_errors(tmp_path, capsys):
         main(["warmup", "--features", "teleport"])
 
 
+def test_workers_only_for_several_attention_items(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert _warmup.default_jobs(_warmup.plan(["sinusoidal_table", "rope_table", "embed"])) == 0
+    assert _warmup.default_jobs(_warmup.plan(["attention", "embed"])) == 0
+    assert _warmup.default_jobs(_warmup.plan(["attention"], ["float32", "bfloat16"])) == 2
+    assert _warmup.default_jobs(_warmup.plan(["attention", "attention_varlen"],
+                                             ["float32", "bfloat16"])) == 2  # fmt: skip
+
+
 def test_item_calls_reach_both_twins_and_decode():
     """Each attention item calls above and below the serial limit (both compiled twins), and
     one-row decode calls with 'decode'; checked on the plan's sizes, without compiling."""
@@ -275,7 +285,7 @@ def test_register_warmup_for_a_config_and_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setattr(integration, "_warm_on_first_use", set())
     path = write_config(tmp_path / "llama", LLAMA)
     integration.register("fastpe_test_warm", warmup=str(path))
-    assert calls == [{"model_config": str(path), "flash": False}]
+    assert calls == [{"model_config": str(path), "flash": False, "check": False}]
     integration.register("fastpe_test_warm", warmup=str(path))  # once per config
     assert len(calls) == 1
     # warmup=True: at the first attention call, for the calling model's config, in the dtype

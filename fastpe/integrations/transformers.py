@@ -174,7 +174,8 @@ def _warmup_now(config, flash: bool) -> None:
     key = (repr(sorted(fastpe._warmup.read_model_config(config).items())), flash)
     if key not in _warmed:
         _warmed.add(key)
-        report = fastpe.warmup(model_config=config, flash=flash)
+        # no check process: this process is about to load (or has compiled) every kernel
+        report = fastpe.warmup(model_config=config, flash=flash, check=False)
         import logging
 
         logging.getLogger("fastpe").info("%s", report.summary())
