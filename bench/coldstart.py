@@ -134,6 +134,18 @@ def measure(case: str, repeats: int, say) -> dict[str, list[float]]:
     return rows
 
 
+def cpu_name() -> str:
+    """The CPU's model name (and whether it has AVX-512, which the kernels use)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), platform.machine())  # fmt: skip
+    return f"{name}{', AVX-512' if 'avx512f' in text else ''}"
+
+
 def load() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -156,7 +168,7 @@ def main(argv=None) -> int:
     import fastpe
 
     print(f"command: python bench/coldstart.py {shlex.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; "
           f"fastpe {fastpe.__version__}, numba {numba.__version__}, Python "
           f"{platform.python_version()}")  # fmt: skip
     print(f"load average before: {load()}")

@@ -369,11 +369,11 @@ def kernel_name(dispatcher) -> str:
     return f"{module}.{name}" + (" (serial)" if twin else "")
 
 
-def _argument_dtypes(args) -> str:
-    dtypes = dict.fromkeys(str(a.dtype) for a in args if isinstance(a, nbtypes.Array))
+def _argument_dtype(args) -> str:
+    """The dtype of the kernel's first array argument (the input: q, x, the table)."""
+    first = next((str(a.dtype) for a in args if isinstance(a, nbtypes.Array)), "")
     # half inputs travel as their bits (see attention.py): name them as the user knows them
-    named = {"uint16": "bfloat16 bits", "int16": "float16 bits"}
-    return ", ".join(named.get(d, d) for d in list(dtypes)[:3])
+    return {"uint16": "bfloat16", "int16": "float16"}.get(first, first)
 
 
 class _CompileNotice(event.Listener):
@@ -401,7 +401,7 @@ class _CompileNotice(event.Listener):
             return
         where = getattr(dispatcher._cache, "_cache_path", None)
         self._timer = threading.Timer(
-            NOTICE_AFTER, _notice, (name, _argument_dtypes(ev.data["args"]), where)
+            NOTICE_AFTER, _notice, (name, _argument_dtype(ev.data["args"]), where)
         )
         self._timer.daemon = True
         self._timer.start()
@@ -413,7 +413,7 @@ class _CompileNotice(event.Listener):
             self._timer = None
 
 
-def _notice(name: str, dtypes: str, where: str | None) -> None:
+def _notice(name: str, dtype: str, where: str | None) -> None:
     kept = (
         f"cached in {where} for later processes"
         if where
@@ -423,7 +423,7 @@ def _notice(name: str, dtypes: str, where: str | None) -> None:
     logger.warning(
         "fastpe: compiling CPU kernel %s for %s arrays: a one-time cost of seconds, %s; "
         "`fastpe warmup` compiles ahead (FASTPE_QUIET_COMPILE=1 hides this line)",
-        name, dtypes or "these", kept,
+        name, dtype or "these", kept,
     )  # fmt: skip
 
 
