@@ -312,17 +312,37 @@ class _Done:
         return "done"
 
 
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 200, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_warmup_attention_then_real_calls_are_cache_hits(tmp_path):
-    """The file's one attention compile: warmup for float32 causal prefill and decode, then a
-    new process's real-shaped prefill (B1 H8 S256 D64) and decode calls compile nothing."""
-    result = run_cli("warmup", "--ops", "attention", "--features", "causal", "decode",
-                     "--no-check", cache=tmp_path)  # fmt: skip
+def test_warmup_model_config_then_generate_and_real_calls_compile_nothing(tmp_path):
+    """The file's one attention compile: `fastpe warmup --model-config` for a Llama-shaped
+    config, then a new process's generate() through register() and real-shaped prefill
+    (B1 H8 S256 D64) and decode calls compile nothing."""
+    pytest.importorskip("transformers")
+    folder = tmp_path / "tiny-llama"
+    write_config(folder, TINY_LLAMA)
+    result = run_cli("warmup", "--model-config", str(folder), "--no-check", cache=tmp_path)
     assert result.returncode == 0, result.stderr + result.stdout
+    assert "attention float32 causal decode" in result.stdout
     later = run_python(
-        """
-        import json, numpy as np, fastpe
+        f"""
+        import json, numpy as np, torch, fastpe
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from fastpe.integrations.transformers import register
         from fastpe.kernels.numba import _runtime
+        config = LlamaConfig.from_pretrained({str(folder)!r})
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        model.set_attn_implementation(register())
+        with torch.no_grad():
+            model.generate(torch.randint(0, 200, (1, 12)), max_new_tokens=4, do_sample=False)
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3))
         fastpe.attention(q, k, v, causal=True)
@@ -334,4 +354,4 @@ def test_warmup_attention_then_real_calls_are_cache_hits(tmp_path):
         tmp_path,
     )
     assert later.returncode == 0, later.stderr
-    assert json.loads(later.stdout) == []
+    assert json.loads(later.stdout.splitlines()[-1]) == []
