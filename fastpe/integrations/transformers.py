@@ -186,16 +186,28 @@ def _first_use_warmup(which, config, query, flash) -> None:
     attention module's ``config``), before computing anything: the compiles the model's later
     calls would make one by one (prefill, decode, each dtype) happen now, in worker processes
     where there are several CPUs, with progress on stderr."""
-    if which not in _warm_on_first_use:
+    import torch
+
+    # under torch.compile's tracing the kernels run through fastpe's custom ops, after tracing:
+    # warm up at the first eager call instead of spawning processes from a traced function
+    if which not in _warm_on_first_use or torch.compiler.is_compiling():
         return
     _warm_on_first_use.discard(which)
     if config is None:  # a caller without a config (a bare function call): its own shape
         config = {"num_attention_heads": query.shape[-3], "head_dim": query.shape[-1]}
     # the dtype the model runs in, which may not be the config's torch_dtype (a bfloat16
     # checkpoint loaded in float32 on a CPU)
-    config = {**fastpe._warmup._load_config(config),
-              "torch_dtype": str(query.dtype).removeprefix("torch.")}  # fmt: skip
-    _warmup_now(config, flash)
+    try:
+        config = {**fastpe._warmup._load_config(config),
+                  "torch_dtype": str(query.dtype).removeprefix("torch.")}  # fmt: skip
+        _warmup_now(config, flash)
+    except Exception as exc:  # noqa: BLE001 - the model's call goes on; kernels compile as used
+        import logging
+
+        logging.getLogger("fastpe").warning(
+            "fastpe: register(warmup=True) could not warm up for this model (%s: %s); the "
+            "kernels compile on first use instead", type(exc).__name__, exc,
+        )  # fmt: skip
 
 
 def _arm_warmup(which: str, warmup, flash: bool) -> None:
