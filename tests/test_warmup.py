@@ -307,6 +307,31 @@ def test_register_warmup_for_a_config_and_on_first_use(tmp_path, monkeypatch):
     assert config["num_attention_heads"] == 4 and config["torch_dtype"] == "float32"
 
 
+def test_register_flash_warmup_on_first_call_plans_from_the_query(monkeypatch):
+    pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    import fastpe
+    from fastpe.integrations import transformers as integration
+
+    calls = []
+    monkeypatch.setattr(fastpe, "warmup", lambda **kw: calls.append(kw) or _Done())
+    monkeypatch.setattr(integration, "_warmed", set())
+    monkeypatch.setattr(integration, "_warm_on_first_use", set())
+    integration.register_flash("fastpe_flash_test_warm", warmup=True)
+    assert calls == []  # nothing until the first call
+    monkeypatch.setattr(fastpe, "attention", lambda q, *a, **kw: q)
+    q = torch.zeros(1, 5, 6, 32, dtype=torch.bfloat16)  # [B, S, H, D]
+    integration._flash_func(q, q[:, :, :2], q[:, :, :2], causal=True)
+    integration._flash_func(q, q[:, :, :2], q[:, :, :2], causal=True)
+    (call,) = calls
+    assert call["flash"] is True
+    (item, *rest) = _warmup.plan(model_config=call["model_config"], flash=True)
+    assert (item.op, item.dtype, item.heads, item.head_dim) == (
+        "attention_varlen", "bfloat16", 6, 32,
+    )  # fmt: skip
+    assert {"causal", "decode", "window", "softcap", "sinks"} <= set(item.features)
+
+
 class _Done:
     def summary(self):
         return "done"
