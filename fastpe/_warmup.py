@@ -266,8 +266,12 @@ def _calls(item: Item):
     calls = []
     if item.op in ("sinusoidal_table", "rope_table"):
         fn = getattr(fastpe, item.op)
+        # half tables exist only as torch tensors, which a device= asks for
+        where = {"device": "cpu"} if make.torch else {}
         for n in (8, elements // 64 + 8):
-            calls.append((f"{n} positions", lambda n=n: fn(n, 64, dtype=dt, backend="numba")))
+            calls.append(
+                (f"{n} positions", lambda n=n: fn(n, 64, dtype=dt, backend="numba", **where))
+            )
     elif item.op == "apply_rope":
         for seq in (4, elements // (h * d) + 4):
             cos, sin = fastpe.rope_table(seq + 8, d, backend="numpy")

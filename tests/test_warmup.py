@@ -273,6 +273,28 @@ def test_item_calls_reach_both_twins_and_decode():
     assert any(sq == 1 and w <= SERIAL_WORK for (sq, _), w in zip(sizes, work, strict=True))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_planned_call_is_a_valid_call(dtype, monkeypatch):
+    """Every call of every op's item, with every feature, is accepted by fastpe's validation
+    (run on the float64 oracle instead of the kernels: nothing compiles)."""
+    if dtype == "bfloat16":
+        pytest.importorskip("torch")
+    import fastpe
+
+    for name in _warmup.OPS:
+        op = getattr(fastpe, name)
+        monkeypatch.setattr(
+            fastpe, name, lambda *a, _op=op, **kw: _op(*a, **{**kw, "backend": "numpy"})
+        )
+    features = _warmup.FEATURES if dtype == "bfloat16" else [f for f in _warmup.FEATURES
+                                                             if f != "backward"]  # fmt: skip
+    for item in _warmup.plan(list(_warmup.OPS), [dtype], features):
+        calls = _warmup._calls(item)
+        assert calls, item
+        for _, call in calls:
+            call()
+
+
 def test_register_warmup_for_a_config_and_on_first_use(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
