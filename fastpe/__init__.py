@@ -6,6 +6,7 @@ over a sequence sharded across torch.distributed ranks) is a submodule loaded on
 """
 
 from fastpe import backends  # the registry; calling it, fastpe.backends(), reports status
+from fastpe._warmup import warmup  # NumPy only: numba is imported by the warmup workers
 from fastpe.api import (
     apply_rope,
     attention,
@@ -50,4 +51,5 @@ __all__ = [
     "rope_table",
     "sinusoidal_table",
     "use_backend",
+    "warmup",
 ]

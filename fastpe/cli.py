@@ -1,4 +1,5 @@
-"""fastpe's command line: ``fastpe info|demo|bench|report|triton-report`` (also ``python -m fastpe``)."""
+"""fastpe's command line: ``fastpe info|demo|warmup|cache|bench|report|triton-report`` (also
+``python -m fastpe``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def info() -> str:
             f"  numba threads {numba.get_num_threads()} on the {threading_layer()!r} layer "
             "(numba.set_num_threads / NUMBA_NUM_THREADS)"
         )
+        lines.append(f"  kernel cache  {_cache_line()}")
     except ImportError:
         pass
     try:
@@ -64,6 +66,69 @@ def info() -> str:
     except ImportError:
         lines.append("  torch         not installed (no tensor support, no CUDA)")
     return "\n".join(lines)
+
+
+def _cache_line() -> str:
+    """Where the compiled CPU kernels are kept, and how much is there."""
+    from fastpe import _warmup
+
+    stats = _warmup.cache_stats()
+    if stats["directory"] is None:
+        return (
+            "none: no writable cache directory, so every process compiles the CPU kernels "
+            "again (set NUMBA_CACHE_DIR to a writable directory)"
+        )
+    return (
+        f"{stats['directory']} ({stats['kernels']} compiled kernels of {stats['functions']} "
+        f"functions, {stats['bytes'] / 2**20:.1f} MiB; `fastpe warmup` fills it, "
+        "`fastpe cache clear` empties it)"
+    )
+
+
+def warmup(args) -> int:
+    from fastpe import _warmup
+
+    try:
+        items = _warmup.plan(args.ops, args.dtype, args.features, args.model_config, args.flash)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        return _fail("warmup", str(exc))
+    if args.dry_run:
+        for item in items:
+            print(
+                f"{item.label}  (heads {item.heads}, kv heads {item.kv_heads}, head dim "
+                f"{item.head_dim})"
+            )
+        return 0
+    if any(item.dtype in ("float16", "bfloat16") or "backward" in item.features for item in items):
+        if not _installed("torch"):
+            return _fail(
+                "warmup",
+                "half dtypes and --features backward are warmed up through torch tensors, and "
+                "torch is not installed (pip install torch)",
+            )
+    report = _warmup.warmup(
+        args.ops, args.dtype, args.features, model_config=args.model_config, flash=args.flash,
+        jobs=args.jobs, check=not args.no_check,
+    )  # fmt: skip
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cache(args) -> int:
+    from fastpe import _warmup
+
+    if args.action == "clear":
+        removed = _warmup.clear_cache()
+        if removed["directory"] is None:
+            print("no kernel cache: no writable cache directory (nothing to remove)")
+        else:
+            print(
+                f"removed {removed['kernels']} compiled kernels of {removed['functions']} "
+                f"functions ({removed['bytes'] / 2**20:.1f} MiB) from {removed['directory']}"
+            )
+    else:
+        print(f"kernel cache: {_cache_line()}")
+    return 0
 
 
 def _demo_cases(rng):
@@ -320,6 +385,63 @@ def _parser() -> argparse.ArgumentParser:
         description="Print `fastpe info`, then run every op once on the automatic backend and "
         "print its time and max |error| against the float64 NumPy oracle.",
     )
+    from fastpe import _warmup
+
+    w = sub.add_parser(
+        "warmup",
+        help="compile the CPU kernels a workload will use, ahead of its first call",
+        description="Compile, and keep in the kernel cache, the CPU (Numba) kernels that calls "
+        "of these ops, dtypes and features will use — or those a transformers model will use — "
+        "so that later processes load them instead of compiling for seconds on their first "
+        "call. Each item runs in a worker process; a last fresh process checks that every call "
+        "now loads from the cache. Run it at image build time to ship a warm cache.",
+    )
+    w.add_argument(
+        "--ops", nargs="+", choices=_warmup.OPS, metavar="OP",
+        help="ops to warm up: %(choices)s (default: attention)",
+    )  # fmt: skip
+    w.add_argument(
+        "--dtype", nargs="+", type=_dtype, metavar="DTYPE",
+        help="dtypes of the inputs (default: float32, or the model config's torch_dtype); "
+        "float16/bfloat16 need torch",
+    )  # fmt: skip
+    w.add_argument(
+        "--features", nargs="+", choices=_warmup.FEATURES, metavar="FEATURE", default=None,
+        help="what the workload's calls use: %(choices)s ('decode': one-query-row calls "
+        "against a cache; 'paged': a block table for attention_kvcache; 'backward': "
+        "gradients through torch)",
+    )  # fmt: skip
+    w.add_argument(
+        "--model-config", metavar="PATH|NAME", default=None,
+        help="a transformers config.json (or a directory holding one, or a Hub name already in "
+        "the local Hugging Face cache): warm up what the model runs through "
+        "fastpe.integrations.transformers.register() — attention in its dtype, causal, prefill "
+        "and decode, with its sliding window, softcap and sinks",
+    )  # fmt: skip
+    w.add_argument(
+        "--flash", action="store_true",
+        help="with --model-config: for register_flash() (attention_varlen and attention)",
+    )  # fmt: skip
+    w.add_argument(
+        "--jobs", type=int, default=None, metavar="N",
+        help="worker processes (0: in this process; default: one per attention item up to "
+        "one per CPU when there are several, else 0: a worker's start costs more than it saves "
+        "on short compiles)",
+    )  # fmt: skip
+    w.add_argument(
+        "--no-check", action="store_true",
+        help="skip the last fresh process that confirms every call loads from the cache",
+    )  # fmt: skip
+    w.add_argument(
+        "--dry-run", action="store_true", help="print the items that would run, compile nothing"
+    )
+    c = sub.add_parser(
+        "cache",
+        help="show or empty the kernel cache",
+        description="`fastpe cache info` shows where the compiled CPU kernels are kept and how "
+        "many; `fastpe cache clear` removes fastpe's compiled kernels from it (nothing else).",
+    )
+    c.add_argument("action", choices=("info", "clear"), help="%(choices)s")
     b = sub.add_parser(
         "bench",
         help="time fastpe against the baselines on this machine",
@@ -441,6 +563,10 @@ def main(argv=None) -> int:
     elif args.command == "demo":
         print(info(), end="\n\n")
         print(demo())
+    elif args.command == "warmup":
+        return warmup(args)
+    elif args.command == "cache":
+        return cache(args)
     elif args.command == "bench":
         return bench(args)
     elif args.command == "triton-report":

@@ -52,6 +52,8 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
     """transformers' attention-function protocol: query [B, Hq, S, D], key/value [B, Hkv, Sk, D]
     (strided views are fine; GQA is read in place, no repeat_kv), returns ([B, S, Hq, Dv], None).
     """
+    if _warm_on_first_use:
+        _first_use_warmup("register", getattr(module, "config", None), query, flash=False)
     if kwargs.get("sinks") is not None:
         raise NotImplementedError(
             "fastpe attention takes attention sinks as s_aux= (gpt-oss's name), not sinks="
@@ -161,11 +163,75 @@ def _kernel_can_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, l
     return seen.shape[-1] == kv_length and bool(seen.all())
 
 
-def register(name: str = "fastpe") -> str:
+# Compile ahead (register(warmup=...)): the register functions that asked to warm up on their
+# first call, and the configs already warmed up in this process
+_warm_on_first_use: set[str] = set()
+_warmed: set = set()
+
+
+def _warmup_now(config, flash: bool) -> None:
+    """Compile what a model of ``config`` runs (fastpe.warmup), once per config per process."""
+    key = (repr(sorted(fastpe._warmup.read_model_config(config).items())), flash)
+    if key not in _warmed:
+        _warmed.add(key)
+        # no check process: this process is about to load (or has compiled) every kernel
+        report = fastpe.warmup(model_config=config, flash=flash, check=False)
+        import logging
+
+        logging.getLogger("fastpe").info("%s", report.summary())
+
+
+def _first_use_warmup(which, config, query, flash) -> None:
+    """register(warmup=True): the first attention call warms up for its model's config (the
+    attention module's ``config``), before computing anything: the compiles the model's later
+    calls would make one by one (prefill, decode, each dtype) happen now, in worker processes
+    where there are several CPUs, with progress on stderr."""
+    import torch
+
+    # under torch.compile's tracing the kernels run through fastpe's custom ops, after tracing:
+    # warm up at the first eager call instead of spawning processes from a traced function
+    if which not in _warm_on_first_use or torch.compiler.is_compiling():
+        return
+    _warm_on_first_use.discard(which)
+    if config is None:  # a caller without a config (a bare function call): its own shape
+        config = {"num_attention_heads": query.shape[-3], "head_dim": query.shape[-1]}
+    # the dtype the model runs in, which may not be the config's torch_dtype (a bfloat16
+    # checkpoint loaded in float32 on a CPU)
+    try:
+        config = {**fastpe._warmup._load_config(config),
+                  "torch_dtype": str(query.dtype).removeprefix("torch.")}  # fmt: skip
+        _warmup_now(config, flash)
+    except Exception as exc:  # noqa: BLE001 - the model's call goes on; kernels compile as used
+        import logging
+
+        logging.getLogger("fastpe").warning(
+            "fastpe: register(warmup=True) could not warm up for this model (%s: %s); the "
+            "kernels compile on first use instead", type(exc).__name__, exc,
+        )  # fmt: skip
+
+
+def _arm_warmup(which: str, warmup, flash: bool) -> None:
+    if warmup is True:
+        _warm_on_first_use.add(which)
+    elif warmup is not False and warmup is not None:
+        _warmup_now(warmup, flash)
+
+
+def register(name: str = "fastpe", *, warmup=False) -> str:
     """Register fastpe's attention and mask functions under ``name``; returns ``name`` for
-    ``attn_implementation=`` / ``model.set_attn_implementation``."""
+    ``attn_implementation=`` / ``model.set_attn_implementation``.
+
+    ``warmup``: compile the CPU kernels the model will use before they are needed
+    (``fastpe.warmup``; they are then cached on disk for every later process). A config (a
+    transformers config, a ``config.json`` path or directory) warms up now, for that model;
+    ``True`` warms up at the first attention call, for the config of the model that makes it
+    (``register()`` is usually called before the model exists). Either way prefill and decode,
+    in the config's dtype, with its window, softcap and sinks. For a cache prepared at image
+    build time, run ``fastpe warmup --model-config ...`` there instead."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
+    _arm_warmup("register", warmup, flash=False)
 
     AttentionInterface.register(name, fastpe_attention_forward)
     AttentionMaskInterface.register(name, fastpe_mask)
@@ -178,13 +244,17 @@ _FLASH_NAMES: set[str] = set()
 _LOADER_PARAMETERS = ("implementation", "attention_wrapper", "allow_all_kernels")
 
 
-def register_flash(name: str = "fastpe_flash") -> str:
+def register_flash(name: str = "fastpe_flash", *, warmup=False) -> str:
     """Register fastpe as a FlashAttention implementation named ``name`` (it must contain
     "flash", which is how transformers recognises one); returns ``name`` for
     ``attn_implementation=`` / ``model.set_attn_implementation``. Continuous batching
     (``generate_batch``) then runs its packed varlen attention through
     ``fastpe.attention_varlen``; ``generate``/``forward`` go through transformers' FlashAttention
-    path (padding removed, then varlen) on fastpe too."""
+    path (padding removed, then varlen) on fastpe too.
+
+    ``warmup`` as for ``register``; with ``True`` the first call warms up for a config made of
+    its own query's heads, head dim and dtype (FlashAttention's functions get no model), with
+    the causal, decode, window, softcap and sinks features all compiled."""
     import transformers.modeling_flash_attention_utils as fa_utils
     from transformers import AttentionInterface
     from transformers.integrations.flash_attention import flash_attention_forward
@@ -207,6 +277,7 @@ def register_flash(name: str = "fastpe_flash") -> str:
     if is_kernel(name):
         raise ValueError(f"name must not look like a Hub kernel 'org/repo'; got {name!r}")
     _wrap_flash_loader(fa_utils)
+    _arm_warmup("register_flash", warmup, flash=True)
     _FLASH_NAMES.add(name)
     AttentionInterface.register(name, flash_attention_forward)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
@@ -251,6 +322,8 @@ def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, m
                        softcap=0.0, s_aux=None):  # fmt: skip
     """FlashAttention's varlen call as transformers makes it: q [total_q, Hq, D], k/v
     [total_k, Hkv, D]."""
+    if _warm_on_first_use:
+        _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
     options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False)
     return fastpe.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -261,9 +334,22 @@ def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, m
 def _flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                 softcap=0.0, s_aux=None):  # fmt: skip
     """FlashAttention's dense call: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]."""
+    if _warm_on_first_use:
+        _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
     options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False)
     out = fastpe.attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
         causal_alignment="bottom_right", sinks=s_aux, **options,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous()
+
+
+def _flash_config(q) -> dict:
+    """A config for register_flash(warmup=True) from the first call's query ([..., H, D]):
+    FlashAttention's functions get no model, so every feature a layer might use is warmed up
+    (today they are runtime arguments of one compiled kernel: warming all costs no more)."""
+    return {
+        "num_attention_heads": q.shape[-2], "head_dim": q.shape[-1],
+        "torch_dtype": str(q.dtype).removeprefix("torch."),
+        "sliding_window": 4096, "attn_logit_softcapping": 30.0, "sinks": True,
+    }  # fmt: skip

@@ -25,6 +25,11 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
   once.
 - BLAS: kernels that call BLAS from Numba's threads limit it to one thread while they run
   (``single_threaded_blas``); the limit is process-wide, so it is taken under a lock.
+- Compile notice: a kernel compile (a cache miss) still running after ``NOTICE_AFTER`` seconds
+  logs one line on the ``fastpe`` logger — which kernel, that it happens once, where it is
+  cached, and that ``fastpe warmup`` compiles ahead — unless FASTPE_QUIET_COMPILE=1. Every
+  compile of a fastpe kernel is also recorded in ``compiled_kernels`` (warmup and the tests count
+  them).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import pathlib
 import sys
@@ -41,7 +47,7 @@ import warnings
 import weakref
 
 import numba
-from numba.core import config
+from numba.core import config, event, types as nbtypes
 from numba.core.caching import FunctionCache
 
 # Numba's own default order; any other value was put there by the user (config file or code)
@@ -345,6 +351,133 @@ def _after_fork_in_child():
         limiter, _blas_limiter = _blas_limiter, None
         with contextlib.suppress(Exception):
             limiter.restore_original_limits()
+
+
+# --------------------------------------------------------------------------- compile notice
+
+logger = logging.getLogger("fastpe")
+NOTICE_AFTER = 1.0  # seconds: compiles shorter than this pass silently
+compiled_kernels: list[str] = []  # every fastpe kernel this process compiled (not loaded), in order
+_KERNEL_PACKAGE = __name__.rpartition(".")[0]  # fastpe.kernels.numba
+
+
+def kernel_name(dispatcher) -> str:
+    """'attention._attention_numba (serial)' for a fastpe dispatcher."""
+    func = dispatcher.py_func
+    module = func.__module__.rpartition(".")[2]
+    name, twin, _ = func.__qualname__.partition("__serial")
+    return f"{module}.{name}" + (" (serial)" if twin else "")
+
+
+def _argument_dtype(args) -> str:
+    """The dtype of the kernel's first array argument (the input: q, x, the table)."""
+    first = next((str(a.dtype) for a in args if isinstance(a, nbtypes.Array)), "")
+    # half inputs travel as their bits (see attention.py): name them as the user knows them
+    return {"uint16": "bfloat16", "int16": "float16"}.get(first, first)
+
+
+class _CompileNotice(event.Listener):
+    """Times each outermost compile of a fastpe kernel (helpers compile nested inside it).
+
+    Numba raises "numba:compile" only on a cache miss (a kernel loaded from the disk cache
+    raises nothing), so a cache hit never prints. A timer thread logs the notice only if the
+    compile is still running after NOTICE_AFTER seconds: most small kernels finish before, and
+    the user learns why the call is slow while waiting rather than after. LLVM runs through
+    ctypes, which releases the GIL, so the timer fires on time."""
+
+    def __init__(self):
+        self._depth = 0  # compiles run under Numba's global compiler lock: one thread at a time
+        self._timer = None
+
+    def on_start(self, ev):
+        dispatcher = ev.data["dispatcher"]
+        ours = getattr(dispatcher.py_func, "__module__", "").startswith(_KERNEL_PACKAGE)
+        self._depth += 1
+        if self._depth > 1 or not ours:
+            return
+        name = kernel_name(dispatcher)
+        compiled_kernels.append(name)
+        if os.environ.get("FASTPE_QUIET_COMPILE", "") not in ("", "0"):
+            return
+        where = getattr(dispatcher._cache, "_cache_path", None)
+        self._timer = threading.Timer(
+            NOTICE_AFTER, _notice, (name, _argument_dtype(ev.data["args"]), where)
+        )
+        self._timer.daemon = True
+        self._timer.start()
+
+    def on_end(self, ev):
+        self._depth -= 1
+        if self._depth == 0 and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _notice(name: str, dtype: str, where: str | None) -> None:
+    kept = (
+        f"cached in {where} for later processes"
+        if where
+        else "not cached (no writable cache directory: set NUMBA_CACHE_DIR), so every process"
+        " compiles it again"
+    )
+    logger.warning(
+        "fastpe: compiling CPU kernel %s for %s arrays: a one-time cost of seconds, %s; "
+        "`fastpe warmup` compiles ahead (FASTPE_QUIET_COMPILE=1 hides this line)",
+        name, dtype or "these", kept,
+    )  # fmt: skip
+
+
+event.register("numba:compile", _CompileNotice())
+
+
+# --------------------------------------------------------------------------- the disk cache
+
+
+def _cache_probe():  # a function of this folder: its cache locator is every kernel's
+    pass
+
+
+def cache_directory() -> str | None:
+    """The directory Numba keeps fastpe's compiled kernels in (every kernel file is in this
+    folder, so they share one), or None when no location is writable."""
+    try:
+        return _KernelCache(_cache_probe)._cache_path
+    except RuntimeError:  # no locator: read-only install and no usable NUMBA_CACHE_DIR
+        return None
+
+
+def _cache_entries(directory: str) -> list[pathlib.Path]:
+    """fastpe's files in the cache directory: Numba's index (.nbi) and data (.nbc) files of the
+    kernel modules here. In-tree (the package's __pycache__) the folder also holds Python's
+    .pyc files, which are left alone."""
+    modules = tuple(f"{path.stem}." for path in pathlib.Path(__file__).parent.glob("*.py"))
+    return [
+        path
+        for path in pathlib.Path(directory).iterdir()
+        if path.suffix in (".nbi", ".nbc") and path.name.startswith(modules)
+    ]
+
+
+def cache_stats() -> dict:
+    """{"directory", "bytes", "kernels" (compiled specialisations), "functions"}."""
+    directory = cache_directory()
+    entries = _cache_entries(directory) if directory and os.path.isdir(directory) else []
+    return {
+        "directory": directory,
+        "bytes": sum(path.stat().st_size for path in entries),
+        "kernels": sum(path.suffix == ".nbc" for path in entries),
+        "functions": sum(path.suffix == ".nbi" for path in entries),
+    }
+
+
+def clear_cache() -> dict:
+    """Remove fastpe's compiled kernels from the cache; the stats of what was removed."""
+    removed = cache_stats()
+    if removed["directory"]:
+        for path in _cache_entries(removed["directory"]):
+            with contextlib.suppress(FileNotFoundError):  # another process removed it first
+                path.unlink()
+    return removed
 
 
 os.register_at_fork(
