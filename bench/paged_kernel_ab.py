@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from fastpe.kernels.numba import attention_paged as this
 
 

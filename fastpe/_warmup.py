@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+
 import numpy as np
 
 # the ops whose CPU kernels warmup knows how to call, and what each does with the features

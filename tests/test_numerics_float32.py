@@ -136,7 +136,7 @@ def test_softcap_any_finite_positive_backward(cap):
     exact = [t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v)]
     want_out = _reference(*exact, dtype=torch.float64, softcap=cap, causal=True, alibi=slopes)
     want = torch.autograd.grad(want_out, exact, grad_out.to(torch.float64))
-    for name, g, w in zip("qkv", got, want):
+    for name, g, w in zip("qkv", got, want, strict=True):
         assert torch.isfinite(g).all(), name
         assert (g.to(torch.float64) - w).abs().max().item() <= 1e-5 * max(1.0, w.abs().max()), name
 

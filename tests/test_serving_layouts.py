@@ -18,9 +18,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_serving import close, ref_attention, ref_kvcache, ref_varlen  # noqa: E402
+
 import fastpe  # noqa: E402
 from fastpe import flash_attn  # noqa: E402
-from test_serving import close, ref_attention, ref_kvcache, ref_varlen  # noqa: E402
 
 CPU_BACKENDS = ["numba", "numpy"]
 

@@ -164,8 +164,9 @@ def test_info_and_cache_clear(warmed):
 def test_cache_commands_without_a_writable_cache(monkeypatch, capsys):
     # what the runtime reports on a read-only install with no usable NUMBA_CACHE_DIR (made
     # for real in test_numba_runtime.py's read-only test)
-    from fastpe.cli import main
     from fastpe.kernels.numba import _runtime
+
+    from fastpe.cli import main
 
     monkeypatch.setattr(_runtime, "cache_directory", lambda: None)
     assert main(["cache", "clear"]) == 0

@@ -47,7 +47,8 @@ import warnings
 import weakref
 
 import numba
-from numba.core import config, event, types as nbtypes
+from numba.core import config, event
+from numba.core import types as nbtypes
 from numba.core.caching import FunctionCache
 
 # Numba's own default order; any other value was put there by the user (config file or code)
