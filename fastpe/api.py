@@ -353,7 +353,8 @@ def attention_kvcache(
     ``L_b = cache_seqlens[b] + S_new`` keys. ``rotary_cos``/``rotary_sin`` [P, R/2] (only with
     k) rotate the new keys at their cache positions before they are stored, and q at positions
     ``cache_seqlens[b] + i`` when ``causal`` or ``window`` is set, else all at
-    ``cache_seqlens[b]`` (FlashAttention's rule); ``rotary_interleaved`` pairs (2i, 2i+1).
+    ``cache_seqlens[b]`` (FlashAttention's rule; a window whose sides all reach Sq + the cache
+    size or more restricts nothing and counts as none); ``rotary_interleaved`` pairs (2i, 2i+1).
 
     Query i sits at key position ``i + L_b - Sq`` (bottom-right, as FlashAttention) for
     ``causal``, ``window``, ALiBi. Returns out [B, Sq, Hq, Dv]; with ``return_lse=True`` also

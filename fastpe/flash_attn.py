@@ -3,7 +3,11 @@
 Code written for ``flash_attn`` runs unchanged with ``from fastpe.flash_attn import
 flash_attn_func, ...``: same signatures, layouts ([B, S, H, D]; packed [total, H, D]),
 defaults and semantics — ``causal`` aligned bottom-right when seqlen_q != seqlen_k,
-``window_size=(left, right)`` with -1 unbounded, ``softcap=0.0`` off, ``alibi_slopes`` [H] or
+``window_size=(left, right)`` with -1 unbounded, adjusted as FlashAttention does (a side >=
+seqlen_k is unbounded: k's length, max_seqlen_k, or the cache's length in
+``flash_attn_with_kvcache``, where a window wider than the cache on both sides is thus no window
+and rotary queries sit at cache_seqlens unless causal; entries may be 0-dim integer tensors),
+``softcap=0.0`` off (NaN and negative values refused), ``alibi_slopes`` [H] or
 [B, H], GQA/MQA through fewer k/v heads. The backend is fastpe's choice (``fastpe.use_backend``
 or $FASTPE_BACKEND pick one). Gradients flow through ``flash_attn_func`` and the varlen
 functions (``attention`` / ``attention_varlen`` have backwards); ``flash_attn_with_kvcache`` is
@@ -11,8 +15,9 @@ forward only (it compiles; inputs that require grad are refused).
 
 Refused with a ValueError: ``dropout_p > 0`` (no dropout), ``return_attn_probs=True`` (use
 ``fastpe.attention``/``attention_varlen(..., return_lse=True)`` for the log-sum-exp),
-``block_table`` in ``flash_attn_varlen_func`` and ``cache_leftpad`` in
-``flash_attn_with_kvcache``. ``deterministic`` and ``num_splits`` are accepted and ignored (the
+``block_table`` in ``flash_attn_varlen_func``, ``cache_leftpad`` in ``flash_attn_with_kvcache``,
+and k/v appended by ``flash_attn_with_kvcache`` without ``cache_seqlens`` (as FlashAttention;
+without k/v, no cache_seqlens means the whole cache is valid). ``deterministic`` and ``num_splits`` are accepted and ignored (the
 forward pass is deterministic; splits are chosen by the kernels).
 """
 
