@@ -502,6 +502,12 @@ def test_integer_arguments(case, kind):
     value = _scalar(kind) if form == "scalar" else _array(kind, form[0])
     if "big" in flags and kind in ("2**31",):
         pytest.skip("accepted sizes of 2**31 allocate a table of gigabytes")
+    _check_outcome(call, value, name, flags, negative=kind == "-1")
+
+
+def _check_outcome(call, value, name, flags, *, negative):
+    """``call(value, caches)`` works (and matches the plain value's answer) or raises a
+    ValueError/TypeError (an index: fastpe's IndexError) naming ``name``, caches untouched."""
     caches = _caches()
     before = [c.copy() for c in caches]
     try:
@@ -512,7 +518,7 @@ def test_integer_arguments(case, kind):
             assert "index" in flags, f"unexpected IndexError: {message}"
         assert name in message, f"{type(error).__name__} does not name {name}: {message}"
         # a uint64 value >= 2**63 once came back as a negative number
-        assert kind == "-1" or not any(f"{lead} -" in message for lead in ("contains", "=", "got"))
+        assert negative or not any(f"{lead} -" in message for lead in ("contains", "=", "got"))
     else:
         if isinstance(result, torch.nn.Module):
             return
@@ -524,3 +530,47 @@ def test_integer_arguments(case, kind):
         return
     for cache, saved in zip(caches, before, strict=True):
         assert np.array_equal(cache, saved), "a refused call wrote into the cache"
+
+
+# The same arguments where a call goes through fastpe's torch custom op (an input that requires
+# grad), whose schema carries int64: values past it must be refused by name before it.
+def _grad(*shape):
+    """An input that requires grad, the same values each time (answers are compared)."""
+    values = np.random.default_rng(16).standard_normal(shape)
+    return torch.tensor(values, dtype=torch.float32, requires_grad=True)
+
+
+_TCOS, _TSIN = (torch.from_numpy(t) for t in (_COS, _SIN))
+_TK = torch.from_numpy(_K)
+_TCU_Q, _TCU_K = torch.from_numpy(_CU_Q), torch.from_numpy(_CU_K)
+TORCH_CASES = {
+    "apply_rope positions": ("positions",
+        lambda x, c: fastpe.apply_rope(_grad(2, 2, 3, 4), _TCOS, _TSIN, positions=x, backend=N), "index"),
+    "embed positions": ("positions",
+        lambda x, c: fastpe.embed(torch.zeros(1, 3, dtype=torch.long), _grad(6, 4), positions=x,
+                                  backend=N), ""),
+    "attention window": ("window",
+        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, window=(x, x), backend=N), ""),
+    "attention rope q_positions": ("q_positions",
+        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, rope={
+            "cos": _TCOS, "sin": _TSIN, "q_positions": x}, backend=N), "index"),
+    "attention relative_bias num_buckets": ("num_buckets",
+        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, relative_bias={
+            "table": torch.zeros(8, 2), "num_buckets": x}, backend=N), ""),
+    "attention relative_bias max_distance": ("max_distance",
+        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, relative_bias={
+            "table": torch.zeros(8, 2), "num_buckets": 8, "max_distance": x}, backend=N), ""),
+    "attention_varlen max_seqlen_q": ("max_seqlen_q",
+        lambda x, c: fastpe.attention_varlen(_grad(5, 2, 4), _grad(7, 2, 4), _grad(7, 2, 4),
+                                             _TCU_Q, _TCU_K, max_seqlen_q=x, backend=N), ""),
+    "attention_varlen window": ("window",
+        lambda x, c: fastpe.attention_varlen(_grad(5, 2, 4), _grad(7, 2, 4), _grad(7, 2, 4),
+                                             _TCU_Q, _TCU_K, window=(x, -1), backend=N), ""),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(SCALARS))
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_integer_arguments_through_the_torch_op(case, kind):
+    name, call, flags = TORCH_CASES[case]
+    _check_outcome(call, _scalar(kind), name, flags, negative=kind == "-1")
