@@ -25,7 +25,7 @@ from fastpe._inputs import (
     _check_sinusoidal_dim,
 )
 from fastpe._inputs_serving import AttentionKVCacheInputs, AttentionVarlenInputs
-from fastpe._validate import check_choice, check_float, check_int
+from fastpe._validate import MAX_DIM, MAX_POSITION, check_choice, check_float, check_int
 
 
 def _torch_graph(*arrays, device=None) -> bool:
@@ -76,10 +76,11 @@ def relative_transform(k, dim, *, base=10000.0, freq="paper", layout="interleave
 
     Block-diagonal: one 2x2 rotation [[cos ωk, sin ωk], [-sin ωk, cos ωk]] per frequency, acting
     on the (sin, cos) pair of that frequency in the given ``layout``. Independent of p — the
-    property for which the paper chose sinusoids. ``k`` may be negative.
+    property for which the paper chose sinusoids. ``k`` may be negative: it is a distance between
+    two supported positions, so ``|k| < 2**32``.
     """
-    k = check_int("k", k)
-    dim = check_int("dim", dim, minimum=2)
+    k = check_int("k", k, minimum=1 - MAX_POSITION, maximum=MAX_POSITION - 1)
+    dim = check_int("dim", dim, minimum=2, maximum=MAX_DIM)
     freq = check_choice("freq", freq, FREQS)
     layout = check_choice("layout", layout, LAYOUTS)
     _check_sinusoidal_dim("dim", dim, freq)

@@ -321,6 +321,20 @@ def test_kvcache_lengths_near_int64_max_are_refused_before_writing(paged, length
     assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
 
 
+@pytest.mark.parametrize("k", [2**32 - 1, -(2**32 - 1), 2**31 + 12345])
+def test_relative_transform_far_distances_are_exact(k):
+    """T(k) for the largest distances between supported positions, against 50-digit cos/sin
+    of k·ω (a float64 product k·ω was off by up to 1e-8 there)."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 50
+    t = fastpe.relative_transform(k, 8)
+    omega = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    for i, w in enumerate(omega):
+        angle = mpmath.mpf(k) * mpmath.mpf(float(w))
+        np.testing.assert_allclose(t[2 * i, 2 * i], float(mpmath.cos(angle)), rtol=0, atol=1e-15)
+        np.testing.assert_allclose(t[2 * i, 2 * i + 1], float(mpmath.sin(angle)), rtol=0, atol=1e-15)
+
+
 # ---------------------------------------------------------------------------------------------
 # The integer sweep: every integer argument of every public op, given values at and past the
 # int32/int64/uint64 limits, negative, unsigned or 0-dim. Each call either works — and then
@@ -410,6 +424,8 @@ CASES = {
     "sinusoidal_table num_positions": ("num_positions", "scalar",
         lambda x, c: fastpe.sinusoidal_table(x, 4, backend=N), "big"),
     "sinusoidal_table dim": ("dim", "scalar", lambda x, c: fastpe.sinusoidal_table(2, x, backend=N), "big"),
+    "relative_transform k": ("k", "scalar", lambda x, c: fastpe.relative_transform(x, 4), ""),
+    "relative_transform dim": ("dim", "scalar", lambda x, c: fastpe.relative_transform(1, x), "big"),
     "sinusoidal_table offset": ("offset", "scalar",
         lambda x, c: fastpe.sinusoidal_table(2, 4, offset=x, backend=N), ""),
     "rope_table num_positions": ("num_positions", "scalar", lambda x, c: fastpe.rope_table(x, 4, backend=N), "big"),
