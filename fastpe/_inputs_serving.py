@@ -505,9 +505,9 @@ def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new: int) -> 
 
 
 def _check_cache_length(name: str, length: int, capacity: int, new: int) -> None:
-    accepted = f"cache_seqlens must be in [0, {capacity - new}]"
+    accepted = f"cache_seqlens must be >= 0 and <= {capacity - new}"
     if length < 0:
-        raise ValueError(f"{name} = {length}; {accepted} (>= 0)")
+        raise ValueError(f"{name} = {length}; {accepted}")
     if length > capacity - new:
         raise ValueError(
             f"{name} = {length} plus {new} new tokens needs {length + new} cache positions; "

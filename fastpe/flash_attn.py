@@ -17,8 +17,9 @@ Refused with a ValueError: ``dropout_p > 0`` (no dropout), ``return_attn_probs=T
 ``fastpe.attention``/``attention_varlen(..., return_lse=True)`` for the log-sum-exp),
 ``block_table`` in ``flash_attn_varlen_func``, ``cache_leftpad`` in ``flash_attn_with_kvcache``,
 and k/v appended by ``flash_attn_with_kvcache`` without ``cache_seqlens`` (as FlashAttention;
-without k/v, no cache_seqlens means the whole cache is valid). ``deterministic`` and ``num_splits`` are accepted and ignored (the
-forward pass is deterministic; splits are chosen by the kernels).
+without k/v, no cache_seqlens means the whole cache is valid). ``deterministic`` and
+``num_splits`` are accepted and ignored (the forward pass is deterministic; splits are chosen by
+the kernels).
 """
 
 from __future__ import annotations
