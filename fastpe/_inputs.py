@@ -17,6 +17,8 @@ from fastpe import _arrays
 from fastpe._arrays import Placement
 from fastpe._options import Positions, RelativeBias, Rope, check_rope_tables
 from fastpe._validate import (
+    MAX_DIM,
+    MAX_POSITION,
     check_bool,
     check_choice,
     check_device_data,
@@ -49,7 +51,9 @@ def _check_sinusoidal_dim(name: str, dim: int, freq: str) -> None:
 def _check_offset(offset, num_positions: int) -> int:
     """A table's first position: an int with the whole table inside the supported range."""
     offset = check_int("offset", offset, minimum=0)
-    check_position("offset", offset, count=num_positions)
+    check_position("offset", offset)
+    # the last position, offset + num_positions - 1, must be supported too: named by the count
+    check_int("num_positions", num_positions, maximum=MAX_POSITION - offset)
     return offset
 
 
@@ -84,7 +88,7 @@ class SinusoidalTableInputs(_Inputs):
     @classmethod
     def build(cls, num_positions, dim, *, base, layout, freq, offset, dtype, device):
         num_positions = check_int("num_positions", num_positions, minimum=0)
-        dim = check_int("dim", dim, minimum=2)
+        dim = check_int("dim", dim, minimum=2, maximum=MAX_DIM)
         layout = check_choice("layout", layout, LAYOUTS)
         freq = check_choice("freq", freq, FREQS)
         _check_sinusoidal_dim("dim", dim, freq)
@@ -472,7 +476,8 @@ class AttentionInputs(_Inputs):
             rope=rope,
             alibi_slopes=alibi_slopes,
             relative_bias=relative_bias,
-            window=check_window(window),
+            # query positions lie in [-Sq, Sk) (bottom-right with key_lengths), keys in [0, Sk)
+            window=check_window(window, span=sq + sk),
             softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
             sinks=sinks,
             return_lse=check_bool("return_lse", return_lse),
@@ -561,17 +566,31 @@ def _check_key_lengths(key_lengths, batch: int, sk: int):
     return key_lengths
 
 
-def check_window(window) -> tuple[int, int] | None:
-    """None or (left, right) of integers >= -1 (-1 = unbounded); None when both are
-    unbounded. Also used by fastpe.torch_ops before the window enters the op schema."""
+# A window side at least this wide reaches every key of any sequence that can exist: it is
+# unbounded, and the op schema of fastpe.torch_ops (int64) can carry every window after this.
+UNBOUNDED_WINDOW = 2**62
+
+
+def check_window(window, *, span: int | None = None, name: str = "window"):
+    """None or (left, right) of integers >= -1 (-1 = unbounded); None when both are unbounded.
+
+    A side that reaches every key is unbounded as well, so kernels never compute with huge
+    values (``query position ± window`` overflowed int64 and masked every key): a side >=
+    ``span``, the op's largest distance between a query and a key plus one, or >=
+    ``UNBOUNDED_WINDOW`` when the shapes are not known yet (fastpe.torch_ops checks the window
+    before it enters the op schema). ``name`` is the argument's public name."""
     if window is None:
         return None
     if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
         raise TypeError(
-            f"window must be None or a pair (left, right) of integers >= -1; got {window!r}"
+            f"{name} must be None or a pair (left, right) of integers >= -1; got {window!r}"
         )
+    limit = UNBOUNDED_WINDOW if span is None else min(span, UNBOUNDED_WINDOW)
     left, right = (
-        check_int(f"window[{index}]", value, minimum=-1) for index, value in enumerate(window)
+        -1 if side >= limit else side
+        for side in (
+            check_int(f"{name}[{index}]", value, minimum=-1) for index, value in enumerate(window)
+        )
     )
     return None if (left, right) == (-1, -1) else (left, right)
 

@@ -35,6 +35,7 @@ from fastpe._validate import (
     check_int_array,
     check_range,
     check_same_placement,
+    is_int_scalar,
 )
 from fastpe.backends._kvcache import rows_per_block
 
@@ -70,6 +71,9 @@ def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
 
 
 def _check_max_seqlen(name: str, value, lengths: np.ndarray) -> int:
+    """The caller's bound on the sequence lengths (None: the longest). Kernels may size work
+    by it (varlen key pages), so a bound above the packed total is stored as the total: it
+    bounds every sequence just as well and keeps their index arithmetic small."""
     longest = int(lengths.max(initial=0))
     if value is None:
         return longest
@@ -79,7 +83,7 @@ def _check_max_seqlen(name: str, value, lengths: np.ndarray) -> int:
             f"{name} = {value} is smaller than the longest sequence ({longest}); pass at least "
             f"{longest} or None"
         )
-    return value
+    return min(value, int(lengths.sum()))
 
 
 class PackedRope(NamedTuple):
@@ -103,7 +107,7 @@ class PackedRope(NamedTuple):
             if given is None:
                 pos = default
             else:
-                if isinstance(given, (int, np.integer)):
+                if is_int_scalar(given):
                     raise TypeError(
                         f"{name} must be None (positions restart at each sequence) or an int "
                         f"array [{default.shape[0]}] of one position per packed token; got {given}"
@@ -261,7 +265,8 @@ class AttentionVarlenInputs(_Inputs):
             bottom_right=bottom_right,
             rope=packed_rope,
             alibi_slopes=alibi_slopes,
-            window=check_window(window),
+            # a query and a key of one sequence are less than Sq + Sk positions apart
+            window=check_window(window, span=int(q_len.max(initial=0) + k_len.max(initial=0))),
             softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
             sinks=sinks,
             return_lse=check_bool("return_lse", return_lse),
@@ -402,6 +407,9 @@ class AttentionKVCacheInputs(_Inputs):
                 table = index[:, None]
             page_size, capacity = width, width
         lengths = _check_cache_seqlens(cache_seqlens, batch, capacity, new)
+        # a query and a key of one sequence are less than Sq + capacity positions apart; a
+        # window wider than that restricts nothing and counts as none (for the rotary rule too)
+        window = check_window(window, span=sq + capacity)
         total = lengths + new
         pages = -(-total // page_size)  # pages each sequence reads
         used = np.arange(table.shape[1])[None, :] < pages[:, None]
@@ -427,7 +435,7 @@ class AttentionKVCacheInputs(_Inputs):
                 )
             cos, sin = check_rope_tables("rotary_", rotary_cos, rotary_sin, d)
             k_positions = lengths[:, None] + np.arange(new)[None, :]
-            if causal or check_window(window) is not None:
+            if causal or window is not None:
                 q_positions = lengths[:, None] + np.arange(sq)[None, :]
             else:  # FlashAttention: every query at the first new position
                 q_positions = np.broadcast_to(lengths[:, None], (batch, sq))
@@ -448,7 +456,7 @@ class AttentionKVCacheInputs(_Inputs):
             )  # fmt: skip
         placement = check_same_placement(
             {**named, "cache_seqlens": _arrays.as_array(cache_seqlens)
-             if not isinstance(cache_seqlens, (int, np.integer)) else None,
+             if not is_int_scalar(cache_seqlens) else None,
              "block_table": None if block_table is None else _arrays.as_array(block_table),
              "cache_batch_idx": None if cache_batch_idx is None else _arrays.as_array(cache_batch_idx),
              "alibi_slopes": alibi_slopes, "sinks": sinks}
@@ -470,7 +478,7 @@ class AttentionKVCacheInputs(_Inputs):
             scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
             causal=check_bool("causal", causal),
             alibi_slopes=alibi_slopes,
-            window=check_window(window),
+            window=window,
             softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
             sinks=sinks,
             return_lse=check_bool("return_lse", return_lse),
@@ -503,25 +511,33 @@ def _check_cache_layouts(k_cache, v_cache) -> int:
 
 
 def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new: int) -> np.ndarray:
-    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        lengths = np.full(batch, int(cache_seqlens), np.int64)
-    else:
-        lengths = _host_ints("cache_seqlens", cache_seqlens, ndim=1)
-        if lengths.shape != (batch,):
-            raise ValueError(
-                f"cache_seqlens must be an int or have shape [B] = [{batch}]; got {lengths.shape}"
-            )
-    low = int(lengths.min(initial=0))
-    if low < 0:
-        raise ValueError(f"cache_seqlens must be >= 0; got {low}")
-    high = int((lengths + new).max(initial=0))
-    if high > capacity:
-        b = int(np.argmax(lengths + new))
+    """Host int64 [B] lengths with ``0 <= length <= capacity - new``, compared in that form so
+    that lengths near 2**63 cannot wrap past the check (``length + new`` would)."""
+    if is_int_scalar(cache_seqlens):
+        given = check_int("cache_seqlens", cache_seqlens)
+        _check_cache_length("cache_seqlens", given, capacity, new)
+        return np.full(batch, given, np.int64)
+    lengths = _host_ints("cache_seqlens", cache_seqlens, ndim=1)
+    if lengths.shape != (batch,):
         raise ValueError(
-            f"cache_seqlens[{b}] = {int(lengths[b])} plus {new} new tokens needs {high} cache "
-            f"positions; the cache holds {capacity} per sequence"
+            f"cache_seqlens must be an int or have shape [B] = [{batch}]; got {lengths.shape}"
         )
+    bad = (lengths < 0) | (lengths > capacity - new)
+    if bad.any():
+        b = int(np.argmax(bad))
+        _check_cache_length(f"cache_seqlens[{b}]", int(lengths[b]), capacity, new)
     return lengths
+
+
+def _check_cache_length(name: str, length: int, capacity: int, new: int) -> None:
+    accepted = f"cache_seqlens must be >= 0 and <= {capacity - new}"
+    if length < 0:
+        raise ValueError(f"{name} = {length}; {accepted}")
+    if length > capacity - new:
+        raise ValueError(
+            f"{name} = {length} plus {new} new tokens needs {length + new} cache positions; "
+            f"the cache holds {capacity} per sequence ({accepted})"
+        )
 
 
 def _check_no_shared_written_pages(table, used, lengths, total, page_size, paged) -> None:

@@ -24,6 +24,7 @@ from fastpe._validate import (
     check_int_array,
     check_position,
     check_range,
+    is_int_scalar,
 )
 
 
@@ -42,7 +43,7 @@ class Positions(NamedTuple):
         [0, limit). A Python list becomes an array in the framework and device of ``like``."""
         if isinstance(value, (list, tuple)):
             value = _arrays.array_like(value, like)
-        if value is None or isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value is None or is_int_scalar(value):
             offset = 0 if value is None else check_int(name, value, minimum=0)
             check_position(name, offset, count=seq)
             if limit is not None and offset + seq > limit:
@@ -212,8 +213,12 @@ class RelativeBias(NamedTuple):
         max_distance = check_int(
             "relative_bias['max_distance']",
             value.get("max_distance", defaults["max_distance"]),
-            minimum=max_exact + 1,
         )
+        if max_distance <= max_exact:  # the logarithmic buckets span max_exact … max_distance
+            raise ValueError(
+                f"relative_bias['max_distance'] must be >= {max_exact + 1} (num_buckets = "
+                f"{buckets} uses {max_exact} exact distances); got {max_distance}"
+            )
         table = check_float_array("relative_bias['table']", value["table"], ndim=2)
         if tuple(table.shape) != (buckets, heads):
             raise ValueError(

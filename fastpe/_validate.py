@@ -13,13 +13,37 @@ import numpy as np
 from fastpe import _arrays
 
 
-def check_int(name: str, value, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+def is_int_scalar(value) -> bool:
+    """An integer given as one number: a Python or NumPy int, or a 0-dim integer array or tensor
+    (FlashAttention's own tests pass ``window_size=(torch.tensor(3), torch.tensor(-1))``).
+    Bools are not integers here."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, numbers.Integral):
+        return True
+    if (_arrays.is_tensor(value) or isinstance(value, np.ndarray)) and value.ndim == 0:
+        return _arrays.is_int_dtype(_arrays.dtype_name(value))
+    return False
+
+
+def check_int(
+    name: str, value, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """``value`` as a Python int (see ``is_int_scalar``) in [minimum, maximum]. Python ints are
+    unbounded, so every comparison here is exact: no value can overflow into another."""
+    if not is_int_scalar(value):
         raise TypeError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
-    value = int(value)
+    value = int(value.item() if hasattr(value, "ndim") else value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}; got {value}")
     return value
+
+
+# The widest feature dimension (``dim``, ``rotary_dim``) accepted: far beyond any model, and
+# small enough that no size computed from it overflows the kernels' integer arithmetic.
+MAX_DIM = 2**31 - 1
 
 
 def check_float(name: str, value, *, positive: bool = False) -> float:
@@ -58,15 +82,32 @@ def check_float_array(name: str, x, *, ndim: int | None = None):
     return x
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def check_int_array(name: str, x, *, ndim: int | tuple[int, ...] | None = None):
+    """An integer array or tensor whose values all fit int64 (every later check and kernel reads
+    them as int64: a uint64 value >= 2**63 would wrap to a negative number)."""
     x = _arrays.as_array(x)
     dtype = _arrays.dtype_name(x)
     if not _arrays.is_int_dtype(dtype):
         raise TypeError(f"{name} must have an integer dtype; got {dtype}")
+    if _arrays.is_tensor(x) and dtype in ("uint16", "uint32", "uint64"):
+        # torch has no reductions for these dtypes, so their values cannot be checked
+        raise TypeError(
+            f"{name} must be an int8/int16/int32/int64 or uint8 tensor; got {dtype} "
+            "(NumPy arrays of any integer dtype are accepted)"
+        )
     dims = (ndim,) if isinstance(ndim, int) else ndim
     if dims is not None and x.ndim not in dims:
         want = " or ".join(map(str, dims))
         raise ValueError(f"{name} must have {want} dimensions; got shape {tuple(x.shape)}")
+    if dtype == "uint64" and x.size and int(x.max()) > _INT64_MAX:
+        where = tuple(int(i) for i in np.argwhere(x > _INT64_MAX)[0])
+        raise ValueError(
+            f"{name} contains {int(x[where])} at index {list(where)}; integer entries must be "
+            f"<= 2**63 - 1 = {_INT64_MAX}"
+        )
     return x
 
 

@@ -25,7 +25,7 @@ from fastpe._inputs import (
     _check_sinusoidal_dim,
 )
 from fastpe._inputs_serving import AttentionKVCacheInputs, AttentionVarlenInputs
-from fastpe._validate import check_choice, check_float, check_int
+from fastpe._validate import MAX_DIM, MAX_POSITION, check_choice, check_float, check_int
 
 
 def _torch_graph(*arrays, device=None) -> bool:
@@ -76,10 +76,11 @@ def relative_transform(k, dim, *, base=10000.0, freq="paper", layout="interleave
 
     Block-diagonal: one 2x2 rotation [[cos ωk, sin ωk], [-sin ωk, cos ωk]] per frequency, acting
     on the (sin, cos) pair of that frequency in the given ``layout``. Independent of p — the
-    property for which the paper chose sinusoids. ``k`` may be negative.
+    property for which the paper chose sinusoids. ``k`` may be negative: it is a distance between
+    two supported positions, so ``|k| < 2**32``.
     """
-    k = check_int("k", k)
-    dim = check_int("dim", dim, minimum=2)
+    k = check_int("k", k, minimum=1 - MAX_POSITION, maximum=MAX_POSITION - 1)
+    dim = check_int("dim", dim, minimum=2, maximum=MAX_DIM)
     freq = check_choice("freq", freq, FREQS)
     layout = check_choice("layout", layout, LAYOUTS)
     _check_sinusoidal_dim("dim", dim, freq)
@@ -353,7 +354,8 @@ def attention_kvcache(
     ``L_b = cache_seqlens[b] + S_new`` keys. ``rotary_cos``/``rotary_sin`` [P, R/2] (only with
     k) rotate the new keys at their cache positions before they are stored, and q at positions
     ``cache_seqlens[b] + i`` when ``causal`` or ``window`` is set, else all at
-    ``cache_seqlens[b]`` (FlashAttention's rule); ``rotary_interleaved`` pairs (2i, 2i+1).
+    ``cache_seqlens[b]`` (FlashAttention's rule; a window whose sides all reach Sq + the cache
+    size or more restricts nothing and counts as none); ``rotary_interleaved`` pairs (2i, 2i+1).
 
     Query i sits at key position ``i + L_b - Sq`` (bottom-right, as FlashAttention) for
     ``causal``, ``window``, ALiBi. Returns out [B, Sq, Hq, Dv]; with ``return_lse=True`` also

@@ -288,7 +288,7 @@ class _Plan:
                  relative_bias, window, softcap, sinks, layout, backend, name):  # fmt: skip
         import torch
 
-        from fastpe._inputs import AttentionInputs, _check_key_lengths
+        from fastpe._inputs import AttentionInputs, _check_key_lengths, check_window
 
         self.g = g
 
@@ -366,7 +366,9 @@ class _Plan:
                     table,
                     kl,
                     slopes,
-                    inputs.window,
+                    # the global window: inputs.window is cut to this shard's length (a side
+                    # wider than the shard is unbounded there, not across the whole sequence)
+                    check_window(window),
                     inputs.softcap,
                     sink_values,
                     None if rope is None else inputs.rope.interleaved,

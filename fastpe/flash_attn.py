@@ -3,7 +3,11 @@
 Code written for ``flash_attn`` runs unchanged with ``from fastpe.flash_attn import
 flash_attn_func, ...``: same signatures, layouts ([B, S, H, D]; packed [total, H, D]),
 defaults and semantics — ``causal`` aligned bottom-right when seqlen_q != seqlen_k,
-``window_size=(left, right)`` with -1 unbounded, ``softcap=0.0`` off, ``alibi_slopes`` [H] or
+``window_size=(left, right)`` with -1 unbounded, adjusted as FlashAttention does (a side >=
+seqlen_k is unbounded: k's length, max_seqlen_k, or the cache's length in
+``flash_attn_with_kvcache``, where a window wider than the cache on both sides is thus no window
+and rotary queries sit at cache_seqlens unless causal; entries may be 0-dim integer tensors),
+``softcap=0.0`` off (NaN and negative values refused), ``alibi_slopes`` [H] or
 [B, H], GQA/MQA through fewer k/v heads. The backend is fastpe's choice (``fastpe.use_backend``
 or $FASTPE_BACKEND pick one). Gradients flow through ``flash_attn_func`` and the varlen
 functions (``attention`` / ``attention_varlen`` have backwards); ``flash_attn_with_kvcache`` is
@@ -11,14 +15,18 @@ forward only (it compiles; inputs that require grad are refused).
 
 Refused with a ValueError: ``dropout_p > 0`` (no dropout), ``return_attn_probs=True`` (use
 ``fastpe.attention``/``attention_varlen(..., return_lse=True)`` for the log-sum-exp),
-``block_table`` in ``flash_attn_varlen_func`` and ``cache_leftpad`` in
-``flash_attn_with_kvcache``. ``deterministic`` and ``num_splits`` are accepted and ignored (the
-forward pass is deterministic; splits are chosen by the kernels).
+``block_table`` in ``flash_attn_varlen_func``, ``cache_leftpad`` in ``flash_attn_with_kvcache``,
+and k/v appended by ``flash_attn_with_kvcache`` without ``cache_seqlens`` (as FlashAttention;
+without k/v, no cache_seqlens means the whole cache is valid). ``deterministic`` and
+``num_splits`` are accepted and ignored (the forward pass is deterministic; splits are chosen by
+the kernels).
 """
 
 from __future__ import annotations
 
 from fastpe import _arrays
+from fastpe._inputs import check_window
+from fastpe._validate import check_float, check_int, is_int_scalar
 from fastpe.api import attention, attention_kvcache, attention_varlen
 
 __all__ = [
@@ -32,7 +40,10 @@ __all__ = [
 ]
 
 
-def _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs) -> dict:
+def _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs, seqlen_k) -> dict:
+    """fastpe's keyword options from FlashAttention's; ``seqlen_k`` is the key length
+    FlashAttention adjusts the window against (None where it is not known: the call is refused
+    later for the shape that hides it)."""
     if dropout_p != 0.0:
         raise ValueError(
             f"dropout_p must be 0.0: fastpe.flash_attn has no attention dropout (inference and "
@@ -44,13 +55,31 @@ def _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs) 
             "probabilities for testing only); for the log-sum-exp call fastpe.attention or "
             "fastpe.attention_varlen with return_lse=True"
         )
-    if softcap is None or softcap < 0:
+    softcap = check_float("softcap", softcap)  # a TypeError or ValueError naming softcap
+    if softcap < 0:
         raise ValueError(f"softcap must be a float >= 0 (0.0 = off); got {softcap!r}")
     return {
         "scale": softmax_scale,
-        "window": None if window_size is None else tuple(window_size),
+        "window": _window(window_size, seqlen_k),
         "softcap": softcap if softcap > 0 else None,
     }
+
+
+def _window(window_size, seqlen_k):
+    """FlashAttention's adjustment before its kernels: a side >= seqlen_k (the key length of
+    the call, the cache's for flash_attn_with_kvcache) is unbounded (-1). On the right this
+    differs from fastpe.attention when seqlen_q > seqlen_k; in flash_attn_with_kvcache a window
+    wider than the cache on both sides is no window, so rotary queries sit at cache_seqlens."""
+    window = check_window(window_size, name="window_size")
+    if window is None or seqlen_k is None:
+        return window
+    return tuple(-1 if side >= seqlen_k else side for side in window)
+
+
+def _seqlen(x, axis):
+    """``x.shape[axis]``, or None when ``x`` has too few dims (refused later, by name)."""
+    shape = _arrays.as_array(x).shape
+    return shape[axis] if len(shape) > axis else None
 
 
 def _bhsd(x):
@@ -71,7 +100,9 @@ def flash_attn_func(
     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
 ):  # fmt: skip
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, Hq, D]."""
-    options = _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs)
+    options = _options(
+        dropout_p, softmax_scale, window_size, softcap, return_attn_probs, _seqlen(k, 1)
+    )
     out = attention(
         _bhsd(q), _bhsd(k), _bhsd(v), causal=causal, causal_alignment="bottom_right",
         alibi_slopes=alibi_slopes, **options,
@@ -119,7 +150,10 @@ def flash_attn_varlen_func(
 ):  # fmt: skip
     """q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens int32 [B + 1] -> out
     [total_q, Hq, D]."""
-    options = _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs)
+    seqlen_k = check_int("max_seqlen_k", max_seqlen_k) if is_int_scalar(max_seqlen_k) else None
+    options = _options(
+        dropout_p, softmax_scale, window_size, softcap, return_attn_probs, seqlen_k
+    )
     if block_table is not None:
         raise ValueError(
             "block_table in flash_attn_varlen_func (paged keys for packed queries) is not "
@@ -170,15 +204,19 @@ def flash_attn_with_kvcache(
     [B, max_blocks], [num_blocks, block_size, Hkv, D]; k/v [B, S_new, Hkv, D] are appended
     into the caches in place at cache_seqlens (see fastpe.attention_kvcache). Returns out
     [B, Sq, Hq, D] (and lse [B, Hq, Sq] with return_softmax_lse)."""
-    options = _options(0.0, softmax_scale, window_size, softcap, False)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad is not supported; pass caches that start at position 0")
-    if cache_seqlens is None:  # FlashAttention: the whole cache is valid
-        width = _arrays.as_array(k_cache).shape[1]
-        cache_seqlens = width * (
-            1 if block_table is None else _arrays.as_array(block_table).shape[1]
-        )
-        cache_seqlens -= 0 if k is None else _arrays.as_array(k).shape[1]
+    width, pages = _seqlen(k_cache, 1), 1 if block_table is None else _seqlen(block_table, 1)
+    capacity = None if width is None or pages is None else width * pages
+    options = _options(0.0, softmax_scale, window_size, softcap, False, capacity)
+    if cache_seqlens is None:
+        if k is not None or v is not None:
+            # FlashAttention refuses this too: where the new tokens go is not defined
+            raise ValueError(
+                "cache_seqlens is required when k/v are appended (an int or an int [B] of "
+                "the tokens already in each cache row); got cache_seqlens=None"
+            )
+        cache_seqlens = capacity  # FlashAttention: the whole cache is valid
     return attention_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import fastpe
+from fastpe._validate import MAX_POSITION, check_int
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -32,6 +33,8 @@ class SinusoidalPositionalEmbedding(nn.Module):
                  dtype=torch.float32, device=None):  # fmt: skip
         super().__init__()
         self.dim, self.base, self.layout, self.freq = dim, base, layout, freq
+        # named here: the table op would report it as its own num_positions
+        max_positions = check_int("max_positions", max_positions, minimum=0, maximum=MAX_POSITION)
         table = fastpe.sinusoidal_table(max_positions, dim, base=base, layout=layout, freq=freq,
                                         dtype=dtype, device=device or "cpu")  # fmt: skip
         self.register_buffer("table", table, persistent=False)
@@ -104,7 +107,9 @@ class RotaryEmbedding(nn.Module):
         )
         self._device = torch.device(device or "cpu")
         self._cached_len = 0
-        self._build(max_position_embeddings)
+        # named here: the table op would report it as its own num_positions
+        self._build(check_int("max_position_embeddings", max_position_embeddings, minimum=0,
+                              maximum=MAX_POSITION))  # fmt: skip
 
     @classmethod
     def from_config(cls, config, device=None) -> RotaryEmbedding:

@@ -71,7 +71,7 @@ def relative_transform(k: int, dim: int, base: float, freq: str, layout: str) ->
     [sin ω(p+k)]   [ cos ωk  sin ωk] [sin ωp]
     [cos ω(p+k)] = [-sin ωk  cos ωk] [cos ωp]
     """
-    omega_k = sinusoidal_frequencies(dim, base, freq) * k
+    omega_k = angles(np.array(k), sinusoidal_frequencies(dim, base, freq))  # reduced exactly
     c, s = np.cos(omega_k), np.sin(omega_k)
     t = np.zeros((dim, dim), dtype=np.float64)
     half = dim // 2

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from fastpe._validate import check_float, check_int
+from fastpe._validate import MAX_DIM, check_float, check_int
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -267,7 +267,7 @@ def rope_inv_freq(rotary_dim, *, base=DEFAULT_BASE, scaling=None, seq_len=None):
     ``max_position_embeddings`` is accepted for every type (it is the model's context length)
     and used by dynamic, and by yarn/longrope/llama3 where their own keys are absent.
     """
-    rotary_dim = check_int("rotary_dim", rotary_dim, minimum=2)
+    rotary_dim = check_int("rotary_dim", rotary_dim, minimum=2, maximum=MAX_DIM)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (pairs of elements rotate); got {rotary_dim}")
     base = check_float("base", base, positive=True)

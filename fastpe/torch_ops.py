@@ -35,7 +35,7 @@ from fastpe._inputs import (
     check_window,
 )
 from fastpe._options import RelativeBias, Rope
-from fastpe._validate import check_bool, check_float
+from fastpe._validate import check_bool, check_float, check_int, check_position
 
 _SECOND_DERIVATIVE = (
     "fastpe computes first-order gradients of attention, not second derivatives (double "
@@ -507,8 +507,8 @@ def _rope_to_schema(rope, device) -> tuple:
     if rope is None:
         return None, None, False, None, None, None, None
     Rope.check_keys(rope)
-    q_positions = _split_positions(rope.get("q_positions"), device)
-    k_positions = _split_positions(rope.get("k_positions"), device)
+    q_positions = _split_positions(rope.get("q_positions"), device, "rope['q_positions']")
+    k_positions = _split_positions(rope.get("k_positions"), device, "rope['k_positions']")
     return (rope.get("cos"), rope.get("sin"), rope.get("interleaved", False), *q_positions,
             *k_positions)  # fmt: skip
 
@@ -531,8 +531,11 @@ def _relative_bias_to_schema(relative_bias) -> tuple:
     if relative_bias is not None:
         RelativeBias.check_keys(relative_bias)
     bias = relative_bias or {}
-    return (bias.get("table"),
-            *(_plain(bias.get(key, defaults[key])) for key in RelativeBias._fields[1:]))  # fmt: skip
+    num_buckets, max_distance, bidirectional = (
+        bias.get(key, defaults[key]) for key in RelativeBias._fields[1:]
+    )
+    return (bias.get("table"), _schema_int("relative_bias['num_buckets']", num_buckets),
+            _schema_int("relative_bias['max_distance']", max_distance), _plain(bidirectional))  # fmt: skip
 
 
 def _relative_bias_from_schema(table, num_buckets, max_distance, bidirectional):
@@ -604,21 +607,35 @@ torch.library.register_autograd(
 
 
 def _plain(value):
-    """NumPy scalars -> Python scalars (the schema takes int/float/bool, not np.int64)."""
-    return value.item() if isinstance(value, np.generic) else value
+    """NumPy scalars and 0-dim arrays -> Python scalars (the schema takes int/float/bool, not
+    np.int64; the eager path reads a 0-dim integer array as an int too)."""
+    if isinstance(value, np.generic) or isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    return value
 
 
-def _split_positions(positions, device) -> tuple[Tensor | None, int | None]:
+def _schema_int(name: str, value) -> int:
+    """An integer argument checked by name before it enters an int64 schema argument, for
+    which torch's own error would name the schema's argument, not the caller's."""
+    value = check_int(name, value)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} must lie in the int64 range [-2**63, 2**63); got {value}")
+    return value
+
+
+def _split_positions(positions, device, name="positions") -> tuple[Tensor | None, int | None]:
     """Public ``positions`` (None | int | int array or list) -> (tensor or None, offset or None),
     the same values the eager path accepts."""
     positions = _plain(positions)
     if positions is None or isinstance(positions, int):
+        if positions is not None:  # the eager check, before int64 must hold it
+            check_position(name, positions)
         return None, positions
     if isinstance(positions, (list, tuple)):  # as eagerly: a list takes the tensors' device
         positions = torch.as_tensor(positions, device=device)
     if not isinstance(positions, Tensor):
         raise TypeError(
-            "all arrays must be NumPy arrays or all torch tensors on one device; got positions: "
+            f"all arrays must be NumPy arrays or all torch tensors on one device; got {name}: "
             f"{type(positions).__name__} with torch tensors"
         )
     return positions, None
@@ -950,6 +967,12 @@ def _varlen_positions(name: str, positions, device) -> Tensor | None:
     )
 
 
+def _max_seqlen(name, value):
+    """A bound the schema's int64 can carry: the record stores at most the packed total, so a
+    bound past 2**62 means the same as 2**62 (the eager path accepts any such bound)."""
+    return None if value is None else min(check_int(name, value, minimum=0), 2**62)
+
+
 def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
                           causal, causal_alignment, scale, rope, alibi_slopes, window, softcap,
                           sinks, return_lse, backend):  # fmt: skip
@@ -960,7 +983,8 @@ def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
         Rope.check_keys(rope)
     rope = rope or {}
     out, lse = attention_varlen_op(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, _plain(max_seqlen_q), _plain(max_seqlen_k),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, _max_seqlen("max_seqlen_q", max_seqlen_q),
+        _max_seqlen("max_seqlen_k", max_seqlen_k),
         check_bool("causal", causal), causal_alignment, None if scale is None else float(scale),
         rope.get("cos"), rope.get("sin"),
         check_bool("rope['interleaved']", rope.get("interleaved", False)),
@@ -1016,6 +1040,8 @@ def call_attention_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_ta
     window = check_window(window) or (-1, -1)
     softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
     cache_seqlens = _plain(cache_seqlens)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = _schema_int("cache_seqlens", cache_seqlens)
     length = cache_seqlens if isinstance(cache_seqlens, int) else 0
     lengths, block_table, cache_batch_idx = (
         torch.as_tensor(x, device=q.device) if isinstance(x, (list, tuple)) else x

@@ -365,6 +365,8 @@ CASES_2 = [
         softcap=3.0,
     ),  # fmt: skip
     _case("window_both_sides", seqs=[7, 17], window=(3, 6), softcap=2.0, hkv=1),
+    # a window wider than rank 0's shard but not than the sequence
+    _case("window_wider_than_a_shard", causal=True, seqs=[4, 20], window=(9, 0)),
     _case(
         "window_all_gather",
         fn="all_gather",

@@ -43,6 +43,7 @@ transformers whose loader differs; tests/test_transformers_cb.py pins it.
 from __future__ import annotations
 
 import fastpe
+from fastpe._validate import is_int_scalar
 from fastpe.flash_attn import _options as _flash_options
 
 
@@ -321,10 +322,11 @@ def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, m
                        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, s_aux=None):  # fmt: skip
     """FlashAttention's varlen call as transformers makes it: q [total_q, Hq, D], k/v
-    [total_k, Hkv, D]."""
+    [total_k, Hkv, D]. The window is adjusted against max_seqlen_k, as FlashAttention does."""
     if _warm_on_first_use:
         _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
-    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False)
+    seqlen_k = max_seqlen_k if is_int_scalar(max_seqlen_k) else None  # None: checked later
+    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False, seqlen_k)
     return fastpe.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         causal=causal, causal_alignment="bottom_right", sinks=s_aux, **options,
@@ -333,10 +335,11 @@ def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, m
 
 def _flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                 softcap=0.0, s_aux=None):  # fmt: skip
-    """FlashAttention's dense call: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]."""
+    """FlashAttention's dense call: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (the window adjusted
+    against Sk, as FlashAttention does)."""
     if _warm_on_first_use:
         _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
-    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False)
+    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False, k.shape[1])
     out = fastpe.attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
         causal_alignment="bottom_right", sinks=s_aux, **options,
