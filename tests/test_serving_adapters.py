@@ -127,8 +127,10 @@ def test_flash_attn_with_kvcache_s_aux(backend, paged, rng):
     else:
         table = None
         k_cache, v_cache = tensors(rng, batch, 8, hkv, d), tensors(rng, batch, 8, hkv, d)
-    q, k, v = tensors(rng, batch, sq, hq, d), tensors(rng, batch, new, hkv, d), tensors(
-        rng, batch, new, hkv, d
+    q, k, v = (
+        tensors(rng, batch, sq, hq, d),
+        tensors(rng, batch, new, hkv, d),
+        tensors(rng, batch, new, hkv, d),
     )
     s_aux = sinks(rng, hq)
 

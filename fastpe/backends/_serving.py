@@ -102,7 +102,6 @@ def write_new_tokens(inp, k_cache, v_cache, k_new, v_new) -> None:
             cache[block, offset] = new
 
 
-
 class PagedArguments(NamedTuple):
     """The arguments of every backend's paged kernel. Sequence b's queries are rows
     ``q_start[b] : q_start[b] + q_len[b]`` of ``q``; its key j is row
@@ -153,6 +152,16 @@ class ServingArrays:
     def output(self, x, dtype: str):
         """A kernel result as the caller's array type, on its device, in ``dtype``."""
         raise NotImplementedError
+
+
+class ServingImplementation:
+    """A backend's ``attention_varlen`` and ``attention_kvcache`` (mixed in before its
+    Implementation base): ``run`` is this layer with the backend's ``serving_arrays`` hooks."""
+
+    serving_arrays: type[ServingArrays]
+
+    def run(self, inp):
+        return run(inp, self.serving_arrays(inp))
 
 
 def rotate_then_append(inp, arrays: ServingArrays, q, k_cache, v_cache):

@@ -360,18 +360,16 @@ class _ServingArrays(_serving.ServingArrays):
         return from_host(np.ascontiguousarray(x), self.inp.placement, dtype)
 
 
-class AttentionVarlen(_Numba):
+class _Serving(_serving.ServingImplementation, _Numba):
+    serving_arrays = _ServingArrays
+
+
+class AttentionVarlen(_Serving):
     op = "attention_varlen"
 
-    def run(self, inp):
-        return _serving.run(inp, _ServingArrays(inp))
 
-
-class AttentionKVCache(_Numba):
+class AttentionKVCache(_Serving):
     op = "attention_kvcache"
-
-    def run(self, inp):
-        return _serving.run(inp, _ServingArrays(inp))
 
 
 IMPLEMENTATIONS = (

@@ -267,18 +267,16 @@ def _take_rows(rows, index):
     return rows[index]
 
 
-class AttentionVarlen(_Numpy):
+class _Serving(_serving.ServingImplementation, _Numpy):
+    serving_arrays = _ServingArrays
+
+
+class AttentionVarlen(_Serving):
     op = "attention_varlen"
 
-    def run(self, inp):
-        return _serving.run(inp, _ServingArrays(inp))
 
-
-class AttentionKVCache(_Numpy):
+class AttentionKVCache(_Serving):
     op = "attention_kvcache"
-
-    def run(self, inp):
-        return _serving.run(inp, _ServingArrays(inp))
 
 
 IMPLEMENTATIONS = (

@@ -323,34 +323,26 @@ class _ServingArrays(_serving.ServingArrays):
         return x  # already the caller's tensors, in their dtype (lse float32)
 
 
-class AttentionVarlen(_Triton):
-    op = "attention_varlen"
+class _Serving(_serving.ServingImplementation, _Triton):
+    serving_arrays = _ServingArrays
     max_head_dim = Attention.max_head_dim
 
     def extra_reasons(self, inp):
-        d, dv = inp.q.shape[2], inp.v.shape[2]
+        v = inp.v_cache if inp.op == "attention_kvcache" else inp.v  # k/v may be absent there
+        d, dv = inp.q.shape[-1], v.shape[-1]
         if max(d, dv) > self.max_head_dim:
             return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
         return []
 
-    def run(self, inp):
-        return _serving.run(inp, _ServingArrays(inp))
+
+class AttentionVarlen(_Serving):
+    op = "attention_varlen"
 
 
-class AttentionKVCache(_Triton):
+class AttentionKVCache(_Serving):
     """Paged and contiguous caches through one kernel reading keys via the page table."""
 
     op = "attention_kvcache"
-    max_head_dim = Attention.max_head_dim
-
-    def extra_reasons(self, inp):
-        d, dv = inp.q.shape[3], inp.v_cache.shape[3]
-        if max(d, dv) > self.max_head_dim:
-            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
-        return []
-
-    def run(self, inp):
-        return _serving.run(inp, _ServingArrays(inp))
 
 
 IMPLEMENTATIONS = (
