@@ -595,12 +595,12 @@ def check_window(window, *, span: int | None = None, name: str = "window"):
     return None if (left, right) == (-1, -1) else (left, right)
 
 
-def _check_sinks(sinks, heads: int):
-    """[Hq] float, finite."""
-    sinks = check_float_array("sinks", sinks)
+def _check_sinks(sinks, heads: int, name: str = "sinks"):
+    """[Hq] float, finite; errors name ``name`` (fastpe.flash_attn's ``s_aux``)."""
+    sinks = check_float_array(name, sinks)
     if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape [Hq] = [{heads}]; got {tuple(sinks.shape)}")
-    check_finite("sinks", sinks)
+        raise ValueError(f"{name} must have shape [Hq] = [{heads}]; got {tuple(sinks.shape)}")
+    check_finite(name, sinks)
     return sinks
 
 

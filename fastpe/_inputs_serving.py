@@ -37,7 +37,7 @@ from fastpe._validate import (
     check_same_placement,
     is_int_scalar,
 )
-from fastpe.backends._kvcache import rows_per_block
+from fastpe.backends._serving import rows_per_block
 
 
 def _host_ints(name: str, x, *, ndim: int) -> np.ndarray:
@@ -291,7 +291,7 @@ class AttentionKVCacheInputs(_Inputs):
     cache_seqlens: np.ndarray  # host int64 [B]: keys already in the cache
     page_table: np.ndarray  # host int64 [B, pages]
     page_size: int
-    rows_per_block: int  # block stride in rows of the caches' row views (backends/_kvcache.py)
+    rows_per_block: int  # block stride in rows of the caches' row views (backends/_serving.py)
     paged: bool
     rotary: tuple | None  # (cos, sin, interleaved)
     q_positions: np.ndarray | None  # host int64 [B, Sq] rows of the rotary tables

@@ -8,7 +8,13 @@ seqlen_k is unbounded: k's length, max_seqlen_k, or the cache's length in
 ``flash_attn_with_kvcache``, where a window wider than the cache on both sides is thus no window
 and rotary queries sit at cache_seqlens unless causal; entries may be 0-dim integer tensors),
 ``softcap=0.0`` off (NaN and negative values refused), ``alibi_slopes`` [H] or
-[B, H], GQA/MQA through fewer k/v heads. The backend is fastpe's choice (``fastpe.use_backend``
+[B, H], GQA/MQA through fewer k/v heads.
+
+One keyword FlashAttention 2 lacks: ``s_aux`` (keyword only, every function), attention sinks
+as transformers passes them to FlashAttention implementations for gpt-oss — one float logit per
+query head [Hq] that joins every row's softmax denominator, ``exp(s_aux[h])`` added to the sum
+of ``exp(score)`` and no value; it is ``fastpe.attention``'s ``sinks``, and it gets a gradient
+where the call has a backward. The backend is fastpe's choice (``fastpe.use_backend``
 or $FASTPE_BACKEND pick one). Gradients flow through ``flash_attn_func`` and the varlen
 functions (``attention`` / ``attention_varlen`` have backwards); ``flash_attn_with_kvcache`` is
 forward only (it compiles; inputs that require grad are refused).
@@ -25,7 +31,7 @@ the kernels).
 from __future__ import annotations
 
 from fastpe import _arrays
-from fastpe._inputs import check_window
+from fastpe._inputs import _check_sinks, check_window
 from fastpe._validate import check_float, check_int, is_int_scalar
 from fastpe.api import attention, attention_kvcache, attention_varlen
 
@@ -76,6 +82,15 @@ def _window(window_size, seqlen_k):
     return tuple(-1 if side >= seqlen_k else side for side in window)
 
 
+def _sinks(s_aux, q, ndim):
+    """``s_aux`` as fastpe's ``sinks``: checked here so that errors name s_aux (against q's
+    heads when q has its ``ndim`` dims; a q of other dims is refused later, by name)."""
+    if s_aux is None:
+        return None
+    shape = _arrays.as_array(q).shape
+    return _check_sinks(s_aux, shape[-2], "s_aux") if len(shape) == ndim else s_aux
+
+
 def _seqlen(x, axis):
     """``x.shape[axis]``, or None when ``x`` has too few dims (refused later, by name)."""
     shape = _arrays.as_array(x).shape
@@ -97,7 +112,7 @@ def _contiguous(x):
 
 def flash_attn_func(
     q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
 ):  # fmt: skip
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, Hq, D]."""
     options = _options(
@@ -105,31 +120,31 @@ def flash_attn_func(
     )
     out = attention(
         _bhsd(q), _bhsd(k), _bhsd(v), causal=causal, causal_alignment="bottom_right",
-        alibi_slopes=alibi_slopes, **options,
+        alibi_slopes=alibi_slopes, sinks=_sinks(s_aux, q, 4), **options,
     )  # fmt: skip
     return _contiguous(_bhsd(out))
 
 
 def flash_attn_qkvpacked_func(
     qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
 ):  # fmt: skip
     """qkv [B, S, 3, H, D] -> out [B, S, H, D]."""
     qkv = _packed("qkv", qkv, 3, ndim=5)
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs)  # fmt: skip
+                           return_attn_probs, s_aux=s_aux)  # fmt: skip
 
 
 def flash_attn_kvpacked_func(
     q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
 ):  # fmt: skip
     """q [B, Sq, Hq, D], kv [B, Sk, 2, Hkv, D] -> out [B, Sq, Hq, D]."""
     kv = _packed("kv", kv, 2, ndim=5)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs)  # fmt: skip
+                           return_attn_probs, s_aux=s_aux)  # fmt: skip
 
 
 def _packed(name, x, count, *, ndim):
@@ -146,7 +161,7 @@ def _packed(name, x, count, *, ndim):
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    deterministic=False, return_attn_probs=False, block_table=None,
+    deterministic=False, return_attn_probs=False, block_table=None, *, s_aux=None,
 ):  # fmt: skip
     """q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens int32 [B + 1] -> out
     [total_q, Hq, D]."""
@@ -162,35 +177,35 @@ def flash_attn_varlen_func(
     return attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment="bottom_right",
-        alibi_slopes=alibi_slopes, **options,
+        alibi_slopes=alibi_slopes, sinks=_sinks(s_aux, q, 3), **options,
     )  # fmt: skip
 
 
 def flash_attn_varlen_qkvpacked_func(
     qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False,
+    return_attn_probs=False, *, s_aux=None,
 ):  # fmt: skip
     """qkv [total, 3, H, D] -> out [total, H, D]."""
     qkv = _packed("qkv", qkv, 3, ndim=4)
     return flash_attn_varlen_func(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs,
+        return_attn_probs, s_aux=s_aux,
     )  # fmt: skip
 
 
 def flash_attn_varlen_kvpacked_func(
     q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    deterministic=False, return_attn_probs=False,
+    deterministic=False, return_attn_probs=False, *, s_aux=None,
 ):  # fmt: skip
     """q [total_q, Hq, D], kv [total_k, 2, Hkv, D] -> out [total_q, Hq, D]."""
     kv = _packed("kv", kv, 2, ndim=4)
     return flash_attn_varlen_func(
         q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs,
+        return_attn_probs, s_aux=s_aux,
     )  # fmt: skip
 
 
@@ -198,7 +213,7 @@ def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
     causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-    num_splits=0, return_softmax_lse=False,
+    num_splits=0, return_softmax_lse=False, *, s_aux=None,
 ):  # fmt: skip
     """q [B, Sq, Hq, D]; k_cache/v_cache [B_cache, S_cache, Hkv, D] or, with block_table
     [B, max_blocks], [num_blocks, block_size, Hkv, D]; k/v [B, S_new, Hkv, D] are appended
@@ -221,5 +236,5 @@ def flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, causal=causal, alibi_slopes=alibi_slopes,
-        return_lse=return_softmax_lse, **options,
+        sinks=_sinks(s_aux, q, 4), return_lse=return_softmax_lse, **options,
     )  # fmt: skip

@@ -74,7 +74,7 @@ def test_generate_batch_runs_fastpe_and_matches_builtin(model_and_prompts, refer
         calls.append((cu_q.diff().tolist(), cu_k.diff().tolist()))
         return original(q, k, v, cu_q, cu_k, **kwargs)
 
-    monkeypatch.setattr(fastpe, "attention_varlen", spy)
+    monkeypatch.setattr(fastpe.flash_attn, "attention_varlen", spy)
     tokens, logprobs = _generate_batch(model, prompts, fastpe_hf.register_flash())
     for impl, (ref_tokens, ref_logprobs) in reference_runs.items():
         assert tokens == ref_tokens, impl
@@ -117,7 +117,7 @@ def test_flash_name_forward_with_padding_matches_sdpa(model_and_prompts, monkeyp
     calls = []
     original = fastpe.attention_varlen
     monkeypatch.setattr(
-        fastpe, "attention_varlen", lambda *a, **k: calls.append(1) or original(*a, **k)
+        fastpe.flash_attn, "attention_varlen", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
     lengths = [len(p) for p in prompts[:3]]
     width = max(lengths)
@@ -142,7 +142,9 @@ def test_flash_name_forward_without_padding_matches_sdpa(model_and_prompts, monk
     ids = torch.tensor([prompts[1][:20], prompts[4][:20]])
     calls = []
     original = fastpe.attention
-    monkeypatch.setattr(fastpe, "attention", lambda *a, **k: calls.append(k) or original(*a, **k))
+    monkeypatch.setattr(
+        fastpe.flash_attn, "attention", lambda *a, **k: calls.append(k) or original(*a, **k)
+    )
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         expected = model(input_ids=ids).logits
@@ -217,7 +219,7 @@ def test_generate_batch_windows_softcap_sinks_match_eager_alone(family, monkeypa
         calls.append(kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fastpe, "attention_varlen", spy)
+    monkeypatch.setattr(fastpe.flash_attn, "attention_varlen", spy)
     tokens, _ = _generate_batch(model, prompts, name)
     assert tokens == alone
     assert any(c["window"] not in (None, (-1, -1)) for c in calls)  # the window really cut

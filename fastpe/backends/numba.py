@@ -15,6 +15,7 @@ import numpy as np
 
 from fastpe import _arrays, reference
 from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
+from fastpe.backends import _serving
 from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
 
 NAME = "numba"
@@ -312,85 +313,63 @@ class MergeAttentionBackward(_Numba):
         return tuple(results)
 
 
-def _rotated_packed(x, rope, positions, cos, sin):
-    """Packed x [T, H, D] (or its half bits) rotated at one position per token; half inputs
-    rotate into float32 (as Attention does: no rounding back to half before the scores)."""
-    from fastpe.kernels.numba.apply_rope import apply_rope_numba
+class _ServingArrays(_serving.ServingArrays):
+    """Host arrays for the CPU kernels: CPU tensors and caches come back from to_host_bits as
+    views of the caller's memory (half types as their bits, widened by the kernels as they
+    read), so the append writes the caller's caches."""
 
-    wide = x.dtype in (np.uint16, np.int16)
-    return apply_rope_numba(
-        x[None], cos, sin, positions[None], interleaved=rope.interleaved, layout="bshd",
-        out=np.empty((1, *x.shape), np.float32) if wide else None,
-    )[0]  # fmt: skip
+    def __init__(self, inp):
+        super().__init__(inp)
+        self.dtype = compute_dtype(inp.dtype)
+
+    def load(self, x):
+        return to_host_bits(x, self.dtype)
+
+    view = load
+
+    def tables(self, cos, sin):
+        return to_host(cos, self.dtype), to_host(sin, self.dtype)
+
+    def rotate(self, x, cos, sin, positions, interleaved, *, store):
+        from fastpe.kernels.numba.apply_rope import apply_rope_numba
+
+        # keys to store are rounded to the cache's dtype (half bits stay bits); half keys and
+        # queries only read rotate into float32, as Attention does: rounding them back to half
+        # before the scores would add an error the float32 path does not have
+        wide = not store and x.dtype in (np.uint16, np.int16)
+        return apply_rope_numba(
+            x, cos, sin, positions, interleaved=interleaved, layout="bshd",
+            out=np.empty(x.shape, np.float32) if wide else None,
+        )  # fmt: skip
+
+    def attend(self, args):
+        from fastpe.kernels.numba.attention_paged import attention_paged_numba
+
+        inp = self.inp
+        return attention_paged_numba(
+            args.q, args.k, args.v, q_start=args.q_start, q_len=args.q_len, k_len=args.k_len,
+            page_start=args.page_start, page_size=args.page_size, scale=inp.scale,
+            causal=inp.causal, bottom_right=args.bottom_right,
+            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
+            window=inp.window, softcap=inp.softcap,
+            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
+        )  # fmt: skip
+
+    def output(self, x, dtype):
+        # a KV cache's lse arrives transposed to [B, Hq, Sq]: returned contiguous
+        return from_host(np.ascontiguousarray(x), self.inp.placement, dtype)
 
 
-class AttentionVarlen(_Numba):
+class _Serving(_serving.ServingImplementation, _Numba):
+    serving_arrays = _ServingArrays
+
+
+class AttentionVarlen(_Serving):
     op = "attention_varlen"
 
-    def run(self, inp):
-        from fastpe.kernels.numba.attention_paged import attention_paged_numba
 
-        dtype = compute_dtype(inp.dtype)
-        q, k, v = (to_host_bits(t, dtype) for t in (inp.q, inp.k, inp.v))
-        if inp.rope is not None:
-            cos, sin = to_host(inp.rope.cos, dtype), to_host(inp.rope.sin, dtype)
-            q = _rotated_packed(q, inp.rope, inp.rope.q_positions, cos, sin)
-            k = _rotated_packed(k, inp.rope, inp.rope.k_positions, cos, sin)
-        out, lse = attention_paged_numba(
-            q, k, v, q_start=inp.cu_q[:-1], q_len=inp.q_lengths, k_len=inp.k_lengths,
-            page_start=inp.cu_k[:-1, None], page_size=max(inp.max_seqlen_k, 1),
-            scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right,
-            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
-            window=inp.window, softcap=inp.softcap,
-            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
-        )  # fmt: skip
-        out = from_host(out, inp.placement, inp.dtype)
-        return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
-
-
-class AttentionKVCache(_Numba):
+class AttentionKVCache(_Serving):
     op = "attention_kvcache"
-
-    def run(self, inp):
-        from fastpe.backends._kvcache import cache_rows, write_new_tokens
-        from fastpe.kernels.numba.apply_rope import apply_rope_numba
-        from fastpe.kernels.numba.attention_paged import attention_paged_numba
-
-        batch, sq, hq, d = inp.q.shape
-        dv = inp.v_cache.shape[3]
-        dtype = compute_dtype(inp.dtype)
-        # CPU caches come back as views of the caller's memory (half types as their bits)
-        q, k_cache, v_cache = (to_host_bits(t, dtype) for t in (inp.q, inp.k_cache, inp.v_cache))
-        if inp.k is not None:
-            k_new, v_new = to_host_bits(inp.k, dtype), to_host_bits(inp.v, dtype)
-            if inp.rotary is not None:
-                cos, sin, interleaved = inp.rotary
-                cos, sin = to_host(cos, dtype), to_host(sin, dtype)
-                # keys are stored rotated and rounded to the cache's dtype (half bits stay bits)
-                k_new = apply_rope_numba(k_new, cos, sin, inp.k_positions,
-                                         interleaved=interleaved, layout="bshd")  # fmt: skip
-                wide = q.dtype in (np.uint16, np.int16)
-                q = apply_rope_numba(q, cos, sin, inp.q_positions, interleaved=interleaved,
-                                     layout="bshd",
-                                     out=np.empty(q.shape, np.float32) if wide else None)  # fmt: skip
-            write_new_tokens(inp, k_cache, v_cache, k_new, v_new)
-        # the caches are read in place through row views, whatever their strides
-        k_rows, v_rows, page_start = cache_rows(inp, k_cache, v_cache)
-        out, lse = attention_paged_numba(
-            q.reshape(batch * sq, hq, d), k_rows, v_rows,
-            q_start=np.arange(batch, dtype=np.int64) * sq, q_len=np.full(batch, sq, np.int64),
-            k_len=inp.seqlens, page_start=page_start,
-            page_size=inp.page_size, scale=inp.scale, causal=inp.causal, bottom_right=True,
-            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
-            window=inp.window, softcap=inp.softcap,
-            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
-        )  # fmt: skip
-        # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
-        out = from_host(out.reshape(batch, sq, hq, dv), inp.placement, inp.dtype)
-        if not inp.return_lse:
-            return out
-        lse = np.ascontiguousarray(lse.reshape(hq, batch, sq).transpose(1, 0, 2))
-        return out, from_host(lse, inp.placement, "float32")
 
 
 IMPLEMENTATIONS = (

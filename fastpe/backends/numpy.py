@@ -12,6 +12,7 @@ import numpy as np
 
 from fastpe import _arrays, reference
 from fastpe._arrays import from_float64, to_float64
+from fastpe.backends import _serving
 from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
 
 NAME = "numpy"
@@ -214,82 +215,49 @@ class MergeAttentionBackward(_Numpy):
         )
 
 
-def _rotated_packed(x, rope, positions):
-    """Packed x [T, H, D] rotated at one position per token (float64)."""
-    cos, sin = to_float64(rope.cos), to_float64(rope.sin)
-    rotated = reference.apply_rope(
-        x.transpose(1, 0, 2)[None], cos, sin, positions[None], rope.interleaved
-    )
-    return rotated[0].transpose(1, 0, 2)
+class _ServingArrays(_serving.ServingArrays):
+    """Float64 copies for the reference; a cache's keys are gathered through its row views and
+    widened only where a sequence reads them (widening whole caches would copy every block of
+    a large cache per call)."""
 
+    def load(self, x):
+        return to_float64(x)
 
-class AttentionVarlen(_Numpy):
-    op = "attention_varlen"
+    def view(self, x):
+        return x  # the caller's own caches (arrays or tensors), written in place
 
-    def run(self, inp):
-        q, k, v = to_float64(inp.q), to_float64(inp.k), to_float64(inp.v)
-        if inp.rope is not None:
-            q = _rotated_packed(q, inp.rope, inp.rope.q_positions)
-            k = _rotated_packed(k, inp.rope, inp.rope.k_positions)
-        out, lse = reference.attention_varlen(
-            q, k, v, inp.cu_q, inp.cu_k, scale=inp.scale, causal=inp.causal,
-            bottom_right=inp.bottom_right,
-            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
-            window=inp.window, softcap=inp.softcap,
-            sinks=None if inp.sinks is None else to_float64(inp.sinks),
-        )  # fmt: skip
-        out = from_float64(out, inp.placement, inp.dtype)
-        return (out, from_float64(lse, inp.placement, "float32")) if inp.return_lse else out
+    def tables(self, cos, sin):
+        return to_float64(cos), to_float64(sin)
 
+    def rotate(self, x, cos, sin, positions, interleaved, *, store):
+        rotated = reference.apply_rope(
+            to_float64(x).transpose(0, 2, 1, 3), cos, sin, positions, interleaved
+        ).transpose(0, 2, 1, 3)
+        # stored in the cache's dtype first, then read back: what later steps will see
+        return from_float64(rotated, self.inp.placement, self.inp.dtype) if store else rotated
 
-class AttentionKVCache(_Numpy):
-    op = "attention_kvcache"
-
-    def run(self, inp):
-        from fastpe.backends._kvcache import cache_rows, write_new_tokens
-
-        batch, sq, hq, d = inp.q.shape
-        q = to_float64(inp.q)
-        if inp.k is not None:
-            k_new = to_float64(inp.k)
-            if inp.rotary is not None:
-                cos, sin, interleaved = inp.rotary
-                cos, sin = to_float64(cos), to_float64(sin)
-                k_new = reference.apply_rope(
-                    k_new.transpose(0, 2, 1, 3), cos, sin, inp.k_positions, interleaved
-                ).transpose(0, 2, 1, 3)
-                q = reference.apply_rope(
-                    q.transpose(0, 2, 1, 3), cos, sin, inp.q_positions, interleaved
-                ).transpose(0, 2, 1, 3)
-            # stored in the cache's dtype first, then read back: what later steps will see
-            write_new_tokens(
-                inp, inp.k_cache, inp.v_cache, from_float64(k_new, inp.placement, inp.dtype), inp.v
-            )
-        # only the keys read are gathered, through row views of the caches' memory, then
-        # widened: converting whole caches would copy every block of a large cache per call
-        k_rows, v_rows, page_start = cache_rows(inp, inp.k_cache, inp.v_cache)
-        lengths = inp.seqlens
+    def attend(self, args):
+        inp = self.inp
         index = np.concatenate(
             [np.zeros(0, np.int64)]
-            + [page_start[b, j // inp.page_size] + j % inp.page_size
-               for b, j in enumerate(np.arange(n) for n in lengths)]
+            + [args.page_start[b, j // args.page_size] + j % args.page_size
+               for b, j in enumerate(np.arange(n) for n in args.k_len)]
         )  # fmt: skip
-        k, v = (to_float64(_take_rows(rows, index)) for rows in (k_rows, v_rows))
-        cu_k = np.concatenate([[0], np.cumsum(lengths)])
-        out, lse = reference.attention_varlen(
-            q.reshape(batch * sq, hq, d), k, v, np.arange(batch + 1) * sq, cu_k,
-            scale=inp.scale, causal=inp.causal, bottom_right=True,
+        k, v = (to_float64(_take_rows(rows, index)) for rows in (args.k, args.v))
+        # the queries of one sequence follow those of the previous one (packed or [B, Sq])
+        ends = args.q_start + args.q_len
+        cu_q = np.concatenate([args.q_start[:1], ends]) if len(ends) else np.zeros(1, np.int64)
+        cu_k = np.concatenate([[0], np.cumsum(args.k_len)])
+        return reference.attention_varlen(
+            args.q, k, v, cu_q, cu_k, scale=inp.scale, causal=inp.causal,
+            bottom_right=args.bottom_right,
             alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
             window=inp.window, softcap=inp.softcap,
             sinks=None if inp.sinks is None else to_float64(inp.sinks),
         )  # fmt: skip
-        # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
-        out = out.reshape(batch, sq, hq, inp.v_cache.shape[3])
-        out = from_float64(out, inp.placement, inp.dtype)
-        if not inp.return_lse:
-            return out
-        lse = lse.reshape(hq, batch, sq).transpose(1, 0, 2)
-        return out, from_float64(lse, inp.placement, "float32")
+
+    def output(self, x, dtype):
+        return from_float64(x, self.inp.placement, dtype)
 
 
 def _take_rows(rows, index):
@@ -297,6 +265,18 @@ def _take_rows(rows, index):
     if _arrays.is_tensor(rows):
         return rows[sys.modules["torch"].from_numpy(index).to(rows.device)]
     return rows[index]
+
+
+class _Serving(_serving.ServingImplementation, _Numpy):
+    serving_arrays = _ServingArrays
+
+
+class AttentionVarlen(_Serving):
+    op = "attention_varlen"
+
+
+class AttentionKVCache(_Serving):
+    op = "attention_kvcache"
 
 
 IMPLEMENTATIONS = (

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from fastpe import reference
+from fastpe.backends import _serving
 from fastpe.backends.base import ALL_FLOAT, Implementation
 
 NAME = "triton"
@@ -281,100 +282,67 @@ def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class AttentionVarlen(_Triton):
-    op = "attention_varlen"
-    max_head_dim = Attention.max_head_dim
+class _ServingArrays(_serving.ServingArrays):
+    """Device tensors as they are; caches written and read in place."""
 
-    def extra_reasons(self, inp):
-        d, dv = inp.q.shape[2], inp.v.shape[2]
-        if max(d, dv) > self.max_head_dim:
-            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
-        return []
+    def load(self, x):
+        return x
 
-    def run(self, inp):
+    view = load
+
+    def tables(self, cos, sin):
+        return cos.contiguous(), sin.contiguous()
+
+    def rotate(self, x, cos, sin, positions, interleaved, *, store):
         from fastpe.kernels.triton.apply_rope import apply_rope_triton
+
+        (rotated,) = apply_rope_triton(
+            (x,), cos, sin, _host_int64(positions, x.device), 0, interleaved=interleaved,
+            layout="bshd", inplace=False,
+        )  # fmt: skip
+        # fp32 under the interpreter for bf16 (see low_precision_via_fp32)
+        return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+
+    def attend(self, args):
         from fastpe.kernels.triton.attention_paged import attention_paged_triton
 
-        device = inp.q.device
-        q, k = inp.q, inp.k
-        if inp.rope is not None:
-            rope = inp.rope
-            cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
-            kw = {"interleaved": rope.interleaved, "layout": "bshd", "inplace": False}
-            for name, positions in (("q", rope.q_positions), ("k", rope.k_positions)):
-                x = q if name == "q" else k
-                (rotated,) = apply_rope_triton((x[None],), cos, sin,
-                                               _host_int64(positions, device)[None], 0, **kw)  # fmt: skip
-                # fp32 under the interpreter for bf16 (see low_precision_via_fp32)
-                rotated = rotated[0] if rotated.dtype == x.dtype else rotated[0].to(x.dtype)
-                q, k = (rotated, k) if name == "q" else (q, rotated)
-        out, lse = attention_paged_triton(
-            q, k, inp.v, q_start=_host_int64(inp.cu_q[:-1], device),
-            q_len=_host_int64(inp.q_lengths, device), k_len=_host_int64(inp.k_lengths, device),
-            page_start=_host_int64(inp.cu_k[:-1, None], device),
-            page_size=max(inp.max_seqlen_k, 1), scale=inp.scale, causal=inp.causal,
-            bottom_right=inp.bottom_right,
+        inp = self.inp
+        device = args.q.device
+        return attention_paged_triton(
+            args.q, args.k, args.v, q_start=_host_int64(args.q_start, device),
+            q_len=_host_int64(args.q_len, device), k_len=_host_int64(args.k_len, device),
+            page_start=_host_int64(args.page_start, device), page_size=args.page_size,
+            scale=inp.scale, causal=inp.causal, bottom_right=args.bottom_right,
             alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
             window=inp.window, softcap=inp.softcap,
             sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
             num_sms=_sms(device),
         )  # fmt: skip
-        return (out, lse) if inp.return_lse else out
+
+    def output(self, x, dtype):
+        return x  # already the caller's tensors, in their dtype (lse float32)
 
 
-class AttentionKVCache(_Triton):
+class _Serving(_serving.ServingImplementation, _Triton):
+    serving_arrays = _ServingArrays
+    max_head_dim = Attention.max_head_dim
+
+    def extra_reasons(self, inp):
+        v = inp.v_cache if inp.op == "attention_kvcache" else inp.v  # k/v may be absent there
+        d, dv = inp.q.shape[-1], v.shape[-1]
+        if max(d, dv) > self.max_head_dim:
+            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
+        return []
+
+
+class AttentionVarlen(_Serving):
+    op = "attention_varlen"
+
+
+class AttentionKVCache(_Serving):
     """Paged and contiguous caches through one kernel reading keys via the page table."""
 
     op = "attention_kvcache"
-    max_head_dim = Attention.max_head_dim
-
-    def extra_reasons(self, inp):
-        d, dv = inp.q.shape[3], inp.v_cache.shape[3]
-        if max(d, dv) > self.max_head_dim:
-            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
-        return []
-
-    def run(self, inp):
-        from fastpe.backends._kvcache import cache_rows, write_new_tokens
-        from fastpe.kernels.triton.apply_rope import apply_rope_triton
-        from fastpe.kernels.triton.attention_paged import attention_paged_triton
-
-        device = inp.q.device
-        batch, sq, hq, d = inp.q.shape
-        q = inp.q
-        if inp.k is not None:
-            k_new = inp.k
-            if inp.rotary is not None:
-                cos, sin, interleaved = inp.rotary
-                cos, sin = cos.contiguous(), sin.contiguous()
-                kw = {"interleaved": interleaved, "layout": "bshd", "inplace": False}
-                (k_new,) = apply_rope_triton(
-                    (k_new,), cos, sin, _host_int64(inp.k_positions, device), 0, **kw
-                )
-                (q,) = apply_rope_triton(
-                    (q,), cos, sin, _host_int64(inp.q_positions, device), 0, **kw
-                )
-                q = q.to(inp.q.dtype)
-            write_new_tokens(inp, inp.k_cache, inp.v_cache, k_new, inp.v)
-        # the caches are read in place through row views, whatever their strides (a reshape
-        # to rows would copy a non-contiguous cache whole on every call)
-        k_rows, v_rows, page_start = cache_rows(inp, inp.k_cache, inp.v_cache)
-        out, lse = attention_paged_triton(
-            q.reshape(batch * sq, hq, d), k_rows, v_rows,
-            q_start=_host_int64(np.arange(batch) * sq, device),
-            q_len=_host_int64(np.full(batch, sq), device), k_len=_host_int64(inp.seqlens, device),
-            page_start=_host_int64(page_start, device),
-            page_size=inp.page_size, scale=inp.scale, causal=inp.causal, bottom_right=True,
-            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
-            window=inp.window, softcap=inp.softcap,
-            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
-            num_sms=_sms(device),
-        )  # fmt: skip
-        # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
-        out = out.reshape(batch, sq, hq, inp.v_cache.shape[3])
-        if not inp.return_lse:
-            return out
-        return out, lse.reshape(hq, batch, sq).transpose(0, 1)
 
 
 IMPLEMENTATIONS = (

@@ -34,17 +34,17 @@ it loads a FlashAttention implementation from the ``flash_attn`` packages or fro
 (``modeling_flash_attention_utils._lazy_imports``), not from ``AttentionInterface``.
 ``register_flash()`` makes fastpe one: it registers transformers' own FlashAttention wrapper and
 FlashAttention mask under ``"fastpe_flash"`` (as transformers does for a Hub kernel) and wraps
-that one private loader so the name resolves to fastpe's FlashAttention-compatible varlen and
-dense functions. That loader is the one transformers internal register_flash patches; the
-wrap checks the loader's signature first (written for transformers 5.23) and refuses a
-transformers whose loader differs; tests/test_transformers_cb.py pins it.
+that one private loader so the name resolves to ``fastpe.flash_attn``'s varlen and dense
+functions (gpt-oss's sinks reach them as their ``s_aux`` keyword). That loader is the one
+transformers internal register_flash patches; the wrap checks the loader's signature first
+(written for transformers 5.23) and refuses a transformers whose loader differs;
+tests/test_transformers_cb.py pins it.
 """
 
 from __future__ import annotations
 
 import fastpe
-from fastpe._validate import is_int_scalar
-from fastpe.flash_attn import _options as _flash_options
+from fastpe import flash_attn
 
 
 def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -316,35 +316,33 @@ def _wrap_flash_loader(fa_utils) -> None:
     fa_utils._lazy_imports = _lazy_imports
 
 
-# transformers reads these signatures to decide which keywords to pass: s_aux (gpt-oss's sinks)
-# must be a parameter, else transformers drops the sinks silently
+# transformers reads these signatures to decide which keywords to pass (_process_flash_attention_
+# kwargs): s_aux (gpt-oss's sinks) must be a parameter, else transformers drops the sinks
+# silently, and block_table must not be one (transformers would pass its paged table, which
+# fastpe.flash_attn's varlen function refuses). Otherwise they are fastpe.flash_attn's functions,
+# plus the first-use warmup and transformers' optional max_seqlen_q/k.
 def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, s_aux=None):  # fmt: skip
-    """FlashAttention's varlen call as transformers makes it: q [total_q, Hq, D], k/v
-    [total_k, Hkv, D]. The window is adjusted against max_seqlen_k, as FlashAttention does."""
+    """fastpe.flash_attn.flash_attn_varlen_func as transformers calls it: q [total_q, Hq, D],
+    k/v [total_k, Hkv, D]; max_seqlen_q/k None for the longest sequence."""
     if _warm_on_first_use:
         _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
-    seqlen_k = max_seqlen_k if is_int_scalar(max_seqlen_k) else None  # None: checked later
-    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False, seqlen_k)
-    return fastpe.attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        causal=causal, causal_alignment="bottom_right", sinks=s_aux, **options,
+    return flash_attn.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, s_aux=s_aux,
     )  # fmt: skip
 
 
 def _flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                 softcap=0.0, s_aux=None):  # fmt: skip
-    """FlashAttention's dense call: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (the window adjusted
-    against Sk, as FlashAttention does)."""
+    """fastpe.flash_attn.flash_attn_func as transformers calls it: q [B, Sq, Hq, D], k/v
+    [B, Sk, Hkv, D]."""
     if _warm_on_first_use:
         _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
-    options = _flash_options(dropout_p, softmax_scale, window_size, softcap, False, k.shape[1])
-    out = fastpe.attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-        causal_alignment="bottom_right", sinks=s_aux, **options,
-    )  # fmt: skip
-    return out.transpose(1, 2).contiguous()
+    return flash_attn.flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, s_aux=s_aux
+    )
 
 
 def _flash_config(q) -> dict:
