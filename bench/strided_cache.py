@@ -23,20 +23,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from serving_ratios import best_of  # bench/ is the script's folder, on sys.path
 
 import fastpe
-
-
-def best_of(fn, calls):
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main():
