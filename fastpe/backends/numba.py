@@ -15,7 +15,7 @@ import numpy as np
 
 from fastpe import _arrays, reference
 from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
-from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
+from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation, write_inplace
 
 NAME = "numba"
 AUTO_DEVICES = frozenset({"cpu"})
@@ -393,6 +393,10 @@ class AttentionKVCache(_Numba):
         return out, from_host(lse, inp.placement, "float32")
 
 
+class AttentionVarlenBackwardPerSequence(_Numba, AttentionVarlenBackward):
+    """The default: this backend's attention backward once per sequence (no packed kernel)."""
+
+
 IMPLEMENTATIONS = (
     SinusoidalTable,
     RopeTable,
@@ -404,5 +408,6 @@ IMPLEMENTATIONS = (
     MergeAttention,
     MergeAttentionBackward,
     AttentionVarlen,
+    AttentionVarlenBackwardPerSequence,
     AttentionKVCache,
 )

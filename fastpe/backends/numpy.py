@@ -12,7 +12,7 @@ import numpy as np
 
 from fastpe import _arrays, reference
 from fastpe._arrays import from_float64, to_float64
-from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
+from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation, write_inplace
 
 NAME = "numpy"
 AUTO_DEVICES = frozenset({"cpu", "cuda"})
@@ -299,6 +299,10 @@ def _take_rows(rows, index):
     return rows[index]
 
 
+class AttentionVarlenBackwardPerSequence(_Numpy, AttentionVarlenBackward):
+    """The default: this backend's attention backward once per sequence (no packed kernel)."""
+
+
 IMPLEMENTATIONS = (
     SinusoidalTable,
     RopeTable,
@@ -310,5 +314,6 @@ IMPLEMENTATIONS = (
     MergeAttention,
     MergeAttentionBackward,
     AttentionVarlen,
+    AttentionVarlenBackwardPerSequence,
     AttentionKVCache,
 )

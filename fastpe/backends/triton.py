@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from fastpe import reference
-from fastpe.backends.base import ALL_FLOAT, Implementation
+from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation
 
 NAME = "triton"
 AUTO_DEVICES = frozenset({"cuda"})
@@ -377,6 +377,10 @@ class AttentionKVCache(_Triton):
         return out, lse.reshape(hq, batch, sq).transpose(0, 1)
 
 
+class AttentionVarlenBackwardPerSequence(_Triton, AttentionVarlenBackward):
+    """The default: this backend's attention backward once per sequence (no packed kernel)."""
+
+
 IMPLEMENTATIONS = (
     SinusoidalTable,
     RopeTable,
@@ -388,5 +392,6 @@ IMPLEMENTATIONS = (
     MergeAttention,
     MergeAttentionBackward,
     AttentionVarlen,
+    AttentionVarlenBackwardPerSequence,
     AttentionKVCache,
 )
