@@ -595,3 +595,28 @@ def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
     if rotary is not None:
         rotary = (read.pop("rotary_cos"), read.pop("rotary_sin"), rotary[2])
     return (*read.values(), rotary)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionVarlenBackwardInputs(_Inputs):
+    """The gradients of one attention_varlen call (docs/math.md#packed-variable-length-backward):
+    its validated forward record, the forward's results and the gradients of those results."""
+
+    op: ClassVar[str] = "attention_varlen_backward"
+    forward: AttentionVarlenInputs
+    grad_out: Any  # [Tq, Hq, Dv]
+    grad_lse: Any  # [Hq, Tq]
+    out: Any  # the forward's out [Tq, Hq, Dv]
+    lse: Any  # the forward's lse [Hq, Tq] (float32)
+    dtype: str
+    placement: Placement
+
+    @property
+    def features(self) -> frozenset[str]:
+        return self.forward.features - {"lse"}
+
+    @classmethod
+    def build(cls, forward: AttentionVarlenInputs, *, grad_out, grad_lse, out, lse):
+        # shapes are checked per sequence, by the attention_backward records the backward builds
+        return cls(forward=forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse,
+                   dtype=forward.dtype, placement=forward.placement)  # fmt: skip

@@ -3,7 +3,7 @@
 
 They are named tuples on purpose: a kernel launcher unpacks them like the plain tuples it is
 documented to take (``fastpe.kernels`` never imports ``fastpe``), and the torch custom-op layer
-flattens them into schema arguments and rebuilds them in one place (``torch_ops.py``).
+flattens them into schema arguments and rebuilds them (``fastpe.torch_ops``).
 Each ``build`` validates a user's value once and names the argument in every error.
 """
 

@@ -1,5 +1,6 @@
 """What every backend module builds on: the ``Implementation`` of one op with its capability
-table, and the one way an op writes into a caller's array (``inplace=True``)."""
+table, the one way an op writes into a caller's array (``inplace=True``), and the default
+implementations a backend may replace with a kernel (``AttentionVarlenBackward``)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,108 @@ def write_inplace(x, result):
     else:
         x[...] = result
     return x
+
+
+class AttentionVarlenBackward(Implementation):
+    """attention_varlen's backward (docs/math.md#packed-variable-length-backward), by default
+    this backend's own ``attention_backward`` once per sequence, on [1, H, S_b, D] copies of the
+    packed tensors (no padding), written back into packed gradients. A backend with a packed
+    kernel overrides ``run`` (and its capability table) in its subclass.
+
+    Each backend lists its subclass in ``IMPLEMENTATIONS``, so the dispatcher chooses the backend
+    as for any op; the default can run what that backend's ``attention_backward`` can run, which
+    it asks about the first sequence's record (the sequences differ only in length).
+    """
+
+    op = "attention_varlen_backward"
+    frameworks = frozenset({"torch"})  # gradients exist only under torch autograd
+
+    def _per_sequence(self) -> Implementation:
+        from fastpe.backends import REGISTRY  # the package imports this module
+
+        return REGISTRY[(self.backend, "attention_backward")]
+
+    def not_supported_reasons(self, inputs) -> list[str]:
+        if type(self).run is not AttentionVarlenBackward.run:  # a kernel: its own table
+            return super().not_supported_reasons(inputs)
+        impl = self._per_sequence()
+        for b, rows, keys in _sequences(inputs.forward):
+            if keys.start != keys.stop:
+                return impl.not_supported_reasons(_sequence_record(inputs, b, rows, keys))
+        unavailable = impl.unavailable_reason()  # no sequence has keys: no kernel call
+        return [unavailable] if unavailable else []
+
+    def run(self, inputs):
+        """(dq, dk, dv, dsinks): dsinks is None without sinks."""
+        import torch
+
+        fwd, impl = inputs.forward, self._per_sequence()
+        q, k, v, sinks = fwd.q, fwd.k, fwd.v, fwd.sinks
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        dsinks = None if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
+        for b, rows, keys in _sequences(fwd):
+            if keys.start == keys.stop:
+                # no key: out = 0 and lse = the sink (or -inf); only a sink sees grad_lse
+                if sinks is not None:
+                    dsinks += inputs.grad_lse[:, rows].sum(dim=1).float()
+                continue
+            record = _sequence_record(inputs, b, rows, keys)
+            reasons = impl.not_supported_reasons(record)
+            if reasons:  # as dispatch refuses an explicit choice
+                from fastpe.dispatch import BackendNotSupportedError
+
+                raise BackendNotSupportedError(
+                    f"backend {self.backend!r} cannot run attention_backward on these inputs: "
+                    f"{'; '.join(reasons)}"
+                )
+            dq_b, dk_b, dv_b, dsinks_b, _ = impl.run(record)
+            dq[rows] = dq_b[0].transpose(0, 1)
+            dk[keys] = dk_b[0].transpose(0, 1)
+            dv[keys] = dv_b[0].transpose(0, 1)
+            if sinks is not None:
+                dsinks += dsinks_b.float()
+        if sinks is not None:
+            dsinks = dsinks.to(sinks.dtype)
+        return dq, dk, dv, dsinks
+
+
+def _sequences(fwd):
+    """(b, query rows, key rows) of each packed sequence that has queries."""
+    for b in range(fwd.batch):
+        rows = slice(int(fwd.cu_q[b]), int(fwd.cu_q[b + 1]))
+        if rows.start != rows.stop:
+            yield b, rows, slice(int(fwd.cu_k[b]), int(fwd.cu_k[b + 1]))
+
+
+def _sequence_record(inputs, b: int, rows: slice, keys: slice):
+    """The attention_backward record of sequence b alone, its tensors [1, H, S_b, D]."""
+    import torch
+
+    from fastpe._inputs import AttentionBackwardInputs, AttentionInputs
+
+    fwd = inputs.forward
+    device = fwd.q.device
+
+    def heads_first(x, index):  # [T, H, D] rows -> [1, H, S_b, D]
+        return x[index].transpose(0, 1).unsqueeze(0).contiguous()
+
+    rope = None
+    if fwd.rope is not None:
+        rope = {"cos": fwd.rope.cos, "sin": fwd.rope.sin, "interleaved": fwd.rope.interleaved,
+                "q_positions": torch.as_tensor(fwd.rope.q_positions[rows], device=device),
+                "k_positions": torch.as_tensor(fwd.rope.k_positions[keys], device=device)}  # fmt: skip
+    forward = AttentionInputs.build(
+        heads_first(fwd.q, rows), heads_first(fwd.k, keys), heads_first(fwd.v, keys),
+        causal=fwd.causal, causal_alignment="bottom_right" if fwd.bottom_right else "top_left",
+        mask=None, key_lengths=None, scale=fwd.scale, rope=rope,
+        alibi_slopes=None if fwd.alibi_slopes is None else fwd.alibi_slopes[b : b + 1],
+        relative_bias=None, return_lse=True, window=fwd.window, softcap=fwd.softcap,
+        sinks=fwd.sinks,
+    )  # fmt: skip
+    return AttentionBackwardInputs.build(
+        forward, grad_out=heads_first(inputs.grad_out, rows),
+        grad_lse=inputs.grad_lse[:, rows].unsqueeze(0).contiguous(),
+        out=heads_first(inputs.out, rows), lse=inputs.lse[:, rows].unsqueeze(0).contiguous(),
+    )  # fmt: skip

@@ -16,7 +16,7 @@ import numpy as np
 from fastpe import _arrays, reference
 from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
 from fastpe.backends import _serving
-from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
+from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation, write_inplace
 
 NAME = "numba"
 AUTO_DEVICES = frozenset({"cpu"})
@@ -372,6 +372,10 @@ class AttentionKVCache(_Serving):
     op = "attention_kvcache"
 
 
+class AttentionVarlenBackwardPerSequence(_Numba, AttentionVarlenBackward):
+    """The default: this backend's attention backward once per sequence (no packed kernel)."""
+
+
 IMPLEMENTATIONS = (
     SinusoidalTable,
     RopeTable,
@@ -383,5 +387,6 @@ IMPLEMENTATIONS = (
     MergeAttention,
     MergeAttentionBackward,
     AttentionVarlen,
+    AttentionVarlenBackwardPerSequence,
     AttentionKVCache,
 )

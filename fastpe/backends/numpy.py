@@ -13,7 +13,7 @@ import numpy as np
 from fastpe import _arrays, reference
 from fastpe._arrays import from_float64, to_float64
 from fastpe.backends import _serving
-from fastpe.backends.base import ALL_FLOAT, Implementation, write_inplace
+from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation, write_inplace
 
 NAME = "numpy"
 AUTO_DEVICES = frozenset({"cpu", "cuda"})
@@ -279,6 +279,10 @@ class AttentionKVCache(_Serving):
     op = "attention_kvcache"
 
 
+class AttentionVarlenBackwardPerSequence(_Numpy, AttentionVarlenBackward):
+    """The default: this backend's attention backward once per sequence (no packed kernel)."""
+
+
 IMPLEMENTATIONS = (
     SinusoidalTable,
     RopeTable,
@@ -290,5 +294,6 @@ IMPLEMENTATIONS = (
     MergeAttention,
     MergeAttentionBackward,
     AttentionVarlen,
+    AttentionVarlenBackwardPerSequence,
     AttentionKVCache,
 )

@@ -14,7 +14,7 @@ import numpy as np
 
 from fastpe import reference
 from fastpe.backends import _serving
-from fastpe.backends.base import ALL_FLOAT, Implementation
+from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation
 
 NAME = "triton"
 AUTO_DEVICES = frozenset({"cuda"})
@@ -345,6 +345,10 @@ class AttentionKVCache(_Serving):
     op = "attention_kvcache"
 
 
+class AttentionVarlenBackwardPerSequence(_Triton, AttentionVarlenBackward):
+    """The default: this backend's attention backward once per sequence (no packed kernel)."""
+
+
 IMPLEMENTATIONS = (
     SinusoidalTable,
     RopeTable,
@@ -356,5 +360,6 @@ IMPLEMENTATIONS = (
     MergeAttention,
     MergeAttentionBackward,
     AttentionVarlen,
+    AttentionVarlenBackwardPerSequence,
     AttentionKVCache,
 )
