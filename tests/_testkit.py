@@ -27,8 +27,8 @@ TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def grid(values, interpreter, *, unpack=False):
     """Parametrisation values of a shape grid: all of ``values``; under Triton's interpreter the
-    triton case runs only for ``values[i] for i in interpreter``. The other triton cases are deselected by conftest.py (counted in pytest's
-    "deselected"), so every feature combination of the test still runs on triton, on the shapes
+    triton case runs only for ``values[i] for i in interpreter``. The other triton cases are
+    deselected by conftest.py (counted in pytest's "deselected"), so every feature combination of the test still runs on triton, on the shapes
     named here. Say at the call why those shapes represent the others. ``unpack``: the values
     are tuples for several argument names ("n,dim,offset")."""
     out = []

@@ -37,7 +37,9 @@ def _close(got, want, tol, what=""):
 # reaches; the same kernel on a bigger tile
 @pytest.mark.parametrize(
     "n,dim,offset",
-    grid([(1, 4, 0), (37, 6, 5), (300, 130, 2**20 - 300), (8, 16, 2**31 + 3)], [0, 1, 3], unpack=True),
+    grid(
+        [(1, 4, 0), (37, 6, 5), (300, 130, 2**20 - 300), (8, 16, 2**31 + 3)], [0, 1, 3], unpack=True
+    ),
 )
 def test_sinusoidal_table(backend, fw, layout, freq, n, dim, offset):
     kw = {
