@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,34 @@ except ImportError:  # torch is optional; torch cases skip without it
 
 # The shared shape grid [B, H, S, D] of the per-backend tests: odd, prime, tile edges
 SHAPES = [(1, 1, 1, 2), (3, 7, 5, 12), (2, 4, 33, 64), (1, 2, 130, 40)]
+
+# Without a GPU the Triton kernels run in Triton's interpreter (conftest.py switches it on), at
+# 0.2-4 s a call where Numba takes milliseconds. The interpreter checks the kernel's *logic*:
+# each constexpr/feature combination once, on small shapes. The shape grids (odd sizes, tile
+# edges, long keys) run in full on numba and numpy, and on a real GPU on triton too.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def grid(values, interpreter, *, unpack=False):
+    """Parametrisation values of a shape grid: all of ``values``; under Triton's interpreter the
+    triton case runs only for ``values[i] for i in interpreter``. The other triton cases are
+    deselected by conftest.py (counted in pytest's "deselected"), so every feature combination of the test still runs on triton, on the shapes
+    named here. Say at the call why those shapes represent the others. ``unpack``: the values
+    are tuples for several argument names ("n,dim,offset")."""
+    out = []
+    for i, v in enumerate(values):
+        if i in interpreter:
+            out.append(v)
+        else:
+            args = v if unpack else (v,)
+            out.append(pytest.param(*args, marks=pytest.mark.grid_only))
+    return out
+
+
+# SHAPES for the per-backend grids: on Triton's interpreter the first two (full rotary at D=2;
+# partial rotary, odd B/H/S and D=12 off a power of two, so every masked lane) — the larger two
+# add only more rows and wider heads of the same kernel, and run on numba.
+SHAPES_GRID = grid(SHAPES, interpreter=[0, 1])
 
 FRAMEWORKS = [
     "numpy",

@@ -38,3 +38,23 @@ def pytest_pyfunc_call(pyfuncitem):
         if "backend" not in pyfuncitem.fixturenames:
             raise
         pytest.skip(str(exc))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under Triton's interpreter, a triton case marked ``grid_only`` (a shape-grid value that
+    _testkit.grid() leaves to numba and numpy) is deselected: the interpreter covers each
+    feature combination on the representative shapes; see _testkit.grid()."""
+    from _testkit import TRITON_INTERPRETED
+
+    if not TRITON_INTERPRETED:
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("backend") == "triton" and item.get_closest_marker("grid_only"):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

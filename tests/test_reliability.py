@@ -1,5 +1,5 @@
 """Regressions from issue 11 found at the validation layer: aliasing, copies, eager/graph
-agreement, devices, broadcast positions. (Kernel-level ones live in test_attention_edges.py.)"""
+agreement, devices, broadcast positions. (Kernel-level ones live in attention/test_edges.py.)"""
 
 from __future__ import annotations
 

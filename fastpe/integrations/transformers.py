@@ -38,7 +38,7 @@ that one private loader so the name resolves to ``fastpe.flash_attn``'s varlen a
 functions (gpt-oss's sinks reach them as their ``s_aux`` keyword). That loader is the one
 transformers internal register_flash patches; the wrap checks the loader's signature first
 (written for transformers 5.23) and refuses a transformers whose loader differs;
-tests/test_transformers_cb.py pins it.
+tests/integrations/test_transformers_cb.py pins it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import copy
 import math
 
 import pytest
-from _testkit import KERNEL_BACKENDS, SHAPES
+from _testkit import KERNEL_BACKENDS, SHAPES_GRID
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -159,7 +159,7 @@ def test_oracle_embed_gradcheck():
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES_GRID)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("pos_kind", ["none", "offset", "seq", "batch"])

@@ -611,7 +611,7 @@ def test_shard_helpers_partition_the_sequence(world, layout):
 @pytest.mark.slow
 def test_overlap_benchmark_runs_under_torchrun():
     """bench/distributed_overlap.py (the measurements in docs/distributed.md) at a tiny size."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), os.path.join(root, "bench", "distributed_overlap.py"),

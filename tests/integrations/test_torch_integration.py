@@ -90,8 +90,8 @@ def test_grad_inputs_run_forward_and_merge_has_backward(qkv):
     q = q.clone().requires_grad_()
     out = fastpe.attention(q, k, v, causal=True)
     torch.testing.assert_close(out.detach(), fastpe.attention(q.detach(), k, v, causal=True))
-    # attention, apply_rope, embed (tests/test_attention_backward.py,
-    # tests/test_backward_rope_embed.py) and merge_attention (tests/test_merge_backward.py) have
+    # attention, apply_rope, embed (tests/attention/test_backward.py,
+    # tests/pe/test_rope_embed_backward.py) and merge_attention (tests/attention/test_merge_backward.py) have
     # backward passes: attention over two halves of the keys, merged, has the gradients of one
     # call over all of them, lse included
     k, v = k.clone().requires_grad_(), v.clone().requires_grad_()

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from _testkit import KERNEL_BACKENDS
+from _testkit import KERNEL_BACKENDS, grid
 
 torch = pytest.importorskip("torch")
 
@@ -69,7 +69,11 @@ def eager_attention(q, k, v, *, scale, causal=False, bottom_right=True, mask=Non
 
 
 # (B, Hq, Hkv, Sq, Sk, D, Dv)
-SHAPES = [(2, 4, 2, 5, 7, 6, 3), (1, 3, 1, 33, 300, 16, 8), (2, 2, 2, 40, 12, 8, 8)]
+SHAPES = [(2, 4, 2, 5, 7, 6, 3), (1, 3, 1, 33, 300, 16, 8), (2, 2, 2, 40, 12, 8, 8),
+          (1, 3, 1, 20, 40, 16, 8)]  # fmt: skip
+# Triton's interpreter (16 x 16 tiles there) skips 33 x 300 (~80 s of its ~100 s here): 20 x 40
+# crosses ragged query and key tiles in both backward kernels the same way, on 6 tiles, not 57.
+SHAPES_GRID = grid(SHAPES, interpreter=[0, 2, 3])
 FEATURES = {
     "plain": {},
     "causal": {"causal": True},
@@ -301,7 +305,7 @@ def test_oracle_empty_rows_have_zero_gradients():
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("case", list(FEATURES))
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES_GRID)
 def test_kernel_gradients_match_oracle(backend, case, shape):
     rng = np.random.default_rng(11)
     leaves, kw = _case(rng, shape, FEATURES[case])
