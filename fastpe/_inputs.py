@@ -686,22 +686,30 @@ class MergeAttentionBackwardInputs(_Inputs):
 
 
 @dataclass(frozen=True, eq=False)
-class AttentionBackwardInputs(_Inputs):
-    """The gradients of one attention call (docs/math.md#attention-backward): its validated
-    forward record, the forward's results and the gradients of those results."""
+class _AttentionGradients(_Inputs):
+    """The gradients of one attention call: its validated forward record, the forward's
+    results (out, and lse in float32) and the gradients of those results (grad_lse None: zero).
+    The backward needs the forward's features, less the lse output it reads rather than makes."""
 
-    op: ClassVar[str] = "attention_backward"
-    forward: AttentionInputs
-    grad_out: Any  # [B, Hq, Sq, Dv]
-    grad_lse: Any  # [B, Hq, Sq] or None (zero)
-    out: Any  # the forward's out [B, Hq, Sq, Dv]
-    lse: Any  # the forward's lse [B, Hq, Sq] (float32)
+    forward: Any
+    grad_out: Any
+    grad_lse: Any
+    out: Any
+    lse: Any
     dtype: str
     placement: Placement
 
     @property
     def features(self) -> frozenset[str]:
         return self.forward.features - {"lse"}
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionBackwardInputs(_AttentionGradients):
+    """The gradients of one attention call (docs/math.md#attention-backward): grad_out, out
+    [B, Hq, Sq, Dv]; grad_lse, lse [B, Hq, Sq]."""
+
+    op: ClassVar[str] = "attention_backward"
 
     @classmethod
     def build(cls, forward: AttentionInputs, *, grad_out, grad_lse, out, lse):

@@ -19,6 +19,7 @@ from fastpe import _arrays
 from fastpe._arrays import Placement
 from fastpe._inputs import (
     CAUSAL_ALIGNMENTS,
+    _AttentionGradients,
     _check_alibi,
     _check_sinks,
     _features,
@@ -598,22 +599,11 @@ def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
 
 
 @dataclass(frozen=True, eq=False)
-class AttentionVarlenBackwardInputs(_Inputs):
+class AttentionVarlenBackwardInputs(_AttentionGradients):
     """The gradients of one attention_varlen call (docs/math.md#packed-variable-length-backward):
-    its validated forward record, the forward's results and the gradients of those results."""
+    grad_out, out [Tq, Hq, Dv]; grad_lse, lse [Hq, Tq]."""
 
     op: ClassVar[str] = "attention_varlen_backward"
-    forward: AttentionVarlenInputs
-    grad_out: Any  # [Tq, Hq, Dv]
-    grad_lse: Any  # [Hq, Tq]
-    out: Any  # the forward's out [Tq, Hq, Dv]
-    lse: Any  # the forward's lse [Hq, Tq] (float32)
-    dtype: str
-    placement: Placement
-
-    @property
-    def features(self) -> frozenset[str]:
-        return self.forward.features - {"lse"}
 
     @classmethod
     def build(cls, forward: AttentionVarlenInputs, *, grad_out, grad_lse, out, lse):
