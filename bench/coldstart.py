@@ -101,8 +101,11 @@ def run_child(code: str, cache_root: str) -> dict:
     env["FASTPE_QUIET_COMPILE"] = "1"  # the notice would only clutter the table
     result = subprocess.run(
         [sys.executable, "-c", "import json\n" + textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"a measurement process failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -115,8 +118,10 @@ def measure(case: str, repeats: int, say) -> dict[str, list[float]]:
         with tempfile.TemporaryDirectory(prefix="fastpe-coldstart-") as root:
             if case == "attention":
                 got = run_child(ATTENTION, root)
-                found = {"attention float32 first call, empty cache": got["first call"],
-                         "  import fastpe": got["import fastpe"]}  # fmt: skip
+                found = {
+                    "attention float32 first call, empty cache": got["first call"],
+                    "  import fastpe": got["import fastpe"],
+                }
             elif case == "ops":
                 got = run_child(OPS, root)
                 found = {"7 ops + bfloat16 attention, one process, empty cache": sum(got.values())}
@@ -130,7 +135,10 @@ def measure(case: str, repeats: int, say) -> dict[str, list[float]]:
                 found = {"torch.compile(flex_attention) first call, empty cache": got["first call"]}
         for label, seconds in found.items():
             rows.setdefault(label, []).append(seconds)
-        say(f"[{case} {run + 1}/{repeats}] " + ", ".join(f"{k.strip()} {v:.2f} s" for k, v in found.items()))
+        say(
+            f"[{case} {run + 1}/{repeats}] "
+            + ", ".join(f"{k.strip()} {v:.2f} s" for k, v in found.items())
+        )
     return rows
 
 
@@ -141,8 +149,14 @@ def cpu_name() -> str:
             text = f.read()
     except OSError:
         return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), platform.machine())  # fmt: skip
+    name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in text.splitlines()
+            if line.startswith("model name")
+        ),
+        platform.machine(),
+    )
     return f"{name}{', AVX-512' if 'avx512f' in text else ''}"
 
 
@@ -157,8 +171,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="processes per case (%(default)s)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=None, help="%(choices)s")
-    parser.add_argument("--quick", action="store_true",
-                        help="one process per case, cases attention and warm (a smoke run)")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one process per case, cases attention and warm (a smoke run)",
+    )
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     cases = args.cases or (["attention", "warm"] if args.quick else list(CASES))
@@ -167,10 +184,14 @@ def main(argv=None) -> int:
 
     import fastpe
 
-    print(f"command: python bench/coldstart.py {shlex.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; "
-          f"fastpe {fastpe.__version__}, numba {numba.__version__}, Python "
-          f"{platform.python_version()}")  # fmt: skip
+    print(
+        f"command: python bench/coldstart.py {shlex.join(argv if argv is not None else sys.argv[1:])}"
+    )
+    print(
+        f"machine: {cpu_name()}, {os.cpu_count()} CPUs; "
+        f"fastpe {fastpe.__version__}, numba {numba.__version__}, Python "
+        f"{platform.python_version()}"
+    )
     print(f"load average before: {load()}")
     rows: dict[str, list[float]] = {}
     for case in cases:

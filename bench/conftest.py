@@ -15,8 +15,12 @@ GRIDS = {"smoke": bm.SMOKE_GRID, "quick": bm.QUICK_GRID, "full": bm.FULL_GRID}
 
 
 def pytest_addoption(parser):
-    parser.addoption("--grid", choices=sorted(GRIDS), default=None,
-                     help="shape grid (default: full, or smoke with --benchmark-disable)")  # fmt: skip
+    parser.addoption(
+        "--grid",
+        choices=sorted(GRIDS),
+        default=None,
+        help="shape grid (default: full, or smoke with --benchmark-disable)",
+    )
 
 
 def _grid(config):

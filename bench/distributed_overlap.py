@@ -69,14 +69,28 @@ def main():
     for layout in fd.LAYOUTS:
         qs, ks, vs = (fd.shard_sequence(x, rank, world, layout=layout) for x in (q, k, v))
         plan = fd._Plan(
-            fd._Group(None), qs, ks, vs, causal=args.causal,
-            key_lengths=None, scale=None, rope=None, alibi_slopes=None, mask=None,
-            relative_bias=None, window=None, softcap=None, sinks=None, layout=layout, backend=None,
+            fd._Group(None),
+            qs,
+            ks,
+            vs,
+            causal=args.causal,
+            key_lengths=None,
+            scale=None,
+            rope=None,
+            alibi_slopes=None,
+            mask=None,
+            relative_bias=None,
+            window=None,
+            softcap=None,
+            sinks=None,
+            layout=layout,
+            backend=None,
             name="bench",
-        )  # fmt: skip
+        )
         # every rank's K/V shard already here: the same blocks with no transfer at all
-        shards = [fd.shard_sequence(x, r, world, layout=layout) for r in range(world)
-                  for x in (k, v)]  # fmt: skip
+        shards = [
+            fd.shard_sequence(x, r, world, layout=layout) for r in range(world) for x in (k, v)
+        ]
 
         def call(qs=qs, ks=ks, vs=vs, layout=layout):  # the public call, validation included
             fd.ring_attention(qs, ks, vs, causal=args.causal, layout=layout)
@@ -113,17 +127,22 @@ def main():
                 source = (rank - step) % world
                 kv = (shards[2 * source], shards[2 * source + 1])
                 grads = tuple(torch.zeros_like(t) for t in kv)
-                fd._ring_backward_compute(plan, source, saved[0], kv, *saved[3:], dq, grads,
-                                          None)  # fmt: skip
+                fd._ring_backward_compute(plan, source, saved[0], kv, *saved[3:], dq, grads, None)
 
         call()  # warm-up: Numba loads its kernels
         ring_backward()
         timings = _median_times(
-            {"call": call, "ring": ring, "serial": lambda ring=ring: ring(overlap=False),
-             "compute": compute, "transfer": transfer, "ring_backward": ring_backward,
-             "compute_backward": compute_backward},
+            {
+                "call": call,
+                "ring": ring,
+                "serial": lambda ring=ring: ring(overlap=False),
+                "compute": compute,
+                "transfer": transfer,
+                "ring_backward": ring_backward,
+                "compute_backward": compute_backward,
+            },
             args.repeats,
-        )  # fmt: skip
+        )
         per_rank = [None] * world
         dist.all_gather_object(per_rank, timings)
         if rank == 0:

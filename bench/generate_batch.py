@@ -41,9 +41,16 @@ def build_model(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                         head_dim=64, max_position_embeddings=4096)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -58,15 +65,18 @@ def run(model, implementation, inputs, new_tokens):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation(implementation)
-    generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
-                                  pad_token_id=0)  # fmt: skip
+    generation = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     pages = -(-(max(PROMPTS) + new_tokens) // 256)
-    batching = ContinuousBatchingConfig(num_blocks=N_REQUESTS * pages + 4,
-                                        max_batch_tokens=MAX_BATCH_TOKENS)  # fmt: skip
+    batching = ContinuousBatchingConfig(
+        num_blocks=N_REQUESTS * pages + 4, max_batch_tokens=MAX_BATCH_TOKENS
+    )
     start, cpu_start = time.perf_counter(), time.process_time()
     with torch.no_grad():
-        out = model.generate_batch(inputs, generation_config=generation,
-                                   continuous_batching_config=batching)  # fmt: skip
+        out = model.generate_batch(
+            inputs, generation_config=generation, continuous_batching_config=batching
+        )
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     ordered = [out[f"req_{i}"] for i in range(len(inputs))]
     errors = [o.error for o in ordered if o.error is not None]
@@ -103,14 +113,18 @@ def main():
     inputs = prompts()
     implementations = ["paged|eager", "sdpa", register_flash()]
     generated = N_REQUESTS * args.new_tokens
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"fastpe {fastpe.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")  # fmt: skip
-    print(f"Llama hidden 1024, 8 layers, 16/4 heads, vocab 32000, {args.dtype}; {N_REQUESTS} "
-          f"requests, prompt lengths {sorted(len(p) for p in inputs)} (total "
-          f"{sum(map(len, inputs))}), {args.new_tokens} new tokens each, max_batch_tokens "
-          f"{MAX_BATCH_TOKENS}")  # fmt: skip
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"fastpe {fastpe.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
+    )
+    print(
+        f"Llama hidden 1024, 8 layers, 16/4 heads, vocab 32000, {args.dtype}; {N_REQUESTS} "
+        f"requests, prompt lengths {sorted(len(p) for p in inputs)} (total "
+        f"{sum(map(len, inputs))}), {args.new_tokens} new tokens each, max_batch_tokens "
+        f"{MAX_BATCH_TOKENS}"
+    )
 
     first = {}
     for impl in implementations:  # warm-up: Numba compiles, first-touch allocations
@@ -125,8 +139,12 @@ def main():
             wall[impl].append(seconds)
             cpu[impl].append(cpu_seconds)
             same[impl] &= tokens == first[impl]
-        print(f"round {r + 1}: " + ", ".join(
-            f"{i} {wall[i][-1]:.2f} s ({cpu[i][-1]:.1f} CPU-s)" for i in implementations))  # fmt: skip
+        print(
+            f"round {r + 1}: "
+            + ", ".join(
+                f"{i} {wall[i][-1]:.2f} s ({cpu[i][-1]:.1f} CPU-s)" for i in implementations
+            )
+        )
 
     # CPU-seconds (all threads of this process) are less sensitive to other processes taking
     # the cores than wall time, which is what the issue asks for
@@ -134,23 +152,32 @@ def main():
         print(f"\n{label}, {generated} generated tokens per call, median [min, max] over rounds")
         for impl, times in table.items():
             rates = [generated / t for t in times]
-            print(f"  {impl:14s} {statistics.median(rates):8.1f} "
-                  f"[{min(rates):.1f}, {max(rates):.1f}]")  # fmt: skip
+            print(
+                f"  {impl:14s} {statistics.median(rates):8.1f} [{min(rates):.1f}, {max(rates):.1f}]"
+            )
         fast = implementations[-1]
         for impl in implementations[:-1]:
             ratios = [t / f for t, f in zip(table[impl], table[fast], strict=True)]
-            print(f"  {fast} / {impl}: {statistics.median(ratios):.2f}x "
-                  f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
+            print(
+                f"  {fast} / {impl}: {statistics.median(ratios):.2f}x "
+                f"[{min(ratios):.2f}, {max(ratios):.2f}]"
+            )
     reference = first[implementations[0]]
-    print(f"\ngenerated tokens against {implementations[0]}'s: requests with the same tokens, "
-          f"mean length of the common prefix (of {args.new_tokens}); every round repeating the "
-          f"implementation's own warm-up tokens")  # fmt: skip
+    print(
+        f"\ngenerated tokens against {implementations[0]}'s: requests with the same tokens, "
+        f"mean length of the common prefix (of {args.new_tokens}); every round repeating the "
+        f"implementation's own warm-up tokens"
+    )
     for impl in implementations:
-        prefixes = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-                    for x, y in zip(first[impl], reference, strict=True)]  # fmt: skip
+        prefixes = [
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+            for x, y in zip(first[impl], reference, strict=True)
+        ]
         equal = sum(p == args.new_tokens for p in prefixes)
-        print(f"  {impl:14s} {equal}/{N_REQUESTS} requests, prefix "
-              f"{statistics.mean(prefixes):.1f}; repeatable: {same[impl]}")  # fmt: skip
+        print(
+            f"  {impl:14s} {equal}/{N_REQUESTS} requests, prefix "
+            f"{statistics.mean(prefixes):.1f}; repeatable: {same[impl]}"
+        )
 
 
 if __name__ == "__main__":

@@ -41,11 +41,20 @@ def main():
     k = rng.standard_normal((b * pages * block, hkv, d), dtype=np.float32)
     v = rng.standard_normal((b * pages * block, hkv, d), dtype=np.float32)
     table = rng.permutation(b * pages).reshape(b, pages).astype(np.int64)
-    kw = dict(q_start=np.arange(b), q_len=np.ones(b, np.int64), k_len=np.full(b, sk, np.int64),
-              page_start=table * block, page_size=block, scale=d**-0.5, causal=True,
-              bottom_right=True)  # fmt: skip
-    fns = {"other": lambda: other.attention_paged_numba(q, k, v, **kw),
-           "this": lambda: this.attention_paged_numba(q, k, v, **kw)}  # fmt: skip
+    kw = dict(
+        q_start=np.arange(b),
+        q_len=np.ones(b, np.int64),
+        k_len=np.full(b, sk, np.int64),
+        page_start=table * block,
+        page_size=block,
+        scale=d**-0.5,
+        causal=True,
+        bottom_right=True,
+    )
+    fns = {
+        "other": lambda: other.attention_paged_numba(q, k, v, **kw),
+        "this": lambda: this.attention_paged_numba(q, k, v, **kw),
+    }
     outs = {name: fn()[0] for name, fn in fns.items()}  # compile / warm
     print(f"max |this - other| {np.abs(outs['this'] - outs['other']).max():.1e}")
     times = {name: [] for name in fns}
@@ -58,11 +67,14 @@ def main():
                 best.append(time.perf_counter() - t)
             times[name].append(min(best))
     for name, t in times.items():
-        print(f"  {name:6s} median {statistics.median(t) * 1e3:.2f} ms "
-              f"[{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]")  # fmt: skip
+        print(
+            f"  {name:6s} median {statistics.median(t) * 1e3:.2f} ms "
+            f"[{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]"
+        )
     ratios = [a / o for a, o in zip(times["this"], times["other"], strict=True)]
-    print(f"  this / other: {statistics.median(ratios):.3f}x "
-          f"[{min(ratios):.3f}, {max(ratios):.3f}]")  # fmt: skip
+    print(
+        f"  this / other: {statistics.median(ratios):.3f}x [{min(ratios):.3f}, {max(ratios):.3f}]"
+    )
 
 
 if __name__ == "__main__":

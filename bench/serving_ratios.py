@@ -46,8 +46,10 @@ def rounds(named, n_rounds, calls):
 def report(title, table, pairs):
     print(f"\n{title}")
     for name, times in table.items():
-        print(f"  {name:32s} median {statistics.median(times) * 1e3:9.2f} ms  "
-              f"[{min(times) * 1e3:.2f}, {max(times) * 1e3:.2f}]")  # fmt: skip
+        print(
+            f"  {name:32s} median {statistics.median(times) * 1e3:9.2f} ms  "
+            f"[{min(times) * 1e3:.2f}, {max(times) * 1e3:.2f}]"
+        )
     for a, b in pairs:
         ratios = [tb / ta for ta, tb in zip(table[a], table[b], strict=True)]
         print(
@@ -76,16 +78,28 @@ def packed_prefill(dtype, n_rounds):
     mask = mask[:, None]
 
     named = {
-        "fastpe attention_varlen": lambda: fastpe.attention_varlen(q, k, v, cu, cu, causal=True, backend="numba"),
-        "sdpa padded + mask": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True),
-    }  # fmt: skip
+        "fastpe attention_varlen": lambda: fastpe.attention_varlen(
+            q, k, v, cu, cu, causal=True, backend="numba"
+        ),
+        "sdpa padded + mask": lambda: F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, enable_gqa=True
+        ),
+    }
     out = named["fastpe attention_varlen"]()
     ref = named["sdpa padded + mask"]()
-    err = max((out[int(cu[b]) : int(cu[b + 1])].float() - ref[b, :, : lengths[b]].transpose(0, 1).float()).abs().max().item()
-              for b in range(8))  # fmt: skip
+    err = max(
+        (out[int(cu[b]) : int(cu[b + 1])].float() - ref[b, :, : lengths[b]].transpose(0, 1).float())
+        .abs()
+        .max()
+        .item()
+        for b in range(8)
+    )
     table = rounds(named, n_rounds, 2)
-    report(f"packed prefill, lengths {lengths.tolist()} H16/4 D128 causal {dtype} (max |diff| {err:.1e})",
-           table, [("fastpe attention_varlen", "sdpa padded + mask")])  # fmt: skip
+    report(
+        f"packed prefill, lengths {lengths.tolist()} H16/4 D128 causal {dtype} (max |diff| {err:.1e})",
+        table,
+        [("fastpe attention_varlen", "sdpa padded + mask")],
+    )
 
 
 def paged_decode(dtype, n_rounds):
@@ -96,9 +110,13 @@ def paged_decode(dtype, n_rounds):
     v = torch.randn(b, hkv, sk, d, dtype=dtype)
     lengths = torch.full((b,), sk, dtype=torch.int32)
     named = {
-        "fastpe attention (contiguous)": lambda: fastpe.attention(q.transpose(1, 2), k, v, causal=True, backend="numba"),
-        "sdpa (contiguous)": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True),
-    }  # fmt: skip
+        "fastpe attention (contiguous)": lambda: fastpe.attention(
+            q.transpose(1, 2), k, v, causal=True, backend="numba"
+        ),
+        "sdpa (contiguous)": lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, enable_gqa=True
+        ),
+    }
     for block in (16, 256):
         pages = sk // block
         table = torch.randperm(b * pages, dtype=torch.int32).reshape(b, pages)
@@ -114,8 +132,11 @@ def paged_decode(dtype, n_rounds):
     ref = named["sdpa (contiguous)"]().transpose(1, 2).float()
     err = max((named[n]().float() - ref).abs().max().item() for n in named if "paged" in n)
     results = rounds(named, n_rounds, 3)
-    pairs = [(f"fastpe paged block {bs}", other) for bs in (16, 256)
-             for other in ("fastpe attention (contiguous)", "sdpa (contiguous)")]  # fmt: skip
+    pairs = [
+        (f"fastpe paged block {bs}", other)
+        for bs in (16, 256)
+        for other in ("fastpe attention (contiguous)", "sdpa (contiguous)")
+    ]
     report(f"paged decode B8 Sk4096 H32/8 D128 {dtype} (max |diff| {err:.1e})", results, pairs)
 
 

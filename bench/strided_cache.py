@@ -55,9 +55,8 @@ def main():
     def call(k_cache, v_cache, paged):
         extra = {"block_table": table} if paged else {}
         return lambda: fastpe.attention_kvcache(
-            q, k_cache, v_cache, cache_seqlens=lengths, causal=True, backend=args.backend,
-            **extra,
-        )  # fmt: skip
+            q, k_cache, v_cache, cache_seqlens=lengths, causal=True, backend=args.backend, **extra
+        )
 
     named = {
         "paged b16, contiguous caches": call(paged_k, paged_v, True),
@@ -82,12 +81,16 @@ def main():
         for name, fn in named.items():
             table_[name].append(best_of(fn, args.calls))
     for name, times in table_.items():
-        print(f"  {name:34s} median {statistics.median(times) * 1e3:8.2f} ms  "
-              f"[{min(times) * 1e3:.2f}, {max(times) * 1e3:.2f}]")  # fmt: skip
+        print(
+            f"  {name:34s} median {statistics.median(times) * 1e3:8.2f} ms  "
+            f"[{min(times) * 1e3:.2f}, {max(times) * 1e3:.2f}]"
+        )
     for base, other in pairs:
         ratios = [t / t0 for t0, t in zip(table_[base], table_[other], strict=True)]
-        print(f"  {other} / {base}: {statistics.median(ratios):.2f}x "
-              f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
+        print(
+            f"  {other} / {base}: {statistics.median(ratios):.2f}x "
+            f"[{min(ratios):.2f}, {max(ratios):.2f}]"
+        )
 
 
 if __name__ == "__main__":

@@ -272,9 +272,20 @@ class EmbedInputs(_Inputs):
 
     @classmethod
     def build(
-        cls, ids, weight, *, positions, pe, pe_table, scale, base, layout, freq,
-        token_type_ids, token_type_weight,
-    ):  # fmt: skip
+        cls,
+        ids,
+        weight,
+        *,
+        positions,
+        pe,
+        pe_table,
+        scale,
+        base,
+        layout,
+        freq,
+        token_type_ids,
+        token_type_weight,
+    ):
         ids = check_int_array("ids", ids, ndim=2)
         weight = check_float_array("weight", weight, ndim=2)
         vocab, dim = weight.shape
@@ -432,9 +443,24 @@ class AttentionInputs(_Inputs):
 
     @classmethod
     def build(
-        cls, q, k, v, *, causal, causal_alignment, mask, key_lengths, scale, rope, alibi_slopes,
-        relative_bias, return_lse, window=None, softcap=None, sinks=None,
-    ):  # fmt: skip
+        cls,
+        q,
+        k,
+        v,
+        *,
+        causal,
+        causal_alignment,
+        mask,
+        key_lengths,
+        scale,
+        rope,
+        alibi_slopes,
+        relative_bias,
+        return_lse,
+        window=None,
+        softcap=None,
+        sinks=None,
+    ):
         q, k, v = _check_qkv(q, k, v)
         b, hq, sq, d = q.shape
         sk = k.shape[2]
@@ -673,8 +699,10 @@ class MergeAttentionBackwardInputs(_Inputs):
     def build(cls, forward: MergeAttentionInputs, grad_out, grad_lse):
         grad_out = check_float_array("grad_out", grad_out, ndim=4)
         grad_lse = check_float_array("grad_lse", grad_lse, ndim=3)
-        for name, grad, shape in (("grad_out", grad_out, forward.out_a.shape),
-                                  ("grad_lse", grad_lse, forward.out_a.shape[:3])):  # fmt: skip
+        for name, grad, shape in (
+            ("grad_out", grad_out, forward.out_a.shape),
+            ("grad_lse", grad_lse, forward.out_a.shape[:3]),
+        ):
             if tuple(grad.shape) != tuple(shape):
                 raise ValueError(
                     f"{name} must have the output's shape {tuple(shape)}; got {tuple(grad.shape)}"
@@ -714,8 +742,12 @@ class AttentionBackwardInputs(_AttentionGradients):
     @classmethod
     def build(cls, forward: AttentionInputs, *, grad_out, grad_lse, out, lse):
         b, hq, hkv, sq, sk, d, dv = forward.shape
-        shapes = {"grad_out": (b, hq, sq, dv), "out": (b, hq, sq, dv), "lse": (b, hq, sq),
-                  "grad_lse": (b, hq, sq)}  # fmt: skip
+        shapes = {
+            "grad_out": (b, hq, sq, dv),
+            "out": (b, hq, sq, dv),
+            "lse": (b, hq, sq),
+            "grad_lse": (b, hq, sq),
+        }
         arrays = {"grad_out": grad_out, "out": out, "lse": lse, "grad_lse": grad_lse}
         for name, x in arrays.items():
             if x is None and name == "grad_lse":

@@ -200,9 +200,25 @@ class AttentionVarlenInputs(_Inputs):
 
     @classmethod
     def build(
-        cls, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal,
-        causal_alignment, scale, rope, alibi_slopes, window, softcap, sinks, return_lse,
-    ):  # fmt: skip
+        cls,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        *,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        causal_alignment,
+        scale,
+        rope,
+        alibi_slopes,
+        window,
+        softcap,
+        sinks,
+        return_lse,
+    ):
         q = check_float_array("q", q, ndim=3)
         k = check_float_array("k", k, ndim=3)
         v = check_float_array("v", v, ndim=3)
@@ -235,9 +251,11 @@ class AttentionVarlenInputs(_Inputs):
         if rope is not None:
             shift = k_len - q_len if bottom_right else np.zeros(batch, np.int64)
             packed_rope = PackedRope.build(
-                rope, head_dim=d, q_default=_default_positions(cu_q, shift),
+                rope,
+                head_dim=d,
+                q_default=_default_positions(cu_q, shift),
                 k_default=_default_positions(cu_k, np.zeros(batch, np.int64)),
-            )  # fmt: skip
+            )
         alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
         sinks = None if sinks is None else _check_sinks(sinks, hq)
         placement = check_same_placement(
@@ -334,10 +352,27 @@ class AttentionKVCacheInputs(_Inputs):
 
     @classmethod
     def build(
-        cls, q, k_cache, v_cache, *, k, v, cache_seqlens, block_table, cache_batch_idx,
-        rotary_cos, rotary_sin, rotary_interleaved, causal, scale, alibi_slopes, window,
-        softcap, sinks, return_lse,
-    ):  # fmt: skip
+        cls,
+        q,
+        k_cache,
+        v_cache,
+        *,
+        k,
+        v,
+        cache_seqlens,
+        block_table,
+        cache_batch_idx,
+        rotary_cos,
+        rotary_sin,
+        rotary_interleaved,
+        causal,
+        scale,
+        alibi_slopes,
+        window,
+        softcap,
+        sinks,
+        return_lse,
+    ):
         q = check_float_array("q", q, ndim=4)
         k_cache = check_float_array("k_cache", k_cache, ndim=4)
         v_cache = check_float_array("v_cache", v_cache, ndim=4)
@@ -382,8 +417,10 @@ class AttentionKVCacheInputs(_Inputs):
         paged = block_table is not None
         if paged:
             if cache_batch_idx is not None:
-                raise ValueError("cache_batch_idx selects rows of a contiguous cache; "
-                                 "with block_table pages are chosen by the table")  # fmt: skip
+                raise ValueError(
+                    "cache_batch_idx selects rows of a contiguous cache; "
+                    "with block_table pages are chosen by the table"
+                )
             table = _host_ints("block_table", block_table, ndim=2)
             if table.shape[0] != batch:
                 raise ValueError(
@@ -452,16 +489,31 @@ class AttentionKVCacheInputs(_Inputs):
         sinks = None if sinks is None else _check_sinks(sinks, hq)
         if k is not None:
             q, k, v, alibi_slopes, sinks, lengths, table, rotary = _read_before_the_append(
-                k_cache, v_cache, q=q, k=k, v=v, alibi_slopes=alibi_slopes, sinks=sinks,
-                cache_seqlens=lengths, block_table=table, rotary=rotary,
-            )  # fmt: skip
+                k_cache,
+                v_cache,
+                q=q,
+                k=k,
+                v=v,
+                alibi_slopes=alibi_slopes,
+                sinks=sinks,
+                cache_seqlens=lengths,
+                block_table=table,
+                rotary=rotary,
+            )
         placement = check_same_placement(
-            {**named, "cache_seqlens": _arrays.as_array(cache_seqlens)
-             if not is_int_scalar(cache_seqlens) else None,
-             "block_table": None if block_table is None else _arrays.as_array(block_table),
-             "cache_batch_idx": None if cache_batch_idx is None else _arrays.as_array(cache_batch_idx),
-             "alibi_slopes": alibi_slopes, "sinks": sinks}
-        )  # fmt: skip
+            {
+                **named,
+                "cache_seqlens": _arrays.as_array(cache_seqlens)
+                if not is_int_scalar(cache_seqlens)
+                else None,
+                "block_table": None if block_table is None else _arrays.as_array(block_table),
+                "cache_batch_idx": None
+                if cache_batch_idx is None
+                else _arrays.as_array(cache_batch_idx),
+                "alibi_slopes": alibi_slopes,
+                "sinks": sinks,
+            }
+        )
         return cls(
             q=q,
             k_cache=k_cache,
@@ -608,5 +660,12 @@ class AttentionVarlenBackwardInputs(_AttentionGradients):
     @classmethod
     def build(cls, forward: AttentionVarlenInputs, *, grad_out, grad_lse, out, lse):
         # shapes are checked per sequence, by the attention_backward records the backward builds
-        return cls(forward=forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse,
-                   dtype=forward.dtype, placement=forward.placement)  # fmt: skip
+        return cls(
+            forward=forward,
+            grad_out=grad_out,
+            grad_lse=grad_lse,
+            out=out,
+            lse=lse,
+            dtype=forward.dtype,
+            placement=forward.placement,
+        )

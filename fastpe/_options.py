@@ -201,8 +201,7 @@ class RelativeBias(NamedTuple):
             minimum=2,
         )
         bidirectional = check_bool(
-            "relative_bias['bidirectional']",
-            value.get("bidirectional", defaults["bidirectional"]),
+            "relative_bias['bidirectional']", value.get("bidirectional", defaults["bidirectional"])
         )
         max_exact = buckets // (4 if bidirectional else 2)
         if max_exact < 1:
@@ -211,8 +210,7 @@ class RelativeBias(NamedTuple):
                 "bidirectional, >= 2 otherwise"
             )
         max_distance = check_int(
-            "relative_bias['max_distance']",
-            value.get("max_distance", defaults["max_distance"]),
+            "relative_bias['max_distance']", value.get("max_distance", defaults["max_distance"])
         )
         if max_distance <= max_exact:  # the logarithmic buckets span max_exact … max_distance
             raise ValueError(

@@ -26,9 +26,7 @@ def is_int_scalar(value) -> bool:
     return False
 
 
-def check_int(
-    name: str, value, *, minimum: int | None = None, maximum: int | None = None
-) -> int:
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a Python int (see ``is_int_scalar``) in [minimum, maximum]. Python ints are
     unbounded, so every comparison here is exact: no value can overflow into another."""
     if not is_int_scalar(value):

@@ -28,23 +28,55 @@ import numpy as np
 
 # the ops whose CPU kernels warmup knows how to call, and what each does with the features
 OPS = (
-    "sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "attention_varlen",
-    "attention_kvcache", "merge_attention",
-)  # fmt: skip
+    "sinusoidal_table",
+    "rope_table",
+    "apply_rope",
+    "embed",
+    "attention",
+    "attention_varlen",
+    "attention_kvcache",
+    "merge_attention",
+)
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 FEATURES = (
-    "causal", "window", "softcap", "sinks", "alibi", "mask", "rope", "decode", "paged", "backward",
-)  # fmt: skip
+    "causal",
+    "window",
+    "softcap",
+    "sinks",
+    "alibi",
+    "mask",
+    "rope",
+    "decode",
+    "paged",
+    "backward",
+)
 # the features each op takes (others in the set are ignored for that op)
 _OP_FEATURES = {
-    "attention": {"causal", "window", "softcap", "sinks", "alibi", "mask", "rope", "decode",
-                  "backward"},
-    "attention_varlen": {"causal", "window", "softcap", "sinks", "alibi", "rope", "decode",
-                         "backward"},
+    "attention": {
+        "causal",
+        "window",
+        "softcap",
+        "sinks",
+        "alibi",
+        "mask",
+        "rope",
+        "decode",
+        "backward",
+    },
+    "attention_varlen": {
+        "causal",
+        "window",
+        "softcap",
+        "sinks",
+        "alibi",
+        "rope",
+        "decode",
+        "backward",
+    },
     "attention_kvcache": {"causal", "window", "softcap", "sinks", "alibi", "rope", "paged"},
     "apply_rope": {"backward"},
     "embed": {"backward"},
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +207,11 @@ def plan(ops=None, dtypes=None, features=None, model_config=None, flash=False) -
     ops = list(dict.fromkeys(ops or ["attention"]))
     dtypes = list(dict.fromkeys(dtypes or ["float32"]))
     features = set(features or ())
-    for kind, given, known in (("op", ops, OPS), ("dtype", dtypes, DTYPES),
-                               ("feature", features, FEATURES)):  # fmt: skip
+    for kind, given, known in (
+        ("op", ops, OPS),
+        ("dtype", dtypes, DTYPES),
+        ("feature", features, FEATURES),
+    ):
         unknown = [x for x in given if x not in known]
         if unknown:
             raise ValueError(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
@@ -296,8 +331,9 @@ def _calls(item: Item):
                 for pe in ("sinusoidal", None):
                     make.backward(fastpe.embed(ids, weight, pe=pe, backend="numba"))
                 table = make.floats(seq, 64)
-                make.backward(fastpe.embed(ids, weight, pe="table", pe_table=table,
-                                           backend="numba"))  # fmt: skip
+                make.backward(
+                    fastpe.embed(ids, weight, pe="table", pe_table=table, backend="numba")
+                )
 
             calls.append((f"{seq} tokens", embed))
     elif item.op == "merge_attention":
@@ -335,15 +371,27 @@ def _calls(item: Item):
 
             def varlen(sq=sq, sk=sk):
                 q = make.floats(2 * sq, h, d, grad=True)
-                k, v = make.floats(2 * sk, hkv, d, grad=True), make.floats(2 * sk, hkv, d, grad=True)
-                cu_q, cu_k = make.ints([0, sq, 2 * sq], np.int32), make.ints([0, sk, 2 * sk], np.int32)
+                k, v = (
+                    make.floats(2 * sk, hkv, d, grad=True),
+                    make.floats(2 * sk, hkv, d, grad=True),
+                )
+                cu_q, cu_k = (
+                    make.ints([0, sq, 2 * sq], np.int32),
+                    make.ints([0, sk, 2 * sk], np.int32),
+                )
                 kwargs = _attention_kwargs(item, make, sk)
-                make.backward(fastpe.attention_varlen(q, k, v, cu_q, cu_k, backend="numba", **kwargs))
+                make.backward(
+                    fastpe.attention_varlen(q, k, v, cu_q, cu_k, backend="numba", **kwargs)
+                )
 
             calls.append((f"2 x Sq {sq} Sk {sk}", varlen))
     elif item.op == "attention_kvcache":
-        for sq, sk in [(1, 16), (1, work // (h * 2 * d) + 300), (16, 32),
-                       (_long(work, h * 2 * d), _long(work, h * 2 * d) + 16)]:  # fmt: skip
+        for sq, sk in [
+            (1, 16),
+            (1, work // (h * 2 * d) + 300),
+            (16, 32),
+            (_long(work, h * 2 * d), _long(work, h * 2 * d) + 16),
+        ]:
 
             def kvcache(sq=sq, sk=sk):
                 kwargs = _attention_kwargs(item, make, sk + sq)
@@ -354,15 +402,34 @@ def _calls(item: Item):
                 q = make.floats(1, sq, h, d)
                 k_new, v_new = make.floats(1, sq, hkv, d), make.floats(1, sq, hkv, d)
                 k_cache, v_cache = make.floats(1, sk, hkv, d), make.floats(1, sk, hkv, d)
-                fastpe.attention_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
-                                         backend="numba", **kwargs)  # fmt: skip
+                fastpe.attention_kvcache(
+                    q,
+                    k_cache,
+                    v_cache,
+                    k_new,
+                    v_new,
+                    cache_seqlens=lengths,
+                    backend="numba",
+                    **kwargs,
+                )
                 if "paged" in item.features:  # pages of 16 rows, in reverse order
                     pages = -(-sk // 16)
-                    k_pages, v_pages = make.floats(pages, 16, hkv, d), make.floats(pages, 16, hkv, d)
+                    k_pages, v_pages = (
+                        make.floats(pages, 16, hkv, d),
+                        make.floats(pages, 16, hkv, d),
+                    )
                     table = make.ints(np.arange(pages)[::-1].copy()[None], np.int32)
-                    fastpe.attention_kvcache(q, k_pages, v_pages, k_new, v_new,
-                                             cache_seqlens=lengths, block_table=table,
-                                             backend="numba", **kwargs)  # fmt: skip
+                    fastpe.attention_kvcache(
+                        q,
+                        k_pages,
+                        v_pages,
+                        k_new,
+                        v_new,
+                        cache_seqlens=lengths,
+                        block_table=table,
+                        backend="numba",
+                        **kwargs,
+                    )
 
             calls.append((f"Sq {sq} cache {sk}", kvcache))
     return calls
@@ -449,8 +516,17 @@ def default_jobs(items: list[Item]) -> int:
     return min(heavy, os.cpu_count() or 1) if heavy > 1 else 0
 
 
-def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=False, jobs=None,
-           check=True, progress=True) -> Report:  # fmt: skip
+def warmup(
+    ops=None,
+    dtypes=None,
+    features=None,
+    *,
+    model_config=None,
+    flash=False,
+    jobs=None,
+    check=True,
+    progress=True,
+) -> Report:
     """Compile, and keep in the disk cache, the CPU kernels a workload will call.
 
     ``ops`` (default ["attention"]), ``dtypes`` (default ["float32"]) and ``features``
@@ -466,8 +542,10 @@ def warmup(ops=None, dtypes=None, features=None, *, model_config=None, flash=Fal
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
     if jobs > 0 and cache_directory() is None:
         # workers could keep nothing for this process: compile here, where it is used
-        say("fastpe warmup: no writable kernel cache (set NUMBA_CACHE_DIR), compiling in this "
-            "process only")  # fmt: skip
+        say(
+            "fastpe warmup: no writable kernel cache (set NUMBA_CACHE_DIR), compiling in this "
+            "process only"
+        )
         jobs = 0
     start = time.perf_counter()
     results: list[Result] = []

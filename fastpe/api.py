@@ -43,9 +43,17 @@ def _torch_graph(*arrays, device=None) -> bool:
 
 
 def sinusoidal_table(
-    num_positions, dim, *, base=10000.0, layout="interleaved", freq="paper", offset=0,
-    dtype="float32", device=None, backend=None,
-):  # fmt: skip
+    num_positions,
+    dim,
+    *,
+    base=10000.0,
+    layout="interleaved",
+    freq="paper",
+    offset=0,
+    dtype="float32",
+    device=None,
+    backend=None,
+):
     """Sinusoidal positional-encoding table (Vaswani et al. 2017, §3.5).
 
     Returns ``[num_positions, dim]`` for positions ``offset … offset + num_positions - 1``.
@@ -62,12 +70,27 @@ def sinusoidal_table(
     if _torch_graph(device=device):
         from fastpe import torch_ops
 
-        return torch_ops.call_sinusoidal_table(num_positions, dim, base=base, layout=layout, freq=freq,
-                                               offset=offset, dtype=dtype, device=device, backend=backend)  # fmt: skip
+        return torch_ops.call_sinusoidal_table(
+            num_positions,
+            dim,
+            base=base,
+            layout=layout,
+            freq=freq,
+            offset=offset,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+        )
     inputs = SinusoidalTableInputs.build(
-        num_positions, dim, base=base, layout=layout, freq=freq, offset=offset, dtype=dtype,
+        num_positions,
+        dim,
+        base=base,
+        layout=layout,
+        freq=freq,
+        offset=offset,
+        dtype=dtype,
         device=device,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, backend)
 
 
@@ -90,9 +113,16 @@ def relative_transform(k, dim, *, base=10000.0, freq="paper", layout="interleave
 
 
 def rope_table(
-    num_positions, rotary_dim, *, base=10000.0, scaling=None, offset=0, dtype="float32",
-    device=None, backend=None,
-):  # fmt: skip
+    num_positions,
+    rotary_dim,
+    *,
+    base=10000.0,
+    scaling=None,
+    offset=0,
+    dtype="float32",
+    device=None,
+    backend=None,
+):
     """RoPE cos/sin tables ``(cos, sin)``, each ``[num_positions, rotary_dim/2]`` (halves not
     duplicated): ``cos[p, i] = attention_factor · cos((offset + p) · inv_freq[i])``, same for sin.
 
@@ -104,12 +134,25 @@ def rope_table(
     if _torch_graph(device=device):
         from fastpe import torch_ops
 
-        return torch_ops.call_rope_table(num_positions, rotary_dim, base=base, scaling=scaling,
-                                         offset=offset, dtype=dtype, device=device, backend=backend)  # fmt: skip
+        return torch_ops.call_rope_table(
+            num_positions,
+            rotary_dim,
+            base=base,
+            scaling=scaling,
+            offset=offset,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+        )
     inputs = RopeTableInputs.build(
-        num_positions, rotary_dim, base=base, scaling=scaling, offset=offset, dtype=dtype,
+        num_positions,
+        rotary_dim,
+        base=base,
+        scaling=scaling,
+        offset=offset,
+        dtype=dtype,
         device=device,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, backend)
 
 
@@ -137,13 +180,29 @@ def apply_rope(
     cos/sin are constants and raise if backward needs their gradient (docs/math.md#gradients).
     """
     if isinstance(x, (tuple, list)):
-        return _apply_rope_group(tuple(x), cos, sin, positions=positions, interleaved=interleaved,
-                                 layout=layout, inplace=inplace, backend=backend)  # fmt: skip
+        return _apply_rope_group(
+            tuple(x),
+            cos,
+            sin,
+            positions=positions,
+            interleaved=interleaved,
+            layout=layout,
+            inplace=inplace,
+            backend=backend,
+        )
     if _torch_graph(x, cos, sin, positions):
         from fastpe import torch_ops
 
-        return torch_ops.call_apply_rope(x, cos, sin, positions=positions, interleaved=interleaved,
-                                         layout=layout, inplace=inplace, backend=backend)  # fmt: skip
+        return torch_ops.call_apply_rope(
+            x,
+            cos,
+            sin,
+            positions=positions,
+            interleaved=interleaved,
+            layout=layout,
+            inplace=inplace,
+            backend=backend,
+        )
     inputs = ApplyRopeInputs.build(
         x, cos, sin, positions=positions, interleaved=interleaved, layout=layout, inplace=inplace
     )
@@ -179,9 +238,20 @@ def _check_shared_batch_and_seq(xs, layout) -> None:
 
 
 def embed(
-    ids, weight, *, positions=None, pe="sinusoidal", pe_table=None, scale=1.0, base=10000.0,
-    layout="interleaved", freq="paper", token_type_ids=None, token_type_weight=None, backend=None,
-):  # fmt: skip
+    ids,
+    weight,
+    *,
+    positions=None,
+    pe="sinusoidal",
+    pe_table=None,
+    scale=1.0,
+    base=10000.0,
+    layout="interleaved",
+    freq="paper",
+    token_type_ids=None,
+    token_type_weight=None,
+    backend=None,
+):
     """Fused token embedding + positional encoding [+ token type] -> [B, S, D] in weight's dtype.
 
     ``out[b, s] = scale · weight[ids[b, s]] + PE(positions[b, s]) [+ token_type_weight[tt[b, s]]]``
@@ -199,22 +269,55 @@ def embed(
     if _torch_graph(ids, weight, pe_table, positions, token_type_ids, token_type_weight):
         from fastpe import torch_ops
 
-        return torch_ops.call_embed(ids, weight, positions=positions, pe=pe, pe_table=pe_table, scale=scale,
-                                    base=base, layout=layout, freq=freq, token_type_ids=token_type_ids,
-                                    token_type_weight=token_type_weight, backend=backend)  # fmt: skip
+        return torch_ops.call_embed(
+            ids,
+            weight,
+            positions=positions,
+            pe=pe,
+            pe_table=pe_table,
+            scale=scale,
+            base=base,
+            layout=layout,
+            freq=freq,
+            token_type_ids=token_type_ids,
+            token_type_weight=token_type_weight,
+            backend=backend,
+        )
     inputs = EmbedInputs.build(
-        ids, weight, positions=positions, pe=pe, pe_table=pe_table, scale=scale, base=base,
-        layout=layout, freq=freq, token_type_ids=token_type_ids,
+        ids,
+        weight,
+        positions=positions,
+        pe=pe,
+        pe_table=pe_table,
+        scale=scale,
+        base=base,
+        layout=layout,
+        freq=freq,
+        token_type_ids=token_type_ids,
         token_type_weight=token_type_weight,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, backend)
 
 
 def attention(
-    q, k, v, *, causal=False, causal_alignment="bottom_right", mask=None, key_lengths=None,
-    scale=None, rope=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
-    sinks=None, return_lse=False, backend=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    causal_alignment="bottom_right",
+    mask=None,
+    key_lengths=None,
+    scale=None,
+    rope=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    return_lse=False,
+    backend=None,
+):
     """Masked scaled dot-product attention, flash-style, in q's dtype (docs/math.md#attention).
 
     Half and single precision accumulate in float32, float64 in float64.
@@ -260,17 +363,41 @@ def attention(
     if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks, *tables):
         from fastpe import torch_ops
 
-        return torch_ops.call_attention(q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
-                                        key_lengths=key_lengths, scale=scale, rope=rope,
-                                        alibi_slopes=alibi_slopes, relative_bias=relative_bias,
-                                        window=window, softcap=softcap, sinks=sinks,
-                                        return_lse=return_lse, backend=backend)  # fmt: skip
+        return torch_ops.call_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            causal_alignment=causal_alignment,
+            mask=mask,
+            key_lengths=key_lengths,
+            scale=scale,
+            rope=rope,
+            alibi_slopes=alibi_slopes,
+            relative_bias=relative_bias,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            return_lse=return_lse,
+            backend=backend,
+        )
     inputs = AttentionInputs.build(
-        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
-        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias, return_lse=return_lse, window=window, softcap=softcap,
+        q,
+        k,
+        v,
+        causal=causal,
+        causal_alignment=causal_alignment,
+        mask=mask,
+        key_lengths=key_lengths,
+        scale=scale,
+        rope=rope,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        return_lse=return_lse,
+        window=window,
+        softcap=softcap,
         sinks=sinks,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, backend)
 
 
@@ -290,10 +417,25 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
 
 
 def attention_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-    causal_alignment="bottom_right", scale=None, rope=None, alibi_slopes=None, window=None,
-    softcap=None, sinks=None, return_lse=False, backend=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    causal=False,
+    causal_alignment="bottom_right",
+    scale=None,
+    rope=None,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    return_lse=False,
+    backend=None,
+):
     """``attention`` of a packed batch of variable-length sequences
     (docs/math.md#packed-variable-length-attention).
 
@@ -319,26 +461,67 @@ def attention_varlen(
         from fastpe import torch_ops
 
         return torch_ops.call_attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
-            scale=scale, rope=rope, alibi_slopes=alibi_slopes, window=window, softcap=softcap,
-            sinks=sinks, return_lse=return_lse, backend=backend,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            causal=causal,
+            causal_alignment=causal_alignment,
+            scale=scale,
+            rope=rope,
+            alibi_slopes=alibi_slopes,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            return_lse=return_lse,
+            backend=backend,
+        )
     inputs = AttentionVarlenInputs.build(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment=causal_alignment,
-        scale=scale, rope=rope, alibi_slopes=alibi_slopes, window=window, softcap=softcap,
-        sinks=sinks, return_lse=return_lse,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        causal=causal,
+        causal_alignment=causal_alignment,
+        scale=scale,
+        rope=rope,
+        alibi_slopes=alibi_slopes,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
     return dispatch.run(inputs, backend)
 
 
 def attention_kvcache(
-    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
-    cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-    causal=False, scale=None, alibi_slopes=None, window=None, softcap=None, sinks=None,
-    return_lse=False, backend=None,
-):  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    block_table=None,
+    cache_batch_idx=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
+    causal=False,
+    scale=None,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    return_lse=False,
+    backend=None,
+):
     """Attention of new queries against a KV cache, optionally appending new keys/values first
     (FlashAttention's ``flash_attn_with_kvcache``; docs/math.md#kv-cache-attention).
 
@@ -381,26 +564,59 @@ def attention_kvcache(
         from fastpe import torch_ops
 
         return torch_ops.call_attention_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-            cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved, causal=causal, scale=scale,
-            alibi_slopes=alibi_slopes, window=window, softcap=softcap, sinks=sinks,
-            return_lse=return_lse, backend=backend,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            cache_batch_idx=cache_batch_idx,
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved,
+            causal=causal,
+            scale=scale,
+            alibi_slopes=alibi_slopes,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            return_lse=return_lse,
+            backend=backend,
+        )
     inputs = AttentionKVCacheInputs.build(
-        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-        cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, causal=causal, scale=scale,
-        alibi_slopes=alibi_slopes, window=window, softcap=softcap, sinks=sinks,
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved,
+        causal=causal,
+        scale=scale,
+        alibi_slopes=alibi_slopes,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
         return_lse=return_lse,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, backend)
 
 
 OPS = (
-    "sinusoidal_table", "rope_table", "apply_rope", "embed", "attention", "merge_attention",
-    "attention_varlen", "attention_kvcache",
-)  # fmt: skip
+    "sinusoidal_table",
+    "rope_table",
+    "apply_rope",
+    "embed",
+    "attention",
+    "merge_attention",
+    "attention_varlen",
+    "attention_kvcache",
+)
 
 
 def explain(op, *args, **kwargs) -> dispatch.Explanation:

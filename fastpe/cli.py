@@ -107,9 +107,14 @@ def warmup(args) -> int:
                 "torch is not installed (pip install torch)",
             )
     report = _warmup.warmup(
-        args.ops, args.dtype, args.features, model_config=args.model_config, flash=args.flash,
-        jobs=args.jobs, check=not args.no_check,
-    )  # fmt: skip
+        args.ops,
+        args.dtype,
+        args.features,
+        model_config=args.model_config,
+        flash=args.flash,
+        jobs=args.jobs,
+        check=not args.no_check,
+    )
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -144,17 +149,36 @@ def _demo_cases(rng):
     out_b, lse_b = fastpe.attention(q, k[:, :, 80:], v[:, :, 80:], return_lse=True, backend="numpy")
     return [
         ("sinusoidal_table 1M..1M+512 x 512", "sinusoidal_table", (512, 512), {"offset": 2**20}),
-        ("rope_table 4096 x 128, llama3 scaling", "rope_table", (4096, 128),
-         {"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}}),
+        (
+            "rope_table 4096 x 128, llama3 scaling",
+            "rope_table",
+            (4096, 128),
+            {
+                "scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+        ),
         ("apply_rope [2,8,128,64] offset 1000", "apply_rope", (q, cos, sin), {"positions": 1000}),
         ("embed [4,128] vocab 1000 d 256 + sinusoidal", "embed", (ids, weight), {"scale": 16.0}),
-        ("attention GQA 8/2 heads, causal, ALiBi", "attention", (q, k, v),
-         {"causal": True, "alibi_slopes": 2.0 ** -np.arange(1, 9)}),
-        ("attention + fused RoPE + key_lengths", "attention", (q, k, v),
-         {"rope": {"cos": cos, "sin": sin}, "key_lengths": np.array([160, 97])}),
+        (
+            "attention GQA 8/2 heads, causal, ALiBi",
+            "attention",
+            (q, k, v),
+            {"causal": True, "alibi_slopes": 2.0 ** -np.arange(1, 9)},
+        ),
+        (
+            "attention + fused RoPE + key_lengths",
+            "attention",
+            (q, k, v),
+            {"rope": {"cos": cos, "sin": sin}, "key_lengths": np.array([160, 97])},
+        ),
         ("merge_attention of two key halves", "merge_attention", (out_a, lse_a, out_b, lse_b), {}),
-    ]  # fmt: skip
+    ]
 
 
 def _max_error(result, reference) -> float:
@@ -397,41 +421,58 @@ def _parser() -> argparse.ArgumentParser:
         "now loads from the cache. Run it at image build time to ship a warm cache.",
     )
     w.add_argument(
-        "--ops", nargs="+", choices=_warmup.OPS, metavar="OP",
+        "--ops",
+        nargs="+",
+        choices=_warmup.OPS,
+        metavar="OP",
         help="ops to warm up: %(choices)s (default: attention)",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--dtype", nargs="+", type=_dtype, metavar="DTYPE",
+        "--dtype",
+        nargs="+",
+        type=_dtype,
+        metavar="DTYPE",
         help="dtypes of the inputs (default: float32, or the model config's torch_dtype); "
         "float16/bfloat16 need torch",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--features", nargs="+", choices=_warmup.FEATURES, metavar="FEATURE", default=None,
+        "--features",
+        nargs="+",
+        choices=_warmup.FEATURES,
+        metavar="FEATURE",
+        default=None,
         help="what the workload's calls use: %(choices)s ('decode': one-query-row calls "
         "against a cache; 'paged': a block table for attention_kvcache; 'backward': "
         "gradients through torch)",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--model-config", metavar="PATH|NAME", default=None,
+        "--model-config",
+        metavar="PATH|NAME",
+        default=None,
         help="a transformers config.json (or a directory holding one, or a Hub name already in "
         "the local Hugging Face cache): warm up what the model runs through "
         "fastpe.integrations.transformers.register() — attention in its dtype, causal, prefill "
         "and decode, with its sliding window, softcap and sinks",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--flash", action="store_true",
+        "--flash",
+        action="store_true",
         help="with --model-config: for register_flash() (attention_varlen and attention)",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--jobs", type=int, default=None, metavar="N",
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
         help="worker processes (0: in this process; default: one per attention item up to "
         "one per CPU when there are several, else 0: a worker's start costs more than it saves "
         "on short compiles)",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--no-check", action="store_true",
+        "--no-check",
+        action="store_true",
         help="skip the last fresh process that confirms every call loads from the cache",
-    )  # fmt: skip
+    )
     w.add_argument(
         "--dry-run", action="store_true", help="print the items that would run, compile nothing"
     )

@@ -96,10 +96,7 @@ def shard_sequence(x, rank, world_size, *, layout="contiguous", dim=2):
     import torch
 
     late = 2 * world_size - 1 - rank
-    return torch.cat(
-        [x.narrow(dim, rank * c, c), x.narrow(dim, late * c, c)],
-        dim=dim,
-    )
+    return torch.cat([x.narrow(dim, rank * c, c), x.narrow(dim, late * c, c)], dim=dim)
 
 
 def unshard_sequence(shards, *, layout="contiguous", dim=2):
@@ -176,8 +173,11 @@ class _Group:
             raise error
         from fastpe.dispatch import BackendNotSupportedError
 
-        kinds = {"TypeError": TypeError, "IndexError": IndexError,
-                 "BackendNotSupportedError": BackendNotSupportedError}  # fmt: skip
+        kinds = {
+            "TypeError": TypeError,
+            "IndexError": IndexError,
+            "BackendNotSupportedError": BackendNotSupportedError,
+        }
         for rank, (_, report) in enumerate(reports):
             if report is not None:
                 kind = kinds.get(report[0], ValueError)
@@ -284,8 +284,27 @@ class _Plan:
     same verdict without further communication.
     """
 
-    def __init__(self, g, q, k, v, *, causal, key_lengths, scale, rope, alibi_slopes, mask,
-                 relative_bias, window, softcap, sinks, layout, backend, name):  # fmt: skip
+    def __init__(
+        self,
+        g,
+        q,
+        k,
+        v,
+        *,
+        causal,
+        key_lengths,
+        scale,
+        rope,
+        alibi_slopes,
+        mask,
+        relative_bias,
+        window,
+        softcap,
+        sinks,
+        layout,
+        backend,
+        name,
+    ):
         import torch
 
         from fastpe._inputs import AttentionInputs, _check_key_lengths, check_window
@@ -329,10 +348,22 @@ class _Plan:
                         "positions come from the layout (see shard_positions)"
                     )
             inputs = AttentionInputs.build(
-                q, k, v, causal=causal, causal_alignment="top_left", mask=None,
-                key_lengths=None, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-                relative_bias=None, return_lse=True, window=window, softcap=softcap, sinks=sinks,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                causal=causal,
+                causal_alignment="top_left",
+                mask=None,
+                key_lengths=None,
+                scale=scale,
+                rope=rope,
+                alibi_slopes=alibi_slopes,
+                relative_bias=None,
+                return_lse=True,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+            )
             _check_backend(inputs, backend)
             if q.shape[2] != k.shape[2]:
                 raise ValueError(
@@ -352,7 +383,7 @@ class _Plan:
                     tuple(q.shape[:2]) + tuple(q.shape[3:]),
                     tuple(k.shape[:2]) + tuple(k.shape[3:]),
                     tuple(v.shape[3:]),
-                ),  # fmt: skip
+                ),
                 "seq": q.shape[2],
                 "dtype": str(q.dtype),
                 "device": q.device.type,
@@ -372,7 +403,7 @@ class _Plan:
                     inputs.softcap,
                     sink_values,
                     None if rope is None else inputs.rope.interleaved,
-                ),  # fmt: skip
+                ),
             }
 
         reports = g.agree(local)
@@ -439,8 +470,10 @@ class _Plan:
             for rank in range(size):
                 source = (rank - step) % size
                 q, k = self.positions[rank].host, self.positions[source].host
-                if any(not _nothing_visible(self, q[rows], k[keys])
-                       for rows, keys, _ in _ring_blocks(self, rank, source)):  # fmt: skip
+                if any(
+                    not _nothing_visible(self, q[rows], k[keys])
+                    for rows, keys, _ in _ring_blocks(self, rank, source)
+                ):
                     return step + 1
         return 1
 
@@ -513,10 +546,17 @@ def _block_options(plan, q_at, k_at, *, causal):
         allowed = functools.reduce(torch.logical_and, allowed)
         mask = allowed[None, None] if mask is None else mask.masked_fill(~allowed, -math.inf)
     return dict(
-        causal=causal, causal_alignment="top_left", key_lengths=key_lengths, scale=plan.scale,
-        rope=rope, mask=mask, alibi_slopes=None, relative_bias=None, window=window,
+        causal=causal,
+        causal_alignment="top_left",
+        key_lengths=key_lengths,
+        scale=plan.scale,
+        rope=rope,
+        mask=mask,
+        alibi_slopes=None,
+        relative_bias=None,
+        window=window,
         softcap=plan.softcap,
-    )  # fmt: skip
+    )
 
 
 def _attend(plan, q, k, v, q_at, k_at, *, causal, backend, sinks=None):
@@ -580,9 +620,15 @@ def _ring_compute(plan, q, k, v, acc_out, acc_lse, source, backend):
     qpos, kpos = plan.positions[plan.g.rank], plan.positions[source]
     for rows, keys, causal in _ring_blocks(plan, plan.g.rank, source):
         part = _attend(
-            plan, q[:, :, rows], k[:, :, keys], v[:, :, keys], qpos[rows], kpos[keys],
-            causal=causal, backend=backend,
-        )  # fmt: skip
+            plan,
+            q[:, :, rows],
+            k[:, :, keys],
+            v[:, :, keys],
+            qpos[rows],
+            kpos[keys],
+            causal=causal,
+            backend=backend,
+        )
         if part is not None:
             _merge_into(acc_out[:, :, rows], acc_lse[:, :, rows], *part)
 
@@ -610,10 +656,25 @@ def _wait(requests):
 
 
 def ring_attention(
-    q, k, v, *, group=None, causal=False, key_lengths=None, scale=None, rope=None,
-    alibi_slopes=None, window=None, softcap=None, sinks=None, mask=None, relative_bias=None,
-    return_lse=False, layout="contiguous", backend=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    causal=False,
+    key_lengths=None,
+    scale=None,
+    rope=None,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    mask=None,
+    relative_bias=None,
+    return_lse=False,
+    layout="contiguous",
+    backend=None,
+):
     """Exact attention over a sequence sharded across the ranks of ``group``; each rank passes
     its shard and gets the shard of the full result (docs/distributed.md).
 
@@ -642,16 +703,30 @@ def ring_attention(
     """
     g = _Group(group)
     plan = _Plan(
-        g, q, k, v, causal=causal, key_lengths=key_lengths,
-        scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
-        relative_bias=relative_bias, window=window, softcap=softcap, sinks=sinks, layout=layout,
-        backend=backend, name="ring_attention",
-    )  # fmt: skip
+        g,
+        q,
+        k,
+        v,
+        causal=causal,
+        key_lengths=key_lengths,
+        scale=scale,
+        rope=rope,
+        alibi_slopes=alibi_slopes,
+        mask=mask,
+        relative_bias=relative_bias,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        layout=layout,
+        backend=backend,
+        name="ring_attention",
+    )
     run = types.SimpleNamespace(
         forward=lambda q, k, v, sinks: _ring_loop(g, plan, q, k, v, backend, sinks=sinks),
-        backward=lambda q, k, v, sinks, *rest: _ring_backward(g, plan, q, k, v, *rest, backend,
-                                                              sinks=sinks),
-    )  # fmt: skip
+        backward=lambda q, k, v, sinks, *rest: _ring_backward(
+            g, plan, q, k, v, *rest, backend, sinks=sinks
+        ),
+    )
     out, lse = _collective_function().apply(run, q, k, v, sinks)
     return (out, lse) if return_lse else out
 
@@ -692,7 +767,7 @@ def _empty_shard(plan, like, source, dtype=None):
     return tuple(
         torch.empty(
             (*t.shape[:2], plan.seqs[source], t.shape[3]), dtype=dtype or t.dtype, device=t.device
-        )  # fmt: skip
+        )
         for t in like
     )
 
@@ -707,11 +782,19 @@ def _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq
         if options is None:
             continue
         parts = torch_ops.call_attention_backward(
-            grad_out[:, :, rows], grad_lse[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-            kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], backend=backend, **options,
-        )  # fmt: skip
-        for acc, part in zip((dq[:, :, rows], grads[0][:, :, keys], grads[1][:, :, keys]), parts,
-                             strict=True):  # fmt: skip
+            grad_out[:, :, rows],
+            grad_lse[:, :, rows],
+            q[:, :, rows],
+            kv[0][:, :, keys],
+            kv[1][:, :, keys],
+            out[:, :, rows],
+            lse[:, :, rows],
+            backend=backend,
+            **options,
+        )
+        for acc, part in zip(
+            (dq[:, :, rows], grads[0][:, :, keys], grads[1][:, :, keys]), parts, strict=True
+        ):
             acc.add_(part)
 
 
@@ -745,8 +828,9 @@ def _ring_backward(g, plan, q, k, v, out, lse, grad_out, grad_lse, backend, *, s
             coming = _empty_shard(plan, kv, (source - 1) % g.size)
             requests += _ring_exchange(g, send=kv, receive=coming, tag=_KV_TAG)
         grads = tuple(torch.zeros_like(t, dtype=torch.float32) for t in kv)
-        _ring_backward_compute(plan, source, q, kv, out, lse, grad_out, grad_lse, dq, grads,
-                               backend)  # fmt: skip
+        _ring_backward_compute(
+            plan, source, q, kv, out, lse, grad_out, grad_lse, dq, grads, backend
+        )
         _wait(requests)
         for acc, part in zip(grads, arriving, strict=False):
             acc.add_(part)
@@ -808,10 +892,25 @@ def _visible_keys(plan, qpos) -> slice:
 
 
 def all_gather_attention(
-    q, k, v, *, group=None, causal=False, key_lengths=None, scale=None, rope=None,
-    alibi_slopes=None, window=None, softcap=None, sinks=None, mask=None, relative_bias=None,
-    return_lse=False, layout="contiguous", backend=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    causal=False,
+    key_lengths=None,
+    scale=None,
+    rope=None,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    mask=None,
+    relative_bias=None,
+    return_lse=False,
+    layout="contiguous",
+    backend=None,
+):
     """``ring_attention``'s contract (same arguments, same result) computed by all-gathering K
     and V first and attending locally: one collective instead of N-1 ring steps, at the memory
     cost of the whole K/V on every rank. For small K/V (few kv heads, short sequences).
@@ -821,11 +920,24 @@ def all_gather_attention(
 
     g = _Group(group)
     plan = _Plan(
-        g, q, k, v, causal=causal, key_lengths=key_lengths,
-        scale=scale, rope=rope, alibi_slopes=alibi_slopes, mask=mask,
-        relative_bias=relative_bias, window=window, softcap=softcap, sinks=sinks, layout=layout,
-        backend=backend, name="all_gather_attention",
-    )  # fmt: skip
+        g,
+        q,
+        k,
+        v,
+        causal=causal,
+        key_lengths=key_lengths,
+        scale=scale,
+        rope=rope,
+        alibi_slopes=alibi_slopes,
+        mask=mask,
+        relative_bias=relative_bias,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        layout=layout,
+        backend=backend,
+        name="all_gather_attention",
+    )
 
     # recorded by autograd as it runs: the gathers and fastpe.attention have backwards
     key_all, value_all = _gather_sequence(g, plan, k), _gather_sequence(g, plan, v)
@@ -838,9 +950,16 @@ def all_gather_attention(
     for rows in pieces:
         keys = _visible_keys(plan, qpos.host[rows])
         part = _attend(
-            plan, q[:, :, rows], key_all[:, :, keys], value_all[:, :, keys], qpos[rows],
-            plan.everything[keys], causal=plan.causal, backend=backend, sinks=sinks,
-        )  # fmt: skip
+            plan,
+            q[:, :, rows],
+            key_all[:, :, keys],
+            value_all[:, :, keys],
+            qpos[rows],
+            plan.everything[keys],
+            causal=plan.causal,
+            backend=backend,
+            sinks=sinks,
+        )
         if part is None:  # no key to see: zeros, and lse = the sink (or -inf)
             b, hq, m = q[:, :, rows].shape[:3]
             lse = torch.full((b, hq, m), -math.inf, device=q.device)
@@ -858,9 +977,18 @@ def all_gather_attention(
 
 
 def sharded_kv_decode_attention(
-    q, k_cache_shard, v_cache_shard, *, group=None, cache_lengths=None, scale=None,
-    softcap=None, sinks=None, return_lse=False, backend=None,
-):  # fmt: skip
+    q,
+    k_cache_shard,
+    v_cache_shard,
+    *,
+    group=None,
+    cache_lengths=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+    return_lse=False,
+    backend=None,
+):
     """Queries that see a whole KV cache sharded over the ranks (decoding): each rank attends to
     its shard, and the partial results are combined with the lse rule over one ``all_gather``.
 
@@ -891,10 +1019,21 @@ def sharded_kv_decode_attention(
                     f"{type(t).__name__}"
                 )
         inputs = AttentionInputs.build(
-            q, k_cache_shard, v_cache_shard, causal=False, causal_alignment="bottom_right",
-            mask=None, key_lengths=cache_lengths, scale=scale, rope=None, alibi_slopes=None,
-            relative_bias=None, return_lse=True, softcap=softcap, sinks=sinks,
-        )  # fmt: skip
+            q,
+            k_cache_shard,
+            v_cache_shard,
+            causal=False,
+            causal_alignment="bottom_right",
+            mask=None,
+            key_lengths=cache_lengths,
+            scale=scale,
+            rope=None,
+            alibi_slopes=None,
+            relative_bias=None,
+            return_lse=True,
+            softcap=softcap,
+            sinks=sinks,
+        )
         _check_backend(inputs, backend)
         return {
             "q": tuple(q.shape),
@@ -903,18 +1042,22 @@ def sharded_kv_decode_attention(
                 k_cache_shard.shape[1],
                 k_cache_shard.shape[3],
                 v_cache_shard.shape[3],
-            ),  # fmt: skip
+            ),
             "dtype": str(q.dtype),
             "options": (
                 inputs.scale,
                 inputs.softcap,
                 None if sinks is None else torch.as_tensor(sinks).tolist(),
-            ),  # fmt: skip
+            ),
         }
 
     reports = g.agree(local)
-    for key, what in (("q", "q shape"), ("kv", "cache shape (B, Hkv, D, Dv)"),
-                      ("dtype", "dtype"), ("options", "scale, softcap and sinks")):  # fmt: skip
+    for key, what in (
+        ("q", "q shape"),
+        ("kv", "cache shape (B, Hkv, D, Dv)"),
+        ("dtype", "dtype"),
+        ("options", "scale, softcap and sinks"),
+    ):
         for rank, r in enumerate(reports):
             if r[key] != reports[0][key]:
                 raise ValueError(
@@ -926,9 +1069,15 @@ def sharded_kv_decode_attention(
         import fastpe
 
         out, lse = fastpe.attention(
-            q, k_cache_shard, v_cache_shard, key_lengths=cache_lengths, scale=scale,
-            softcap=softcap, return_lse=True, backend=backend,
-        )  # fmt: skip
+            q,
+            k_cache_shard,
+            v_cache_shard,
+            key_lengths=cache_lengths,
+            scale=scale,
+            softcap=softcap,
+            return_lse=True,
+            backend=backend,
+        )
         # one collective carries both: [out | lse] in float32
         packed = torch.cat([out.to(torch.float32), lse.to(torch.float32)[..., None]], dim=-1)
         parts = [torch.empty_like(packed) for _ in range(g.size)]
@@ -942,9 +1091,11 @@ def sharded_kv_decode_attention(
         return acc_out.to(q.dtype), acc_lse
 
     out, lse = _without_backward(
-        "sharded_kv_decode_attention", compute, (q, k_cache_shard, v_cache_shard),
+        "sharded_kv_decode_attention",
+        compute,
+        (q, k_cache_shard, v_cache_shard),
         "it is for decoding, and every rank holds the whole result, so a gradient would have to "
         "say whose loss counts. Run it under torch.no_grad(); for training, ring_attention and "
         "all_gather_attention have backwards.",
-    )  # fmt: skip
+    )
     return (out, lse) if return_lse else out

@@ -111,40 +111,98 @@ def _contiguous(x):
 
 
 def flash_attn_func(
-    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> out [B, Sq, Hq, D]."""
     options = _options(
         dropout_p, softmax_scale, window_size, softcap, return_attn_probs, _seqlen(k, 1)
     )
     out = attention(
-        _bhsd(q), _bhsd(k), _bhsd(v), causal=causal, causal_alignment="bottom_right",
-        alibi_slopes=alibi_slopes, sinks=_sinks(s_aux, q, 4), **options,
-    )  # fmt: skip
+        _bhsd(q),
+        _bhsd(k),
+        _bhsd(v),
+        causal=causal,
+        causal_alignment="bottom_right",
+        alibi_slopes=alibi_slopes,
+        sinks=_sinks(s_aux, q, 4),
+        **options,
+    )
     return _contiguous(_bhsd(out))
 
 
 def flash_attn_qkvpacked_func(
-    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
-):  # fmt: skip
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
     """qkv [B, S, 3, H, D] -> out [B, S, H, D]."""
     qkv = _packed("qkv", qkv, 3, ndim=5)
-    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
-                           causal, window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs, s_aux=s_aux)  # fmt: skip
+    return flash_attn_func(
+        qkv[:, :, 0],
+        qkv[:, :, 1],
+        qkv[:, :, 2],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux=s_aux,
+    )
 
 
 def flash_attn_kvpacked_func(
-    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
-):  # fmt: skip
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
     """q [B, Sq, Hq, D], kv [B, Sk, 2, Hkv, D] -> out [B, Sq, Hq, D]."""
     kv = _packed("kv", kv, 2, ndim=5)
-    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs, s_aux=s_aux)  # fmt: skip
+    return flash_attn_func(
+        q,
+        kv[:, :, 0],
+        kv[:, :, 1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux=s_aux,
+    )
 
 
 def _packed(name, x, count, *, ndim):
@@ -152,69 +210,163 @@ def _packed(name, x, count, *, ndim):
     axis = ndim - 3
     if x.ndim != ndim or x.shape[axis] != count:
         want = "[B, S, 3, H, D]" if ndim == 5 and count == 3 else None
-        want = want or {(5, 2): "[B, S, 2, Hkv, D]", (4, 3): "[total, 3, H, D]",
-                        (4, 2): "[total_k, 2, Hkv, D]"}[(ndim, count)]  # fmt: skip
+        want = (
+            want
+            or {
+                (5, 2): "[B, S, 2, Hkv, D]",
+                (4, 3): "[total, 3, H, D]",
+                (4, 2): "[total_k, 2, Hkv, D]",
+            }[(ndim, count)]
+        )
         raise ValueError(f"{name} must be {want}; got shape {tuple(x.shape)}")
     return x
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    deterministic=False, return_attn_probs=False, block_table=None, *, s_aux=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    s_aux=None,
+):
     """q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens int32 [B + 1] -> out
     [total_q, Hq, D]."""
     seqlen_k = check_int("max_seqlen_k", max_seqlen_k) if is_int_scalar(max_seqlen_k) else None
-    options = _options(
-        dropout_p, softmax_scale, window_size, softcap, return_attn_probs, seqlen_k
-    )
+    options = _options(dropout_p, softmax_scale, window_size, softcap, return_attn_probs, seqlen_k)
     if block_table is not None:
         raise ValueError(
             "block_table in flash_attn_varlen_func (paged keys for packed queries) is not "
             "supported; use flash_attn_with_kvcache(q, k_cache, v_cache, block_table=...)"
         )
     return attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, causal=causal, causal_alignment="bottom_right",
-        alibi_slopes=alibi_slopes, sinks=_sinks(s_aux, q, 3), **options,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        causal=causal,
+        causal_alignment="bottom_right",
+        alibi_slopes=alibi_slopes,
+        sinks=_sinks(s_aux, q, 3),
+        **options,
+    )
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, *, s_aux=None,
-):  # fmt: skip
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
     """qkv [total, 3, H, D] -> out [total, H, D]."""
     qkv = _packed("qkv", qkv, 3, ndim=4)
     return flash_attn_varlen_func(
-        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, s_aux=s_aux,
-    )  # fmt: skip
+        qkv[:, 0],
+        qkv[:, 1],
+        qkv[:, 2],
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux=s_aux,
+    )
 
 
 def flash_attn_varlen_kvpacked_func(
-    q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    deterministic=False, return_attn_probs=False, *, s_aux=None,
-):  # fmt: skip
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
     """q [total_q, Hq, D], kv [total_k, 2, Hkv, D] -> out [total_q, Hq, D]."""
     kv = _packed("kv", kv, 2, ndim=4)
     return flash_attn_varlen_func(
-        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, s_aux=s_aux,
-    )  # fmt: skip
+        q,
+        kv[:, 0],
+        kv[:, 1],
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        s_aux=s_aux,
+    )
 
 
 def flash_attn_with_kvcache(
-    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-    num_splits=0, return_softmax_lse=False, *, s_aux=None,
-):  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    s_aux=None,
+):
     """q [B, Sq, Hq, D]; k_cache/v_cache [B_cache, S_cache, Hkv, D] or, with block_table
     [B, max_blocks], [num_blocks, block_size, Hkv, D]; k/v [B, S_new, Hkv, D] are appended
     into the caches in place at cache_seqlens (see fastpe.attention_kvcache). Returns out
@@ -233,8 +385,20 @@ def flash_attn_with_kvcache(
             )
         cache_seqlens = capacity  # FlashAttention: the whole cache is valid
     return attention_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-        cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, causal=causal, alibi_slopes=alibi_slopes,
-        sinks=_sinks(s_aux, q, 4), return_lse=return_softmax_lse, **options,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved,
+        causal=causal,
+        alibi_slopes=alibi_slopes,
+        sinks=_sinks(s_aux, q, 4),
+        return_lse=return_softmax_lse,
+        **options,
+    )

@@ -29,14 +29,30 @@ class SinusoidalPositionalEmbedding(nn.Module):
     Rows for position ids come from a table of ``max_positions`` rows, grown on demand.
     """
 
-    def __init__(self, dim, *, base=10000.0, layout="interleaved", freq="paper", max_positions=2048,
-                 dtype=torch.float32, device=None):  # fmt: skip
+    def __init__(
+        self,
+        dim,
+        *,
+        base=10000.0,
+        layout="interleaved",
+        freq="paper",
+        max_positions=2048,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         self.dim, self.base, self.layout, self.freq = dim, base, layout, freq
         # named here: the table op would report it as its own num_positions
         max_positions = check_int("max_positions", max_positions, minimum=0, maximum=MAX_POSITION)
-        table = fastpe.sinusoidal_table(max_positions, dim, base=base, layout=layout, freq=freq,
-                                        dtype=dtype, device=device or "cpu")  # fmt: skip
+        table = fastpe.sinusoidal_table(
+            max_positions,
+            dim,
+            base=base,
+            layout=layout,
+            freq=freq,
+            dtype=dtype,
+            device=device or "cpu",
+        )
         self.register_buffer("table", table, persistent=False)
 
     def forward(self, seq_len_or_positions, offset: int = 0):
@@ -45,16 +61,28 @@ class SinusoidalPositionalEmbedding(nn.Module):
             if not torch.compiler.is_compiling():
                 self._grow(int(positions.max()) + 1 if positions.numel() else 0)
             return nn.functional.embedding(positions, self.table)
-        return fastpe.sinusoidal_table(seq_len_or_positions, self.dim, base=self.base, layout=self.layout,
-                                       freq=self.freq, offset=offset, dtype=self.table.dtype,
-                                       device=self.table.device)  # fmt: skip
+        return fastpe.sinusoidal_table(
+            seq_len_or_positions,
+            self.dim,
+            base=self.base,
+            layout=self.layout,
+            freq=self.freq,
+            offset=offset,
+            dtype=self.table.dtype,
+            device=self.table.device,
+        )
 
     def _grow(self, needed: int) -> None:
         if needed > self.table.shape[0]:
             self.table = fastpe.sinusoidal_table(
-                max(needed, 2 * self.table.shape[0]), self.dim, base=self.base, layout=self.layout,
-                freq=self.freq, dtype=self.table.dtype, device=self.table.device,
-            )  # fmt: skip
+                max(needed, 2 * self.table.shape[0]),
+                self.dim,
+                base=self.base,
+                layout=self.layout,
+                freq=self.freq,
+                dtype=self.table.dtype,
+                device=self.table.device,
+            )
 
 
 def _rope_parameters_from_config(config) -> tuple[int, float, dict | None, int]:
@@ -108,8 +136,11 @@ class RotaryEmbedding(nn.Module):
         self._device = torch.device(device or "cpu")
         self._cached_len = 0
         # named here: the table op would report it as its own num_positions
-        self._build(check_int("max_position_embeddings", max_position_embeddings, minimum=0,
-                              maximum=MAX_POSITION))  # fmt: skip
+        self._build(
+            check_int(
+                "max_position_embeddings", max_position_embeddings, minimum=0, maximum=MAX_POSITION
+            )
+        )
 
     @classmethod
     def from_config(cls, config, device=None) -> RotaryEmbedding:
@@ -125,8 +156,9 @@ class RotaryEmbedding(nn.Module):
         )
 
     def _build(self, length: int) -> None:
-        cos, sin = fastpe.rope_table(length, self.rotary_dim, base=self.base, scaling=self.scaling,
-                                     device=self._device)  # fmt: skip
+        cos, sin = fastpe.rope_table(
+            length, self.rotary_dim, base=self.base, scaling=self.scaling, device=self._device
+        )
         self.register_buffer("cos_cached", cos, persistent=False)
         self.register_buffer("sin_cached", sin, persistent=False)
         self._cached_len = length
@@ -172,8 +204,19 @@ class FusedEmbedding(nn.Module):
     parameters that require grad (a plain tensor ``weight`` is wrapped as a frozen parameter).
     """
 
-    def __init__(self, weight, *, pe="sinusoidal", pe_table=None, scale=1.0, base=10000.0,
-                 layout="interleaved", freq="paper", token_type_weight=None, position_offset=0):  # fmt: skip
+    def __init__(
+        self,
+        weight,
+        *,
+        pe="sinusoidal",
+        pe_table=None,
+        scale=1.0,
+        base=10000.0,
+        layout="interleaved",
+        freq="paper",
+        token_type_weight=None,
+        position_offset=0,
+    ):
         super().__init__()
         self.weight = (
             weight
@@ -186,9 +229,15 @@ class FusedEmbedding(nn.Module):
         self.position_offset = position_offset
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, position_embedding: nn.Embedding | None = None,
-                       token_type_embedding: nn.Embedding | None = None, scale: float | str = 1.0,
-                       **options) -> FusedEmbedding:  # fmt: skip
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        *,
+        position_embedding: nn.Embedding | None = None,
+        token_type_embedding: nn.Embedding | None = None,
+        scale: float | str = 1.0,
+        **options,
+    ) -> FusedEmbedding:
         """Share the weights of existing modules. ``position_embedding`` (learned) implies
         ``pe="table"``; ``scale="sqrt"`` means sqrt(embedding_dim) (the paper, Marian)."""
         if scale == "sqrt":
@@ -212,7 +261,15 @@ class FusedEmbedding(nn.Module):
         if self.token_type_weight is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
         return fastpe.embed(
-            input_ids, self.weight, positions=positions, pe=self.pe, pe_table=self.pe_table,
-            scale=self.scale, base=self.base, layout=self.layout, freq=self.freq,
-            token_type_ids=types, token_type_weight=self.token_type_weight,
-        )  # fmt: skip
+            input_ids,
+            self.weight,
+            positions=positions,
+            pe=self.pe,
+            pe_table=self.pe_table,
+            scale=self.scale,
+            base=self.base,
+            layout=self.layout,
+            freq=self.freq,
+            token_type_ids=types,
+            token_type_weight=self.token_type_weight,
+        )

@@ -232,10 +232,19 @@ def attention(
     and lse = -inf: the empty sum.
     """
     scores, v_full, _, _ = _attention_logits(
-        q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, mask=mask,
-        key_lengths=key_lengths, alibi_slopes=alibi_slopes, relative_bias=relative_bias,
-        window=window, softcap=softcap,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        bottom_right=bottom_right,
+        mask=mask,
+        key_lengths=key_lengths,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        window=window,
+        softcap=softcap,
+    )
 
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     # rows with at least one visible key; a NaN (or +inf) score among them makes the row NaN
@@ -290,9 +299,16 @@ def attention_backward(
         is_key = (np.arange(sk)[None, :] < np.asarray(key_lengths)[:, None])[:, None, :, None]
         k, v = np.where(is_key, k, 0.0), np.where(is_key, v, 0.0)
     options = dict(
-        scale=scale, causal=causal, bottom_right=bottom_right, mask=mask, key_lengths=key_lengths,
-        alibi_slopes=alibi_slopes, relative_bias=relative_bias, window=window, softcap=softcap,
-    )  # fmt: skip
+        scale=scale,
+        causal=causal,
+        bottom_right=bottom_right,
+        mask=mask,
+        key_lengths=key_lengths,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        window=window,
+        softcap=softcap,
+    )
     out, lse = attention(q, k, v, sinks=sinks, **options)
     scores, v_full, softcap_slope, bucket = _attention_logits(q, k, v, **options)
     k_full = np.repeat(k, group, axis=1)
@@ -330,9 +346,20 @@ def attention_backward(
 
 
 def _attention_logits(
-    q, k, v, *, scale, causal, bottom_right, mask, key_lengths, alibi_slopes, relative_bias,
-    window, softcap,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    mask,
+    key_lengths,
+    alibi_slopes,
+    relative_bias,
+    window,
+    softcap,
+):
     """The logits of ``attention`` before the softmax: (scores [B, Hq, Sq, Sk] with -inf where a
     query may not attend, v repeated to Hq heads with padding keys zeroed, the softcap's slope
     1 - tanh²(s/c) [B, Hq, Sq, Sk] or None, T5 buckets [B, Sq, Sk] or None)."""
@@ -428,9 +455,20 @@ def merge_attention_backward(grad_out, grad_lse, out_a, lse_a, out_b, lse_b):
 
 
 def attention_varlen(
-    q, k, v, cu_q, cu_k, *, scale, causal, bottom_right, alibi_slopes=None, window=None,
-    softcap=None, sinks=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+):
     """``attention`` of each packed sequence on its own, float64.
 
     q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; sequence b is rows cu_q[b] … cu_q[b+1]-1 of
@@ -445,10 +483,14 @@ def attention_varlen(
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         part, part_lse = attention(
             *(x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys])),
-            scale=scale, causal=causal, bottom_right=bottom_right,
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
             alibi_slopes=None if alibi_slopes is None else alibi_slopes[b : b + 1],
-            window=window, softcap=softcap, sinks=sinks,
-        )  # fmt: skip
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
         out[rows] = part[0].transpose(1, 0, 2)
         lse[:, rows] = part_lse[0]
     return out, lse

@@ -42,8 +42,18 @@ NO_SPILL_TARGETS = (80, 90)
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128, 256)
 _TRITON_TYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
-KERNELS = ("sinusoidal_table", "rope_table", "apply_rope", "embed", "scatter_rows", "attention",
-           "merge", "attention_dkdv", "attention_dq", "attention_paged")  # fmt: skip
+KERNELS = (
+    "sinusoidal_table",
+    "rope_table",
+    "apply_rope",
+    "embed",
+    "scatter_rows",
+    "attention",
+    "merge",
+    "attention_dkdv",
+    "attention_dq",
+    "attention_paged",
+)
 
 # the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
 # interleaved RoPE): the constexprs each one turns on
@@ -55,16 +65,34 @@ ATTENTION_VARIANTS = {
     "float_mask": {"HAS_MASK": True},
     "key_lengths": {"HAS_KEY_LEN": True},
     "alibi": {"HAS_ALIBI": True, "CAUSAL": True},
-    "t5": {"HAS_RELATIVE_BIAS": True, "RELATIVE_BIAS_BUCKETS": 32, "RELATIVE_BIAS_BIDIRECTIONAL": True},
+    "t5": {
+        "HAS_RELATIVE_BIAS": True,
+        "RELATIVE_BIAS_BUCKETS": 32,
+        "RELATIVE_BIAS_BIDIRECTIONAL": True,
+    },
     "rope": {"HAS_ROPE": True, "ROPE_INTERLEAVED": True, "CAUSAL": True},
     "rope_neox_positions": {"HAS_ROPE": True, "HAS_QPOS": True, "HAS_KPOS": True},
-    "window_softcap_sinks": {"CAUSAL": True, "HAS_WINDOW": True, "HAS_SOFTCAP": True,
-                             "HAS_SINKS": True},
-    "everything": {"CAUSAL": True, "HAS_MASK": True, "MASK_IS_BOOL": True, "HAS_KEY_LEN": True,
-                   "HAS_ALIBI": True, "HAS_RELATIVE_BIAS": True, "RELATIVE_BIAS_BUCKETS": 32,
-                   "HAS_ROPE": True, "ROPE_INTERLEAVED": True, "HAS_WINDOW": True,
-                   "HAS_SOFTCAP": True, "HAS_SINKS": True},
-}  # fmt: skip
+    "window_softcap_sinks": {
+        "CAUSAL": True,
+        "HAS_WINDOW": True,
+        "HAS_SOFTCAP": True,
+        "HAS_SINKS": True,
+    },
+    "everything": {
+        "CAUSAL": True,
+        "HAS_MASK": True,
+        "MASK_IS_BOOL": True,
+        "HAS_KEY_LEN": True,
+        "HAS_ALIBI": True,
+        "HAS_RELATIVE_BIAS": True,
+        "RELATIVE_BIAS_BUCKETS": 32,
+        "HAS_ROPE": True,
+        "ROPE_INTERLEAVED": True,
+        "HAS_WINDOW": True,
+        "HAS_SOFTCAP": True,
+        "HAS_SINKS": True,
+    },
+}
 # the cheap default (CI) subset
 QUICK_ATTENTION_VARIANTS = ("causal", "window_softcap_sinks", "everything")
 
@@ -123,32 +151,96 @@ def _attention_args(dtype, d, variant):
     t = "*" + _TRITON_TYPE[dtype]
     half = d // 2
     values = {
-        "q_ptr": t, "k_ptr": t, "v_ptr": t, "out_ptr": t, "lse_ptr": "*fp32",
-        "mask_ptr": "*i1" if flags.get("MASK_IS_BOOL") else "*" + (_TRITON_TYPE[dtype] if flags.get("HAS_MASK") else "fp32"),
-        "key_len_ptr": "*i64", "alibi_ptr": "*fp32", "bias_ptr": "*fp32",
-        "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
-        "sinks_ptr": "*fp32", "Hq": hq, "group": hq // hkv, "Sq": s, "Sk": s, "D": d, "Dv": d, "query_shift": 0,
-        "half": half, "keys_per_split": s, "q_positions_offset": 0, "k_positions_offset": 0,
-        "bias_max_exact": 8, "bias_log_span": 1.5, "win_left": 4095, "win_right": 0,
-        "stride_qb": hq * s * d, "stride_qh": s * d, "stride_qs": d, "stride_qd": 1,
-        "stride_kb": hkv * s * d, "stride_kh": s * d, "stride_ks": d, "stride_kd": 1,
-        "stride_vb": hkv * s * d, "stride_vh": s * d, "stride_vs": d, "stride_vd": 1,
-        "stride_osplit": b * hq * s * d, "stride_ob": hq * s * d, "stride_oh": s * d, "stride_os": d, "stride_od": 1,
-        "stride_lsplit": b * hq * s, "stride_lb": hq * s, "stride_lh": s, "stride_ls": 1,
+        "q_ptr": t,
+        "k_ptr": t,
+        "v_ptr": t,
+        "out_ptr": t,
+        "lse_ptr": "*fp32",
+        "mask_ptr": "*i1"
+        if flags.get("MASK_IS_BOOL")
+        else "*" + (_TRITON_TYPE[dtype] if flags.get("HAS_MASK") else "fp32"),
+        "key_len_ptr": "*i64",
+        "alibi_ptr": "*fp32",
+        "bias_ptr": "*fp32",
+        "cos_ptr": "*fp32",
+        "sin_ptr": "*fp32",
+        "qpos_ptr": "*i64",
+        "kpos_ptr": "*i64",
+        "sinks_ptr": "*fp32",
+        "Hq": hq,
+        "group": hq // hkv,
+        "Sq": s,
+        "Sk": s,
+        "D": d,
+        "Dv": d,
+        "query_shift": 0,
+        "half": half,
+        "keys_per_split": s,
+        "q_positions_offset": 0,
+        "k_positions_offset": 0,
+        "bias_max_exact": 8,
+        "bias_log_span": 1.5,
+        "win_left": 4095,
+        "win_right": 0,
+        "stride_qb": hq * s * d,
+        "stride_qh": s * d,
+        "stride_qs": d,
+        "stride_qd": 1,
+        "stride_kb": hkv * s * d,
+        "stride_kh": s * d,
+        "stride_ks": d,
+        "stride_kd": 1,
+        "stride_vb": hkv * s * d,
+        "stride_vh": s * d,
+        "stride_vs": d,
+        "stride_vd": 1,
+        "stride_osplit": b * hq * s * d,
+        "stride_ob": hq * s * d,
+        "stride_oh": s * d,
+        "stride_os": d,
+        "stride_od": 1,
+        "stride_lsplit": b * hq * s,
+        "stride_lb": hq * s,
+        "stride_lh": s,
+        "stride_ls": 1,
         # a [B, 1, S, S] mask broadcast over heads, a [Hq] slope vector broadcast over batch
-        "stride_mb": s * s, "stride_mh": 0, "stride_mq": s, "stride_mk": 1,
-        "stride_ab": 0, "stride_ah": 1, "stride_biasb": hq, "stride_biash": 1, "stride_cos": half,
-        "stride_qpb": 0, "stride_qps": 1, "stride_kpb": 0, "stride_kps": 1,
-        "scale": 0.125, "softcap": 50.0,
-    }  # fmt: skip
+        "stride_mb": s * s,
+        "stride_mh": 0,
+        "stride_mq": s,
+        "stride_mk": 1,
+        "stride_ab": 0,
+        "stride_ah": 1,
+        "stride_biasb": hq,
+        "stride_biash": 1,
+        "stride_cos": half,
+        "stride_qpb": 0,
+        "stride_qps": 1,
+        "stride_kpb": 0,
+        "stride_kps": 1,
+        "scale": 0.125,
+        "softcap": 50.0,
+    }
     constexprs = {
-        "CAUSAL": False, "HAS_WINDOW": False, "HAS_SOFTCAP": False, "HAS_SINKS": False,
-        "BOTTOM_RIGHT": True, "HAS_MASK": False, "MASK_IS_BOOL": False, "HAS_KEY_LEN": False,
-        "HAS_ALIBI": False, "HAS_RELATIVE_BIAS": False, "RELATIVE_BIAS_BUCKETS": 2,
-        "RELATIVE_BIAS_BIDIRECTIONAL": False, "HAS_ROPE": False, "ROPE_INTERLEAVED": False,
-        "HAS_QPOS": False, "HAS_KPOS": False, "DOT_FP32": dtype == "float32",
-        "BLOCK_D": _next_pow2(d), "BLOCK_DV": _next_pow2(d),
-    }  # fmt: skip
+        "CAUSAL": False,
+        "HAS_WINDOW": False,
+        "HAS_SOFTCAP": False,
+        "HAS_SINKS": False,
+        "BOTTOM_RIGHT": True,
+        "HAS_MASK": False,
+        "MASK_IS_BOOL": False,
+        "HAS_KEY_LEN": False,
+        "HAS_ALIBI": False,
+        "HAS_RELATIVE_BIAS": False,
+        "RELATIVE_BIAS_BUCKETS": 2,
+        "RELATIVE_BIAS_BIDIRECTIONAL": False,
+        "HAS_ROPE": False,
+        "ROPE_INTERLEAVED": False,
+        "HAS_QPOS": False,
+        "HAS_KPOS": False,
+        "DOT_FP32": dtype == "float32",
+        "BLOCK_D": _next_pow2(d),
+        "BLOCK_DV": _next_pow2(d),
+    }
     constexprs.update(flags)
     return values, constexprs
 
@@ -192,14 +284,31 @@ def _kernel_specs(kernel, dtype, d, variant):
     t = "*" + _TRITON_TYPE[dtype]
     half = d // 2
     if kernel == "sinusoidal_table":
-        values = {"out_ptr": t, "omega_ptr": "*fp64", "num_positions": 4096, "offset": 0,
-                  "half": half, "stride_out_pos": d}  # fmt: skip
-        consts = {"INTERLEAVED": variant == "interleaved", "BLOCK_P": 32,
-                  "BLOCK_F": min(128, _next_pow2(half))}  # fmt: skip
+        values = {
+            "out_ptr": t,
+            "omega_ptr": "*fp64",
+            "num_positions": 4096,
+            "offset": 0,
+            "half": half,
+            "stride_out_pos": d,
+        }
+        consts = {
+            "INTERLEAVED": variant == "interleaved",
+            "BLOCK_P": 32,
+            "BLOCK_F": min(128, _next_pow2(half)),
+        }
         return "sinusoidal_table", "_sinusoidal_table_kernel", values, consts
     if kernel == "rope_table":
-        values = {"cos_ptr": t, "sin_ptr": t, "inv_freq_ptr": "*fp64", "num_positions": 4096,
-                  "offset": 0, "half": half, "stride_pos": half, "factor": 1.0}  # fmt: skip
+        values = {
+            "cos_ptr": t,
+            "sin_ptr": t,
+            "inv_freq_ptr": "*fp64",
+            "num_positions": 4096,
+            "offset": 0,
+            "half": half,
+            "stride_pos": half,
+            "factor": 1.0,
+        }
         consts = {"BLOCK_P": 32, "BLOCK_F": min(128, _next_pow2(half))}
         return "rope_table", "_rope_table_kernel", values, consts
     if kernel == "apply_rope":
@@ -207,19 +316,36 @@ def _kernel_specs(kernel, dtype, d, variant):
         rot_half = half // 2 if variant == "partial" else half
         x = {"stride_x1b": h * s * d, "stride_x1h": s * d, "stride_x1s": d, "stride_x1d": 1}
         values = {
-            "x1_ptr": t, "out1_ptr": t, "x2_ptr": t, "out2_ptr": t, "cos_ptr": t, "sin_ptr": t,
-            "pos_ptr": "*i64", "heads1": h, "heads2": 8, "seq": s, "half": rot_half, "dim": d,
-            "pos_offset": 0, **x,
+            "x1_ptr": t,
+            "out1_ptr": t,
+            "x2_ptr": t,
+            "out2_ptr": t,
+            "cos_ptr": t,
+            "sin_ptr": t,
+            "pos_ptr": "*i64",
+            "heads1": h,
+            "heads2": 8,
+            "seq": s,
+            "half": rot_half,
+            "dim": d,
+            "pos_offset": 0,
+            **x,
             **{k.replace("x1", "o1"): v for k, v in x.items()},
             **{k.replace("x1", "x2"): v // 4 if k.endswith("b") else v for k, v in x.items()},
             **{k.replace("x1", "o2"): v // 4 if k.endswith("b") else v for k, v in x.items()},
-            "stride_cos_p": rot_half, "stride_pos_b": 0, "stride_pos_s": 1,
-        }  # fmt: skip
+            "stride_cos_p": rot_half,
+            "stride_pos_b": 0,
+            "stride_pos_s": 1,
+        }
         consts = {
-            "HAS_POSITIONS": variant != "neox", "INTERLEAVED": variant == "interleaved",
-            "COPY_TAIL": variant == "partial", "INVERSE": variant == "inverse", "BLOCK_H": 16, "BLOCK_F": _next_pow2(rot_half, 1),
+            "HAS_POSITIONS": variant != "neox",
+            "INTERLEAVED": variant == "interleaved",
+            "COPY_TAIL": variant == "partial",
+            "INVERSE": variant == "inverse",
+            "BLOCK_H": 16,
+            "BLOCK_F": _next_pow2(rot_half, 1),
             "BLOCK_TAIL": _next_pow2(min(d - 2 * rot_half, 64), 1),
-        }  # fmt: skip
+        }
         return "apply_rope", "_apply_rope_kernel", values, consts
     if kernel == "embed":
         pe, types, positions = {
@@ -229,25 +355,66 @@ def _kernel_specs(kernel, dtype, d, variant):
             "sinusoidal_types_positions": (1, True, True),
         }[variant]
         values = {
-            "ids_ptr": "*i64", "weight_ptr": t, "out_ptr": t, "pos_ptr": "*i64", "omega_ptr": "*fp64",
-            "pe_ptr": t, "type_ids_ptr": "*i64", "type_weight_ptr": t, "tokens": 8192, "seq": 1024,
-            "dim": d, "half": half, "pos_offset": 0, "scale": 1.0, "stride_w": d, "stride_out": d,
-            "stride_pe": d, "stride_tw": d, "stride_pos_b": 1024, "stride_pos_s": 1,
-        }  # fmt: skip
-        consts = {"PE_KIND": pe, "HAS_POSITIONS": positions, "HAS_TYPES": types,
-                  "INTERLEAVED": True, "BLOCK_T": 16, "BLOCK_D": min(256, _next_pow2(d))}  # fmt: skip
+            "ids_ptr": "*i64",
+            "weight_ptr": t,
+            "out_ptr": t,
+            "pos_ptr": "*i64",
+            "omega_ptr": "*fp64",
+            "pe_ptr": t,
+            "type_ids_ptr": "*i64",
+            "type_weight_ptr": t,
+            "tokens": 8192,
+            "seq": 1024,
+            "dim": d,
+            "half": half,
+            "pos_offset": 0,
+            "scale": 1.0,
+            "stride_w": d,
+            "stride_out": d,
+            "stride_pe": d,
+            "stride_tw": d,
+            "stride_pos_b": 1024,
+            "stride_pos_s": 1,
+        }
+        consts = {
+            "PE_KIND": pe,
+            "HAS_POSITIONS": positions,
+            "HAS_TYPES": types,
+            "INTERLEAVED": True,
+            "BLOCK_T": 16,
+            "BLOCK_D": min(256, _next_pow2(d)),
+        }
         return "embed", "_embed_kernel", values, consts
     if kernel == "scatter_rows":  # embed's backward: one program per (row, column block)
-        values = {"order_ptr": "*i64", "starts_ptr": "*i64", "rows_ptr": "*i64", "grad_ptr": t,
-                  "out_ptr": t, "dim": d, "scale": 1.0, "stride_grad": d, "stride_out": d}  # fmt: skip
+        values = {
+            "order_ptr": "*i64",
+            "starts_ptr": "*i64",
+            "rows_ptr": "*i64",
+            "grad_ptr": t,
+            "out_ptr": t,
+            "dim": d,
+            "scale": 1.0,
+            "stride_grad": d,
+            "stride_out": d,
+        }
         return "embed", "_scatter_rows_kernel", values, {"BLOCK_D": min(256, _next_pow2(d))}
     if kernel == "merge":
         # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
         part = "*fp32" if variant == "split_kv" else t
         rows = 2 * 8 * 1024
-        values = {"part_out_ptr": part, "part_lse_ptr": "*fp32", "out_ptr": part, "lse_ptr": "*fp32",
-                  "n_parts": 4, "rows": rows, "Dv": d, "stride_po_part": rows * d, "stride_po_row": d,
-                  "stride_pl_part": rows, "stride_o_row": d}  # fmt: skip
+        values = {
+            "part_out_ptr": part,
+            "part_lse_ptr": "*fp32",
+            "out_ptr": part,
+            "lse_ptr": "*fp32",
+            "n_parts": 4,
+            "rows": rows,
+            "Dv": d,
+            "stride_po_part": rows * d,
+            "stride_po_row": d,
+            "stride_pl_part": rows,
+            "stride_o_row": d,
+        }
         consts = {"BLOCK_R": 16, "BLOCK_DV": _next_pow2(d)}
         return "attention", "_merge_kernel", values, consts
     if kernel in ("attention_dkdv", "attention_dq"):
@@ -258,24 +425,61 @@ def _kernel_specs(kernel, dtype, d, variant):
         dkdv, dq = attention_backward.tiles(d, d)
         block_m, block_n, warps = dkdv if kernel == "attention_dkdv" else dq
         values = {
-            "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "do_ptr": "*fp32",
-            "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": "*fp32",
-            "dv_ptr": "*fp32", "dtable_ptr": "*fp32", "mask_ptr": "*i1", "key_len_ptr": "*i64",
-            "alibi_ptr": "*fp32", "bias_ptr": "*fp32", "Hq": hq, "Hkv": hkv, "Sq": s, "Sk": s,
-            "D": d, "Dv": d, "query_shift": 0, "win_left": 2 * s + 1, "win_right": 0,
-            "stride_mb": s * s, "stride_mh": 0, "stride_mq": s, "stride_mk": 1,
-            "stride_ab": hq, "stride_ah": 1, "stride_biasb": hq, "stride_biash": 1,
-            "bias_max_exact": 8, "bias_log_span": 2.77, "scale": 0.125, "softcap": 1.0,
-        }  # fmt: skip
+            "q_ptr": "*fp32",
+            "k_ptr": "*fp32",
+            "v_ptr": "*fp32",
+            "do_ptr": "*fp32",
+            "lse_ptr": "*fp32",
+            "delta_ptr": "*fp32",
+            "dq_ptr": "*fp32",
+            "dk_ptr": "*fp32",
+            "dv_ptr": "*fp32",
+            "dtable_ptr": "*fp32",
+            "mask_ptr": "*i1",
+            "key_len_ptr": "*i64",
+            "alibi_ptr": "*fp32",
+            "bias_ptr": "*fp32",
+            "Hq": hq,
+            "Hkv": hkv,
+            "Sq": s,
+            "Sk": s,
+            "D": d,
+            "Dv": d,
+            "query_shift": 0,
+            "win_left": 2 * s + 1,
+            "win_right": 0,
+            "stride_mb": s * s,
+            "stride_mh": 0,
+            "stride_mq": s,
+            "stride_mk": 1,
+            "stride_ab": hq,
+            "stride_ah": 1,
+            "stride_biasb": hq,
+            "stride_biash": 1,
+            "bias_max_exact": 8,
+            "bias_log_span": 2.77,
+            "scale": 0.125,
+            "softcap": 1.0,
+        }
         everything = variant == "everything"
         consts = {
-            "HAS_SOFTCAP": everything, "HAS_MASK": everything, "MASK_IS_BOOL": everything,
-            "HAS_KEY_LEN": everything, "BOTTOM_RIGHT": True, "HAS_ALIBI": everything,
-            "HAS_RELATIVE_BIAS": everything, "RELATIVE_BIAS_BUCKETS": 32,
-            "RELATIVE_BIAS_BIDIRECTIONAL": True, "BLOCK_B": 32, "BLOCK_M": block_m,
-            "BLOCK_N": block_n, "num_warps": warps, "num_stages": 1,
-            "BLOCK_D": _next_pow2(d), "BLOCK_DV": _next_pow2(d),
-        }  # fmt: skip
+            "HAS_SOFTCAP": everything,
+            "HAS_MASK": everything,
+            "MASK_IS_BOOL": everything,
+            "HAS_KEY_LEN": everything,
+            "BOTTOM_RIGHT": True,
+            "HAS_ALIBI": everything,
+            "HAS_RELATIVE_BIAS": everything,
+            "RELATIVE_BIAS_BUCKETS": 32,
+            "RELATIVE_BIAS_BIDIRECTIONAL": True,
+            "BLOCK_B": 32,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "num_warps": warps,
+            "num_stages": 1,
+            "BLOCK_D": _next_pow2(d),
+            "BLOCK_DV": _next_pow2(d),
+        }
         name = "_attention_dkdv_kernel" if kernel == "attention_dkdv" else "_attention_dq_kernel"
         return "attention_backward", name, values, consts
     if kernel == "attention_paged":
@@ -284,25 +488,62 @@ def _kernel_specs(kernel, dtype, d, variant):
         block_m, block_n = block_sizes(1 if variant == "decode" else 1024, d, dtype == "float32")
         hq, hkv, rows = 32, 8, 8 * 4096
         values = {
-            "q_ptr": t, "k_ptr": t, "v_ptr": t, "out_ptr": t, "lse_ptr": "*fp32",
-            "q_start_ptr": "*i64", "q_len_ptr": "*i64", "k_len_ptr": "*i64", "page_ptr": "*i64",
-            "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "Hq": hq, "group": hq // hkv, "D": d,
-            "Dv": d, "page_size": 16, "keys_per_split": 4096, "win_left": 8193, "win_right": 0,
-            "stride_qt": hq * d, "stride_qh": d, "stride_qd": 1,
-            "stride_kr": hkv * d, "stride_kh": d, "stride_kd": 1,
-            "stride_vr": hkv * d, "stride_vh": d, "stride_vd": 1,
-            "stride_osplit": rows * hq * d, "stride_ot": hq * d, "stride_oh": d, "stride_od": 1,
-            "stride_lsplit": rows * hq, "stride_lt": hq, "stride_lh": 1,
-            "stride_pb": 256, "stride_pp": 1, "stride_ab": 0, "stride_ah": 1,
-            "scale": 0.125, "softcap": 50.0,
-        }  # fmt: skip
+            "q_ptr": t,
+            "k_ptr": t,
+            "v_ptr": t,
+            "out_ptr": t,
+            "lse_ptr": "*fp32",
+            "q_start_ptr": "*i64",
+            "q_len_ptr": "*i64",
+            "k_len_ptr": "*i64",
+            "page_ptr": "*i64",
+            "alibi_ptr": "*fp32",
+            "sinks_ptr": "*fp32",
+            "Hq": hq,
+            "group": hq // hkv,
+            "D": d,
+            "Dv": d,
+            "page_size": 16,
+            "keys_per_split": 4096,
+            "win_left": 8193,
+            "win_right": 0,
+            "stride_qt": hq * d,
+            "stride_qh": d,
+            "stride_qd": 1,
+            "stride_kr": hkv * d,
+            "stride_kh": d,
+            "stride_kd": 1,
+            "stride_vr": hkv * d,
+            "stride_vh": d,
+            "stride_vd": 1,
+            "stride_osplit": rows * hq * d,
+            "stride_ot": hq * d,
+            "stride_oh": d,
+            "stride_od": 1,
+            "stride_lsplit": rows * hq,
+            "stride_lt": hq,
+            "stride_lh": 1,
+            "stride_pb": 256,
+            "stride_pp": 1,
+            "stride_ab": 0,
+            "stride_ah": 1,
+            "scale": 0.125,
+            "softcap": 50.0,
+        }
         everything = variant == "everything"
         consts = {
-            "CAUSAL": True, "HAS_WINDOW": everything, "HAS_SOFTCAP": everything,
-            "HAS_SINKS": everything, "BOTTOM_RIGHT": True, "HAS_ALIBI": everything,
-            "DOT_FP32": dtype == "float32", "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "BLOCK_D": _next_pow2(d), "BLOCK_DV": _next_pow2(d),
-        }  # fmt: skip
+            "CAUSAL": True,
+            "HAS_WINDOW": everything,
+            "HAS_SOFTCAP": everything,
+            "HAS_SINKS": everything,
+            "BOTTOM_RIGHT": True,
+            "HAS_ALIBI": everything,
+            "DOT_FP32": dtype == "float32",
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_D": _next_pow2(d),
+            "BLOCK_DV": _next_pow2(d),
+        }
         return "attention_paged", "_attention_paged_kernel", values, consts
     raise ValueError(f"unknown kernel {kernel!r}")
 
@@ -348,9 +589,15 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
                         # what the launcher passes, else Triton's defaults, 4 warps and 3 stages
                         warps, stages = consts.get("num_warps", 4), consts.get("num_stages", 3)
                         out.append(
-                            Case(kernel, variant, dtype, d, _config_tuple(meta, warps, stages),
-                                 target)
-                        )  # fmt: skip
+                            Case(
+                                kernel,
+                                variant,
+                                dtype,
+                                d,
+                                _config_tuple(meta, warps, stages),
+                                target,
+                            )
+                        )
                 # every feature variant where spills fail the check (fp16 compiles like bf16:
                 # the main variants suffice for it), the main ones elsewhere
                 every = full and target in NO_SPILL_TARGETS and dtype != "float16"
@@ -361,9 +608,17 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
                         if not (pickable or all_configs):
                             continue
                         meta = dict(config.kwargs)
-                        out.append(Case("attention", variant, dtype, d,
-                                        _config_tuple(meta, config.num_warps, config.num_stages),
-                                        target, pickable))  # fmt: skip
+                        out.append(
+                            Case(
+                                "attention",
+                                variant,
+                                dtype,
+                                d,
+                                _config_tuple(meta, config.num_warps, config.num_stages),
+                                target,
+                                pickable,
+                            )
+                        )
     return out
 
 
@@ -419,8 +674,10 @@ def _read_cubin(cubin: bytes) -> dict:
         f.flush()
         usage = subprocess.run(
             [_bin("cuobjdump"), "--dump-resource-usage", f.name],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         sass = subprocess.run(
             [_bin("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
         ).stdout
@@ -436,19 +693,30 @@ def _read_cubin(cubin: bytes) -> dict:
         "spill_stores": sum(n for op, n in ops.items() if op.startswith("STL")),
         "spill_loads": sum(n for op, n in ops.items() if op.startswith("LDL")),
         "tensor_core": sum(n for op, n in ops.items() if _TENSOR_CORE.match(op.split(".")[0])),
-        "tensor_core_ops": sorted({op.split(".")[0] for op in ops if _TENSOR_CORE.match(op.split(".")[0])}),
+        "tensor_core_ops": sorted(
+            {op.split(".")[0] for op in ops if _TENSOR_CORE.match(op.split(".")[0])}
+        ),
         "global_loads": loads,
         "global_stores": stores,
         "loads_128": sum(n for op, n in loads.items() if op.endswith(".128")),
         "instructions": sum(ops.values()),
-    }  # fmt: skip
+    }
 
 
 def _cache_key(case: Case, fn, signature, constexprs, attrs, options) -> str:
     import triton
 
-    text = repr((fn.cache_key, sorted(signature.items()), sorted(constexprs.items()),
-                 sorted(attrs.items()), sorted(options.items()), case.target, triton.__version__))  # fmt: skip
+    text = repr(
+        (
+            fn.cache_key,
+            sorted(signature.items()),
+            sorted(constexprs.items()),
+            sorted(attrs.items()),
+            sorted(options.items()),
+            case.target,
+            triton.__version__,
+        )
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

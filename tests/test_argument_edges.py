@@ -73,8 +73,14 @@ def _for(backend, *arrays):
 # Huge windows are unbounded on every backend and every attention op (they used to mask every
 # key: query position + window overflowed int64), and values >= 2**63 are accepted.
 
-WINDOWS = [(-1, sys.maxsize), (sys.maxsize, -1), (sys.maxsize, sys.maxsize), (2**63, 2**64),
-           (2, 10**30), (10**30, 1)]  # fmt: skip
+WINDOWS = [
+    (-1, sys.maxsize),
+    (sys.maxsize, -1),
+    (sys.maxsize, sys.maxsize),
+    (2**63, 2**64),
+    (2, 10**30),
+    (10**30, 1),
+]
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -82,8 +88,10 @@ WINDOWS = [(-1, sys.maxsize), (sys.maxsize, -1), (sys.maxsize, sys.maxsize), (2*
 @pytest.mark.parametrize("causal", [False, True])
 def test_huge_window_attention(backend, window, causal):
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in
-               [(2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)])  # fmt: skip
+    q, k, v = (
+        rng.standard_normal(s).astype(np.float32)
+        for s in [(2, 2, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)]
+    )
     out = fastpe.attention(*_for(backend, q, k, v), window=window, causal=causal, backend=backend)
     _close(out, _attend(q, k, v, _mask(5, 7, window=window, causal=causal)))
 
@@ -97,12 +105,17 @@ def test_huge_window_varlen(backend, window, causal):
     cu_q, cu_k = (np.cumsum([0, *n]).astype(np.int32) for n in (lq, lk))
     q = rng.standard_normal((sum(lq), 2, 8)).astype(np.float32)
     k, v = rng.standard_normal((2, sum(lk), 2, 8)).astype(np.float32)
-    out = fastpe.attention_varlen(*_for(backend, q, k, v, cu_q, cu_k), window=window,
-                                  causal=causal, backend=backend)  # fmt: skip
+    out = fastpe.attention_varlen(
+        *_for(backend, q, k, v, cu_q, cu_k), window=window, causal=causal, backend=backend
+    )
     for b in range(3):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        want = _attend(q[rows].swapaxes(0, 1), k[keys].swapaxes(0, 1), v[keys].swapaxes(0, 1),
-                       _mask(lq[b], lk[b], window=window, causal=causal))  # fmt: skip
+        want = _attend(
+            q[rows].swapaxes(0, 1),
+            k[keys].swapaxes(0, 1),
+            v[keys].swapaxes(0, 1),
+            _mask(lq[b], lk[b], window=window, causal=causal),
+        )
         _close(to_np(out)[rows], want.swapaxes(0, 1))
 
 
@@ -114,13 +127,18 @@ def test_huge_window_kvcache(backend, window, causal):
     q = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
     k_cache, v_cache = rng.standard_normal((2, 2, 9, 2, 8)).astype(np.float32)
     lengths = np.array([4, 9])
-    out = fastpe.attention_kvcache(*_for(backend, q, k_cache, v_cache, lengths)[:3],
-                                   cache_seqlens=_for(backend, lengths)[0], window=window,
-                                   causal=causal, backend=backend)  # fmt: skip
+    out = fastpe.attention_kvcache(
+        *_for(backend, q, k_cache, v_cache, lengths)[:3],
+        cache_seqlens=_for(backend, lengths)[0],
+        window=window,
+        causal=causal,
+        backend=backend,
+    )
     for b in range(2):
         allowed = _mask(3, 9, length=int(lengths[b]), window=window, causal=causal)
-        want = _attend(q[b].swapaxes(0, 1), k_cache[b].swapaxes(0, 1), v_cache[b].swapaxes(0, 1),
-                       allowed)  # fmt: skip
+        want = _attend(
+            q[b].swapaxes(0, 1), k_cache[b].swapaxes(0, 1), v_cache[b].swapaxes(0, 1), allowed
+        )
         _close(to_np(out)[b], want.swapaxes(0, 1))
 
 
@@ -130,8 +148,13 @@ def test_huge_window_through_the_torch_op(window):
     cannot carry 2**63 or more."""
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 2, 4, 8)) for _ in range(3))
-    out = fastpe.attention(torch.tensor(q, requires_grad=True), torch.tensor(k), torch.tensor(v),
-                           window=window, backend="numpy")  # fmt: skip
+    out = fastpe.attention(
+        torch.tensor(q, requires_grad=True),
+        torch.tensor(k),
+        torch.tensor(v),
+        window=window,
+        backend="numpy",
+    )
     _close(out.detach(), _attend(q, k, v, _mask(4, 4, window=window)))
 
 
@@ -140,8 +163,9 @@ def test_huge_window_size_flash_attn_func(window_size):
     rng = np.random.default_rng(4)
     q, k, v = (rng.standard_normal((1, 4, 2, 8)) for _ in range(3))
     out = flash_attn.flash_attn_func(q, k, v, window_size=window_size)
-    want = _attend(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
-                   _mask(4, 4, window=window_size))  # fmt: skip
+    want = _attend(
+        q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), _mask(4, 4, window=window_size)
+    )
     _close(out, want.swapaxes(1, 2))
 
 
@@ -193,17 +217,26 @@ def test_kvcache_window_wider_than_cache_is_dropped_for_rotary(window_size):
     angles = np.arange(16)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles), np.sin(angles)
     want_k = k_cache.copy()
-    want_k[0, length:length + new] = _rotate(k_new[0], np.arange(length, length + new), inv_freq)
+    want_k[0, length : length + new] = _rotate(k_new[0], np.arange(length, length + new), inv_freq)
     want_v = v_cache.copy()
-    want_v[0, length:length + new] = v_new[0]
+    want_v[0, length : length + new] = v_new[0]
     q_rot = _rotate(q[0], np.full(sq, length), inv_freq)  # every query at cache_seqlens
     out = flash_attn.flash_attn_with_kvcache(
-        q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=length,
-        window_size=window_size, rotary_interleaved=False,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=length,
+        window_size=window_size,
+        rotary_interleaved=False,
+    )
     allowed = np.arange(slots)[None, :] < length + new
-    want = _attend(q_rot.swapaxes(0, 1), want_k[0].swapaxes(0, 1), want_v[0].swapaxes(0, 1),
-                   allowed)  # fmt: skip
+    want = _attend(
+        q_rot.swapaxes(0, 1), want_k[0].swapaxes(0, 1), want_v[0].swapaxes(0, 1), allowed
+    )
     _close(out[0], want.swapaxes(0, 1))
     _close(k_cache, want_k)
 
@@ -215,8 +248,7 @@ def test_window_size_as_0dim_tensors():
     out = flash_attn.flash_attn_func(q, k, v, window_size=(torch.tensor(1), torch.tensor(-1)))
     bhsd = [x.numpy().swapaxes(1, 2) for x in (q, k, v)]
     _close(out, _attend(*bhsd, _mask(5, 5, window=(1, -1))).swapaxes(1, 2))
-    out = fastpe.attention(*(torch.from_numpy(x) for x in bhsd),
-                           window=(np.array(1), np.int64(-1)))  # fmt: skip
+    out = fastpe.attention(*(torch.from_numpy(x) for x in bhsd), window=(np.array(1), np.int64(-1)))
     _close(out, _attend(*bhsd, _mask(5, 5, window=(1, -1))))
 
 
@@ -233,35 +265,43 @@ def _fa_calls():
     return {
         "flash_attn_func": lambda **kw: flash_attn.flash_attn_func(x, x, x, **kw),
         "flash_attn_qkvpacked_func": lambda **kw: flash_attn.flash_attn_qkvpacked_func(
-            np.stack([x] * 3, axis=2), **kw),
+            np.stack([x] * 3, axis=2), **kw
+        ),
         "flash_attn_kvpacked_func": lambda **kw: flash_attn.flash_attn_kvpacked_func(
-            x, np.stack([x] * 2, axis=2), **kw),
+            x, np.stack([x] * 2, axis=2), **kw
+        ),
         "flash_attn_varlen_func": lambda **kw: flash_attn.flash_attn_varlen_func(
-            packed, packed, packed, cu, cu, 4, 4, **kw),
-        "flash_attn_varlen_qkvpacked_func": lambda **kw: flash_attn.flash_attn_varlen_qkvpacked_func(
-            np.stack([packed] * 3, axis=1), cu, 4, **kw),
+            packed, packed, packed, cu, cu, 4, 4, **kw
+        ),
+        "flash_attn_varlen_qkvpacked_func": lambda **kw: (
+            flash_attn.flash_attn_varlen_qkvpacked_func(np.stack([packed] * 3, axis=1), cu, 4, **kw)
+        ),
         "flash_attn_varlen_kvpacked_func": lambda **kw: flash_attn.flash_attn_varlen_kvpacked_func(
-            packed, np.stack([packed] * 2, axis=1), cu, cu, 4, 4, **kw),
+            packed, np.stack([packed] * 2, axis=1), cu, cu, 4, 4, **kw
+        ),
         "flash_attn_with_kvcache": lambda **kw: flash_attn.flash_attn_with_kvcache(
-            x, cache, cache, x, x, cache_seqlens=2, **kw),
-    }  # fmt: skip
+            x, cache, cache, x, x, cache_seqlens=2, **kw
+        ),
+    }
 
 
 @pytest.mark.parametrize("function", list(_fa_calls()))
 @pytest.mark.parametrize(
     "kwargs,error,name",
-    [({"softcap": float("nan")}, ValueError, "softcap"),
-     ({"softcap": float("inf")}, ValueError, "softcap"),
-     ({"softcap": -1.0}, ValueError, "softcap"),
-     ({"softcap": "1"}, TypeError, "softcap"),
-     ({"softcap": None}, TypeError, "softcap"),
-     ({"window_size": 3}, TypeError, "window_size"),
-     ({"window_size": (1, 2, 3)}, TypeError, "window_size"),
-     ({"window_size": (1.5, -1)}, TypeError, "window_size[0]"),
-     ({"window_size": (0, -2)}, ValueError, "window_size[1]"),
-     ({"window_size": (torch.tensor(1.0), -1)}, TypeError, "window_size[0]")],
+    [
+        ({"softcap": float("nan")}, ValueError, "softcap"),
+        ({"softcap": float("inf")}, ValueError, "softcap"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"softcap": "1"}, TypeError, "softcap"),
+        ({"softcap": None}, TypeError, "softcap"),
+        ({"window_size": 3}, TypeError, "window_size"),
+        ({"window_size": (1, 2, 3)}, TypeError, "window_size"),
+        ({"window_size": (1.5, -1)}, TypeError, "window_size[0]"),
+        ({"window_size": (0, -2)}, ValueError, "window_size[1]"),
+        ({"window_size": (torch.tensor(1.0), -1)}, TypeError, "window_size[0]"),
+    ],
     ids=lambda p: p.__name__ if isinstance(p, type) else repr(p),
-)  # fmt: skip
+)
 def test_flash_attn_bad_options_name_the_argument(function, kwargs, error, name):
     call = _fa_calls()[function]
     with pytest.raises(error) as caught:
@@ -300,8 +340,12 @@ def test_kvcache_without_cache_seqlens_reads_the_whole_cache():
     k_cache, v_cache = rng.standard_normal((2, 2, 5, 2, 8))
     out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache)
     for b in range(2):
-        want = _attend(q[b].swapaxes(0, 1), k_cache[b].swapaxes(0, 1), v_cache[b].swapaxes(0, 1),
-                       np.ones((1, 5), bool))  # fmt: skip
+        want = _attend(
+            q[b].swapaxes(0, 1),
+            k_cache[b].swapaxes(0, 1),
+            v_cache[b].swapaxes(0, 1),
+            np.ones((1, 5), bool),
+        )
         _close(out[b], want.swapaxes(0, 1))
 
 
@@ -316,8 +360,16 @@ def test_kvcache_lengths_near_int64_max_are_refused_before_writing(paged, length
     before = k_cache.copy(), v_cache.copy()
     table = np.array([[0, 1], [2, 3]], np.int32) if paged else None
     with pytest.raises(ValueError, match="cache_seqlens"):
-        fastpe.attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array(lengths),
-                                 block_table=table, backend="numpy")  # fmt: skip
+        fastpe.attention_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=np.array(lengths),
+            block_table=table,
+            backend="numpy",
+        )
     assert np.array_equal(k_cache, before[0]) and np.array_equal(v_cache, before[1])
 
 
@@ -332,7 +384,9 @@ def test_relative_transform_far_distances_are_exact(k):
     for i, w in enumerate(omega):
         angle = mpmath.mpf(k) * mpmath.mpf(float(w))
         np.testing.assert_allclose(t[2 * i, 2 * i], float(mpmath.cos(angle)), rtol=0, atol=1e-15)
-        np.testing.assert_allclose(t[2 * i, 2 * i + 1], float(mpmath.sin(angle)), rtol=0, atol=1e-15)
+        np.testing.assert_allclose(
+            t[2 * i, 2 * i + 1], float(mpmath.sin(angle)), rtol=0, atol=1e-15
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,12 +397,26 @@ def test_relative_transform_far_distances_are_exact(k):
 # IndexError naming it), and writes nothing first. NumPy backend: the checks run before any
 # kernel.
 
-SCALARS = {"2**31": 2**31, "2**63": 2**63, "2**64": 2**64, "-1": -1,
-           "uint32": np.uint32(3), "uint64": np.uint64(2**64 - 1), "0-dim tensor": "tensor",
-           "0-dim array": np.array(2), "0-dim float tensor": "float tensor"}  # fmt: skip
-ARRAYS = {"2**31": ("int64", 2**31), "2**63": ("uint64", 2**63), "2**64": ("list", 2**64),
-          "-1": ("int64", -1), "uint32": ("uint32", None), "uint64": ("uint64", None),
-          "0-dim tensor": ("0-dim", None)}  # fmt: skip
+SCALARS = {
+    "2**31": 2**31,
+    "2**63": 2**63,
+    "2**64": 2**64,
+    "-1": -1,
+    "uint32": np.uint32(3),
+    "uint64": np.uint64(2**64 - 1),
+    "0-dim tensor": "tensor",
+    "0-dim array": np.array(2),
+    "0-dim float tensor": "float tensor",
+}
+ARRAYS = {
+    "2**31": ("int64", 2**31),
+    "2**63": ("uint64", 2**63),
+    "2**64": ("list", 2**64),
+    "-1": ("int64", -1),
+    "uint32": ("uint32", None),
+    "uint64": ("uint64", None),
+    "0-dim tensor": ("0-dim", None),
+}
 
 
 def _scalar(kind):
@@ -421,84 +489,259 @@ def _fa_kvcache(caches, **kw):
 # ``big`` marks table sizes that would allocate gigabytes when accepted: only validated there.
 N = "numpy"
 CASES = {
-    "sinusoidal_table num_positions": ("num_positions", "scalar",
-        lambda x, c: fastpe.sinusoidal_table(x, 4, backend=N), "big"),
-    "sinusoidal_table dim": ("dim", "scalar", lambda x, c: fastpe.sinusoidal_table(2, x, backend=N), "big"),
+    "sinusoidal_table num_positions": (
+        "num_positions",
+        "scalar",
+        lambda x, c: fastpe.sinusoidal_table(x, 4, backend=N),
+        "big",
+    ),
+    "sinusoidal_table dim": (
+        "dim",
+        "scalar",
+        lambda x, c: fastpe.sinusoidal_table(2, x, backend=N),
+        "big",
+    ),
     "relative_transform k": ("k", "scalar", lambda x, c: fastpe.relative_transform(x, 4), ""),
-    "relative_transform dim": ("dim", "scalar", lambda x, c: fastpe.relative_transform(1, x), "big"),
-    "sinusoidal_table offset": ("offset", "scalar",
-        lambda x, c: fastpe.sinusoidal_table(2, 4, offset=x, backend=N), ""),
-    "rope_table num_positions": ("num_positions", "scalar", lambda x, c: fastpe.rope_table(x, 4, backend=N), "big"),
-    "rope_table rotary_dim": ("rotary_dim", "scalar", lambda x, c: fastpe.rope_table(2, x, backend=N), "big"),
-    "rope_table offset": ("offset", "scalar", lambda x, c: fastpe.rope_table(2, 4, offset=x, backend=N), ""),
-    "apply_rope positions int": ("positions", "scalar",
-        lambda x, c: fastpe.apply_rope(_Q, _COS, _SIN, positions=x, backend=N), "index"),
-    "apply_rope positions array": ("positions", ([0, 2, 4],),
-        lambda x, c: fastpe.apply_rope(_Q, _COS, _SIN, positions=x, backend=N), "index"),
+    "relative_transform dim": (
+        "dim",
+        "scalar",
+        lambda x, c: fastpe.relative_transform(1, x),
+        "big",
+    ),
+    "sinusoidal_table offset": (
+        "offset",
+        "scalar",
+        lambda x, c: fastpe.sinusoidal_table(2, 4, offset=x, backend=N),
+        "",
+    ),
+    "rope_table num_positions": (
+        "num_positions",
+        "scalar",
+        lambda x, c: fastpe.rope_table(x, 4, backend=N),
+        "big",
+    ),
+    "rope_table rotary_dim": (
+        "rotary_dim",
+        "scalar",
+        lambda x, c: fastpe.rope_table(2, x, backend=N),
+        "big",
+    ),
+    "rope_table offset": (
+        "offset",
+        "scalar",
+        lambda x, c: fastpe.rope_table(2, 4, offset=x, backend=N),
+        "",
+    ),
+    "apply_rope positions int": (
+        "positions",
+        "scalar",
+        lambda x, c: fastpe.apply_rope(_Q, _COS, _SIN, positions=x, backend=N),
+        "index",
+    ),
+    "apply_rope positions array": (
+        "positions",
+        ([0, 2, 4],),
+        lambda x, c: fastpe.apply_rope(_Q, _COS, _SIN, positions=x, backend=N),
+        "index",
+    ),
     "embed ids": ("ids", ([[1, 2, 3]],), lambda x, c: fastpe.embed(x, _W, backend=N), "index"),
-    "embed positions int": ("positions", "scalar",
-        lambda x, c: fastpe.embed(np.zeros((1, 3), np.int64), _W, positions=x, backend=N), ""),
-    "embed positions array": ("positions", ([[0, 5, 9]],),
-        lambda x, c: fastpe.embed(np.zeros((1, 3), np.int64), _W, positions=x, backend=N), "index"),
-    "embed token_type_ids": ("token_type_ids", ([[0, 1, 1]],),
-        lambda x, c: fastpe.embed(np.zeros((1, 3), np.int64), _W, token_type_ids=x,
-                                  token_type_weight=_W[:2], backend=N), "index"),
-    "attention key_lengths": ("key_lengths", ([5, 3],),
-        lambda x, c: fastpe.attention(_Q, _K, _K, key_lengths=x, backend=N), "index"),
-    "attention window left": ("window", "scalar",
-        lambda x, c: fastpe.attention(_Q, _K, _K, window=(x, 1), backend=N), ""),
-    "attention window right": ("window", "scalar",
-        lambda x, c: fastpe.attention(_Q, _K, _K, window=(1, x), backend=N), ""),
-    "attention rope q_positions": ("q_positions", ([0, 1, 2],),
-        lambda x, c: fastpe.attention(_Q, _K, _K, rope={"cos": _COS, "sin": _SIN,
-                                                         "q_positions": x}, backend=N), "index"),
-    "attention relative_bias num_buckets": ("num_buckets", "scalar",
-        lambda x, c: fastpe.attention(_Q, _K, _K, relative_bias={"table": np.zeros((8, 2),
-                                      np.float32), "num_buckets": x}, backend=N), ""),
-    "attention relative_bias max_distance": ("max_distance", "scalar",
-        lambda x, c: fastpe.attention(_Q, _K, _K, relative_bias={"table": np.zeros((8, 2),
-                                      np.float32), "num_buckets": 8, "max_distance": x}, backend=N), ""),
-    "attention_varlen cu_seqlens_q": ("cu_seqlens_q", ([0, 2, 5],),
-        lambda x, c: fastpe.attention_varlen(_PACKED_Q, _PACKED_K, _PACKED_K, x, _CU_K, backend=N), ""),
-    "attention_varlen cu_seqlens_k": ("cu_seqlens_k", ([0, 3, 7],),
-        lambda x, c: fastpe.attention_varlen(_PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, x, backend=N), ""),
-    "attention_varlen max_seqlen_q": ("max_seqlen_q", "scalar",
-        lambda x, c: fastpe.attention_varlen(_PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, _CU_K,
-                                             max_seqlen_q=x, backend=N), ""),
-    "attention_varlen max_seqlen_k": ("max_seqlen_k", "scalar",
-        lambda x, c: fastpe.attention_varlen(_PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, _CU_K,
-                                             max_seqlen_k=x, backend=N), ""),
-    "attention_kvcache cache_seqlens int": ("cache_seqlens", "scalar",
-        lambda x, c: _kvcache(c, cache_seqlens=x), ""),
-    "attention_kvcache cache_seqlens array": ("cache_seqlens", ([1, 2],),
-        lambda x, c: _kvcache(c, cache_seqlens=x), ""),
-    "attention_kvcache block_table": ("block_table", ([[0], [2]],),
-        lambda x, c: _kvcache(c, block_table=x), "index"),
-    "attention_kvcache cache_batch_idx": ("cache_batch_idx", ([2, 0],),
-        lambda x, c: _kvcache(c, cache_batch_idx=x), "index"),
-    "flash_attn_func window_size": ("window_size", "scalar",
-        lambda x, c: flash_attn.flash_attn_func(_NEW, _NEW, _NEW, window_size=(x, 0)), ""),
-    "flash_attn_varlen_func cu_seqlens_q": ("cu_seqlens_q", ([0, 2, 5],),
-        lambda x, c: flash_attn.flash_attn_varlen_func(_PACKED_Q, _PACKED_K, _PACKED_K, x, _CU_K, 3, 4), ""),
-    "flash_attn_varlen_func max_seqlen_k": ("max_seqlen_k", "scalar",
-        lambda x, c: flash_attn.flash_attn_varlen_func(_PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, _CU_K, 3, x), ""),
-    "flash_attn_with_kvcache cache_seqlens": ("cache_seqlens", ([1, 2],),
-        lambda x, c: _fa_kvcache(c, cache_seqlens=x), ""),
-    "flash_attn_with_kvcache cache_seqlens int": ("cache_seqlens", "scalar",
-        lambda x, c: _fa_kvcache(c, cache_seqlens=x), ""),
-    "flash_attn_with_kvcache block_table": ("block_table", ([[0], [2]],),
-        lambda x, c: _fa_kvcache(c, block_table=x), "index"),
-    "flash_attn_with_kvcache cache_batch_idx": ("cache_batch_idx", ([2, 0],),
-        lambda x, c: _fa_kvcache(c, cache_batch_idx=x), "index"),
-    "nn.SinusoidalPositionalEmbedding dim": ("dim", "scalar",
-        lambda x, c: fastpe.nn.SinusoidalPositionalEmbedding(x, max_positions=2), "big"),
-    "nn.SinusoidalPositionalEmbedding max_positions": ("max_positions", "scalar",
-        lambda x, c: fastpe.nn.SinusoidalPositionalEmbedding(4, max_positions=x), "big"),
-    "nn.RotaryEmbedding rotary_dim": ("rotary_dim", "scalar",
-        lambda x, c: fastpe.nn.RotaryEmbedding(x, max_position_embeddings=2), "big"),
-    "nn.RotaryEmbedding max_position_embeddings": ("max_position_embeddings", "scalar",
-        lambda x, c: fastpe.nn.RotaryEmbedding(4, max_position_embeddings=x), "big"),
-}  # fmt: skip
+    "embed positions int": (
+        "positions",
+        "scalar",
+        lambda x, c: fastpe.embed(np.zeros((1, 3), np.int64), _W, positions=x, backend=N),
+        "",
+    ),
+    "embed positions array": (
+        "positions",
+        ([[0, 5, 9]],),
+        lambda x, c: fastpe.embed(np.zeros((1, 3), np.int64), _W, positions=x, backend=N),
+        "index",
+    ),
+    "embed token_type_ids": (
+        "token_type_ids",
+        ([[0, 1, 1]],),
+        lambda x, c: fastpe.embed(
+            np.zeros((1, 3), np.int64), _W, token_type_ids=x, token_type_weight=_W[:2], backend=N
+        ),
+        "index",
+    ),
+    "attention key_lengths": (
+        "key_lengths",
+        ([5, 3],),
+        lambda x, c: fastpe.attention(_Q, _K, _K, key_lengths=x, backend=N),
+        "index",
+    ),
+    "attention window left": (
+        "window",
+        "scalar",
+        lambda x, c: fastpe.attention(_Q, _K, _K, window=(x, 1), backend=N),
+        "",
+    ),
+    "attention window right": (
+        "window",
+        "scalar",
+        lambda x, c: fastpe.attention(_Q, _K, _K, window=(1, x), backend=N),
+        "",
+    ),
+    "attention rope q_positions": (
+        "q_positions",
+        ([0, 1, 2],),
+        lambda x, c: fastpe.attention(
+            _Q, _K, _K, rope={"cos": _COS, "sin": _SIN, "q_positions": x}, backend=N
+        ),
+        "index",
+    ),
+    "attention relative_bias num_buckets": (
+        "num_buckets",
+        "scalar",
+        lambda x, c: fastpe.attention(
+            _Q,
+            _K,
+            _K,
+            relative_bias={"table": np.zeros((8, 2), np.float32), "num_buckets": x},
+            backend=N,
+        ),
+        "",
+    ),
+    "attention relative_bias max_distance": (
+        "max_distance",
+        "scalar",
+        lambda x, c: fastpe.attention(
+            _Q,
+            _K,
+            _K,
+            relative_bias={
+                "table": np.zeros((8, 2), np.float32),
+                "num_buckets": 8,
+                "max_distance": x,
+            },
+            backend=N,
+        ),
+        "",
+    ),
+    "attention_varlen cu_seqlens_q": (
+        "cu_seqlens_q",
+        ([0, 2, 5],),
+        lambda x, c: fastpe.attention_varlen(_PACKED_Q, _PACKED_K, _PACKED_K, x, _CU_K, backend=N),
+        "",
+    ),
+    "attention_varlen cu_seqlens_k": (
+        "cu_seqlens_k",
+        ([0, 3, 7],),
+        lambda x, c: fastpe.attention_varlen(_PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, x, backend=N),
+        "",
+    ),
+    "attention_varlen max_seqlen_q": (
+        "max_seqlen_q",
+        "scalar",
+        lambda x, c: fastpe.attention_varlen(
+            _PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, _CU_K, max_seqlen_q=x, backend=N
+        ),
+        "",
+    ),
+    "attention_varlen max_seqlen_k": (
+        "max_seqlen_k",
+        "scalar",
+        lambda x, c: fastpe.attention_varlen(
+            _PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, _CU_K, max_seqlen_k=x, backend=N
+        ),
+        "",
+    ),
+    "attention_kvcache cache_seqlens int": (
+        "cache_seqlens",
+        "scalar",
+        lambda x, c: _kvcache(c, cache_seqlens=x),
+        "",
+    ),
+    "attention_kvcache cache_seqlens array": (
+        "cache_seqlens",
+        ([1, 2],),
+        lambda x, c: _kvcache(c, cache_seqlens=x),
+        "",
+    ),
+    "attention_kvcache block_table": (
+        "block_table",
+        ([[0], [2]],),
+        lambda x, c: _kvcache(c, block_table=x),
+        "index",
+    ),
+    "attention_kvcache cache_batch_idx": (
+        "cache_batch_idx",
+        ([2, 0],),
+        lambda x, c: _kvcache(c, cache_batch_idx=x),
+        "index",
+    ),
+    "flash_attn_func window_size": (
+        "window_size",
+        "scalar",
+        lambda x, c: flash_attn.flash_attn_func(_NEW, _NEW, _NEW, window_size=(x, 0)),
+        "",
+    ),
+    "flash_attn_varlen_func cu_seqlens_q": (
+        "cu_seqlens_q",
+        ([0, 2, 5],),
+        lambda x, c: flash_attn.flash_attn_varlen_func(
+            _PACKED_Q, _PACKED_K, _PACKED_K, x, _CU_K, 3, 4
+        ),
+        "",
+    ),
+    "flash_attn_varlen_func max_seqlen_k": (
+        "max_seqlen_k",
+        "scalar",
+        lambda x, c: flash_attn.flash_attn_varlen_func(
+            _PACKED_Q, _PACKED_K, _PACKED_K, _CU_Q, _CU_K, 3, x
+        ),
+        "",
+    ),
+    "flash_attn_with_kvcache cache_seqlens": (
+        "cache_seqlens",
+        ([1, 2],),
+        lambda x, c: _fa_kvcache(c, cache_seqlens=x),
+        "",
+    ),
+    "flash_attn_with_kvcache cache_seqlens int": (
+        "cache_seqlens",
+        "scalar",
+        lambda x, c: _fa_kvcache(c, cache_seqlens=x),
+        "",
+    ),
+    "flash_attn_with_kvcache block_table": (
+        "block_table",
+        ([[0], [2]],),
+        lambda x, c: _fa_kvcache(c, block_table=x),
+        "index",
+    ),
+    "flash_attn_with_kvcache cache_batch_idx": (
+        "cache_batch_idx",
+        ([2, 0],),
+        lambda x, c: _fa_kvcache(c, cache_batch_idx=x),
+        "index",
+    ),
+    "nn.SinusoidalPositionalEmbedding dim": (
+        "dim",
+        "scalar",
+        lambda x, c: fastpe.nn.SinusoidalPositionalEmbedding(x, max_positions=2),
+        "big",
+    ),
+    "nn.SinusoidalPositionalEmbedding max_positions": (
+        "max_positions",
+        "scalar",
+        lambda x, c: fastpe.nn.SinusoidalPositionalEmbedding(4, max_positions=x),
+        "big",
+    ),
+    "nn.RotaryEmbedding rotary_dim": (
+        "rotary_dim",
+        "scalar",
+        lambda x, c: fastpe.nn.RotaryEmbedding(x, max_position_embeddings=2),
+        "big",
+    ),
+    "nn.RotaryEmbedding max_position_embeddings": (
+        "max_position_embeddings",
+        "scalar",
+        lambda x, c: fastpe.nn.RotaryEmbedding(4, max_position_embeddings=x),
+        "big",
+    ),
+}
 
 
 def _sweep_params():
@@ -560,29 +803,83 @@ _TCOS, _TSIN = (torch.from_numpy(t) for t in (_COS, _SIN))
 _TK = torch.from_numpy(_K)
 _TCU_Q, _TCU_K = torch.from_numpy(_CU_Q), torch.from_numpy(_CU_K)
 TORCH_CASES = {
-    "apply_rope positions": ("positions",
-        lambda x, c: fastpe.apply_rope(_grad(2, 2, 3, 4), _TCOS, _TSIN, positions=x, backend=N), "index"),
-    "embed positions": ("positions",
-        lambda x, c: fastpe.embed(torch.zeros(1, 3, dtype=torch.long), _grad(6, 4), positions=x,
-                                  backend=N), ""),
-    "attention window": ("window",
-        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, window=(x, x), backend=N), ""),
-    "attention rope q_positions": ("q_positions",
-        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, rope={
-            "cos": _TCOS, "sin": _TSIN, "q_positions": x}, backend=N), "index"),
-    "attention relative_bias num_buckets": ("num_buckets",
-        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, relative_bias={
-            "table": torch.zeros(8, 2), "num_buckets": x}, backend=N), ""),
-    "attention relative_bias max_distance": ("max_distance",
-        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, relative_bias={
-            "table": torch.zeros(8, 2), "num_buckets": 8, "max_distance": x}, backend=N), ""),
-    "attention_varlen max_seqlen_q": ("max_seqlen_q",
-        lambda x, c: fastpe.attention_varlen(_grad(5, 2, 4), _grad(7, 2, 4), _grad(7, 2, 4),
-                                             _TCU_Q, _TCU_K, max_seqlen_q=x, backend=N), ""),
-    "attention_varlen window": ("window",
-        lambda x, c: fastpe.attention_varlen(_grad(5, 2, 4), _grad(7, 2, 4), _grad(7, 2, 4),
-                                             _TCU_Q, _TCU_K, window=(x, -1), backend=N), ""),
-}  # fmt: skip
+    "apply_rope positions": (
+        "positions",
+        lambda x, c: fastpe.apply_rope(_grad(2, 2, 3, 4), _TCOS, _TSIN, positions=x, backend=N),
+        "index",
+    ),
+    "embed positions": (
+        "positions",
+        lambda x, c: fastpe.embed(
+            torch.zeros(1, 3, dtype=torch.long), _grad(6, 4), positions=x, backend=N
+        ),
+        "",
+    ),
+    "attention window": (
+        "window",
+        lambda x, c: fastpe.attention(_grad(2, 2, 3, 4), _TK, _TK, window=(x, x), backend=N),
+        "",
+    ),
+    "attention rope q_positions": (
+        "q_positions",
+        lambda x, c: fastpe.attention(
+            _grad(2, 2, 3, 4),
+            _TK,
+            _TK,
+            rope={"cos": _TCOS, "sin": _TSIN, "q_positions": x},
+            backend=N,
+        ),
+        "index",
+    ),
+    "attention relative_bias num_buckets": (
+        "num_buckets",
+        lambda x, c: fastpe.attention(
+            _grad(2, 2, 3, 4),
+            _TK,
+            _TK,
+            relative_bias={"table": torch.zeros(8, 2), "num_buckets": x},
+            backend=N,
+        ),
+        "",
+    ),
+    "attention relative_bias max_distance": (
+        "max_distance",
+        lambda x, c: fastpe.attention(
+            _grad(2, 2, 3, 4),
+            _TK,
+            _TK,
+            relative_bias={"table": torch.zeros(8, 2), "num_buckets": 8, "max_distance": x},
+            backend=N,
+        ),
+        "",
+    ),
+    "attention_varlen max_seqlen_q": (
+        "max_seqlen_q",
+        lambda x, c: fastpe.attention_varlen(
+            _grad(5, 2, 4),
+            _grad(7, 2, 4),
+            _grad(7, 2, 4),
+            _TCU_Q,
+            _TCU_K,
+            max_seqlen_q=x,
+            backend=N,
+        ),
+        "",
+    ),
+    "attention_varlen window": (
+        "window",
+        lambda x, c: fastpe.attention_varlen(
+            _grad(5, 2, 4),
+            _grad(7, 2, 4),
+            _grad(7, 2, 4),
+            _TCU_Q,
+            _TCU_K,
+            window=(x, -1),
+            backend=N,
+        ),
+        "",
+    ),
+}
 
 
 @pytest.mark.parametrize("kind", list(SCALARS))

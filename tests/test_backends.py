@@ -54,8 +54,12 @@ def test_sinusoidal_table(backend, fw, layout, freq, n, dim, offset):
     # the accuracy promise: within 1e-6 of the float64 truth at every position up to 2^20
     _close(got, truth, 1e-6 if offset < 2**21 else 1e-5, "float32 table")
     # in float64 the argument p·ω itself is only known to ~p·2^-53, by any method
-    _close(fastpe.sinusoidal_table(n, dim, dtype="float64", **kw, backend=backend), truth,
-           1e-14 + 4 * (offset + n) * 2.0**-53, "float64 table")  # fmt: skip
+    _close(
+        fastpe.sinusoidal_table(n, dim, dtype="float64", **kw, backend=backend),
+        truth,
+        1e-14 + 4 * (offset + n) * 2.0**-53,
+        "float64 table",
+    )
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -94,11 +98,20 @@ def test_apply_rope(backend, fw, shape, interleaved, layout, pos_kind, rng):
     rdim = d if d % 4 else d // 2  # full and partial rotary
     x = rng.standard_normal((b, h, s, d) if layout == "bhsd" else (b, s, h, d)).astype(np.float32)
     cos, sin = fastpe.rope_table(s + 9, rdim, **O)
-    positions = {"none": None, "offset": 9, "seq": rng.integers(0, s + 9, size=s),
-                 "batch": rng.integers(0, s + 9, size=(b, s))}[pos_kind]  # fmt: skip
+    positions = {
+        "none": None,
+        "offset": 9,
+        "seq": rng.integers(0, s + 9, size=s),
+        "batch": rng.integers(0, s + 9, size=(b, s)),
+    }[pos_kind]
     args = (to_fw(x, fw), to_fw(cos, fw), to_fw(sin, fw))
-    kw = {"interleaved": interleaved, "layout": layout,
-          "positions": positions if positions is None or isinstance(positions, int) else to_fw(positions, fw)}  # fmt: skip
+    kw = {
+        "interleaved": interleaved,
+        "layout": layout,
+        "positions": positions
+        if positions is None or isinstance(positions, int)
+        else to_fw(positions, fw),
+    }
     before = x.copy()
     got = fastpe.apply_rope(*args, **kw, backend=backend)
     np.testing.assert_array_equal(to_np(args[0]), before)  # input untouched
@@ -129,11 +142,19 @@ def test_embed(backend, fw, pe, layout, freq, types, pos_kind, rng):
     ids = rng.integers(0, v, size=(b, s))
     table = rng.standard_normal((40, d)).astype(np.float32) if pe == "table" else None
     positions = {"none": None, "offset": 20, "batch": rng.integers(0, 33, size=(b, s))}[pos_kind]
-    kw = {"pe": pe, "pe_table": to_fw(table, fw), "layout": layout, "freq": freq, "scale": math.sqrt(d),
-          "positions": positions if not isinstance(positions, np.ndarray) else to_fw(positions, fw)}  # fmt: skip
+    kw = {
+        "pe": pe,
+        "pe_table": to_fw(table, fw),
+        "layout": layout,
+        "freq": freq,
+        "scale": math.sqrt(d),
+        "positions": positions if not isinstance(positions, np.ndarray) else to_fw(positions, fw),
+    }
     if types:
-        kw |= {"token_type_ids": to_fw(rng.integers(0, 2, size=(b, s)), fw),
-               "token_type_weight": to_fw(rng.standard_normal((2, d)).astype(np.float32), fw)}  # fmt: skip
+        kw |= {
+            "token_type_ids": to_fw(rng.integers(0, 2, size=(b, s)), fw),
+            "token_type_weight": to_fw(rng.standard_normal((2, d)).astype(np.float32), fw),
+        }
     got = fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), **kw, backend=backend)
     _close(got, fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), **kw, **O), TOL["float32"], "embed")
 
@@ -162,9 +183,15 @@ ATTN_CASES = {
     "alibi": {"alibi_slopes": True, "causal": True},
     "t5": {"relative_bias": True},
     "rope": {"rope": True, "causal": True},
-    "everything": {"causal": True, "mask": "bool", "key_lengths": True, "alibi_slopes": True,
-                   "relative_bias": True, "rope": True},
-}  # fmt: skip
+    "everything": {
+        "causal": True,
+        "mask": "bool",
+        "key_lengths": True,
+        "alibi_slopes": True,
+        "relative_bias": True,
+        "rope": True,
+    },
+}
 
 
 def _attention_args(rng, fw, b, hq, hkv, sq, sk, d, options, dtype=np.float32):
@@ -415,9 +442,13 @@ def test_attention_rope_wide_fp32_heads(backend, interleaved, rng):
     k = torch.from_numpy(rng.standard_normal((b, hkv, sk, d)).astype(np.float32))
     v = torch.from_numpy(rng.standard_normal((b, hkv, sk, d)).astype(np.float32))
     cos, sin = fastpe.rope_table(64, 96, **O)  # rotary dim 96 < 128: the tail passes through
-    rope = {"cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "interleaved": interleaved,
-            "q_positions": torch.tensor([[7, 3, 9, 1, 60], [0, 1, 2, 3, 4]]),
-            "k_positions": torch.arange(20, 20 + sk)}  # fmt: skip
+    rope = {
+        "cos": torch.from_numpy(cos),
+        "sin": torch.from_numpy(sin),
+        "interleaved": interleaved,
+        "q_positions": torch.tensor([[7, 3, 9, 1, 60], [0, 1, 2, 3, 4]]),
+        "k_positions": torch.arange(20, 20 + sk),
+    }
     before = [t.clone() for t in (q, k, v)]
     got = fastpe.attention(q, k, v, rope=rope, causal=True, backend=backend)
     want = fastpe.attention(q, k, v, rope=rope, causal=True, **O)

@@ -16,10 +16,23 @@ from fastpe import cli
 
 
 def _row(op, case, impl, median_s, mode="forward"):
-    return {"op": op, "case": case, "seq": 512, "series": "", "mode": mode, "impl": impl,
-            "median_s": median_s, "iqr_s": 0.0, "min_s": median_s, "runs": 5,
-            "throughput": 1.0 / median_s, "unit": "GB/s", "fraction_of_peak": None,
-            "max_abs_error": 0.0, "speedup_vs_best_baseline": None}  # fmt: skip
+    return {
+        "op": op,
+        "case": case,
+        "seq": 512,
+        "series": "",
+        "mode": mode,
+        "impl": impl,
+        "median_s": median_s,
+        "iqr_s": 0.0,
+        "min_s": median_s,
+        "runs": 5,
+        "throughput": 1.0 / median_s,
+        "unit": "GB/s",
+        "fraction_of_peak": None,
+        "max_abs_error": 0.0,
+        "speedup_vs_best_baseline": None,
+    }
 
 
 # Known times: liger is the fastest baseline (1 ms), transformers (apply_rope's target) takes
@@ -110,10 +123,12 @@ def test_progress_estimates_time_left_per_op(monkeypatch):
     monkeypatch.setattr(runner, "implementations", one_implementation)
     monkeypatch.setattr(runner, "time_callable", fake_time)
     monkeypatch.setattr(runner, "environment", lambda device, peaks: {})
-    grid = [bm.Case("embed", "a", 1, {"batch": 1, "seq": 1, "vocab": 2, "dim": 2}),
-            bm.Case("embed", "b", 1, {"batch": 1, "seq": 1, "vocab": 2, "dim": 2}),
-            bm.Case("apply_rope", "c", 1, {"seq": 1, "q_heads": 1, "k_heads": 1, "dim": 2}),
-            bm.Case("apply_rope", "d", 1, {"seq": 1, "q_heads": 1, "k_heads": 1, "dim": 2})]  # fmt: skip
+    grid = [
+        bm.Case("embed", "a", 1, {"batch": 1, "seq": 1, "vocab": 2, "dim": 2}),
+        bm.Case("embed", "b", 1, {"batch": 1, "seq": 1, "vocab": 2, "dim": 2}),
+        bm.Case("apply_rope", "c", 1, {"seq": 1, "q_heads": 1, "k_heads": 1, "dim": 2}),
+        bm.Case("apply_rope", "d", 1, {"seq": 1, "q_heads": 1, "k_heads": 1, "dim": 2}),
+    ]
     lines = []
     runner.run_benchmarks(grid, progress=lines.append, clock=lambda: now[0])
     assert lines == [
@@ -141,9 +156,16 @@ def test_progress_when_a_case_runs_past_its_estimate():
 
 @pytest.mark.parametrize(
     "seconds, text",
-    [(0.4, "0 s"), (35, "35 s"), (59.4, "59 s"), (60, "1 min"), (150, "3 min"), (3600, "1 h 00 min"),
-     (3 * 3600 + 5 * 60 + 10, "3 h 05 min")],
-)  # fmt: skip
+    [
+        (0.4, "0 s"),
+        (35, "35 s"),
+        (59.4, "59 s"),
+        (60, "1 min"),
+        (150, "3 min"),
+        (3600, "1 h 00 min"),
+        (3 * 3600 + 5 * 60 + 10, "3 h 05 min"),
+    ],
+)
 def test_duration(seconds, text):
     from fastpe.benchmarking.runner import duration
 
@@ -169,13 +191,22 @@ def _bench_without(tmp_path, absent, *args):
     env = {**os.environ, "FASTPE_TEST_ABSENT": ",".join(absent)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocker), env.get("PYTHONPATH")]))
     probe = "import importlib.util as u, sys; print([u.find_spec(m) for m in sys.argv[1:]])"
-    check = subprocess.run([sys.executable, "-c", probe, *absent], env=env, capture_output=True,
-                           text=True, cwd=tmp_path)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-c", probe, *absent],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert check.stdout.strip() == str([None] * len(absent)), check  # the blocker works
     return subprocess.run(
         [sys.executable, "-m", "fastpe", "bench", "--quick", *args],
-        env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
 
 
 def test_bench_without_torch(tmp_path):
@@ -186,8 +217,10 @@ def test_bench_without_torch(tmp_path):
     assert "torch is not installed: fastpe is timed on NumPy arrays" in done.stderr
     assert "pip install torch" in done.stderr
     assert "torch eager" in done.stderr and "nn.Embedding" in done.stderr
-    rows = {(r["op"], r["impl"]) for r in json.loads((tmp_path / "fastpe-bench.json").read_text())[
-        "results"]}  # fmt: skip
+    rows = {
+        (r["op"], r["impl"])
+        for r in json.loads((tmp_path / "fastpe-bench.json").read_text())["results"]
+    }
     assert rows == {("rope_table", "fastpe[numba]"), ("embed", "fastpe[numba]"), ("embed", "numpy")}
     out = done.stdout
     assert _line(out, "embed", "fastpe[numba]") and _line(out, "embed", "numpy")
@@ -201,15 +234,22 @@ def test_bench_without_torch(tmp_path):
 @pytest.mark.parametrize(
     "args, error",
     [
-        (["--modes", "backward"], "--modes backward: gradients are timed through torch autograd, "
-         "and torch is not installed (pip install torch)"),
-        (["--dtype", "bf16"], "--dtype bfloat16 needs torch (NumPy has no bfloat16): "
-         "pip install torch"),
+        (
+            ["--modes", "backward"],
+            "--modes backward: gradients are timed through torch autograd, "
+            "and torch is not installed (pip install torch)",
+        ),
+        (
+            ["--dtype", "bf16"],
+            "--dtype bfloat16 needs torch (NumPy has no bfloat16): pip install torch",
+        ),
         # "torch", or "torch and transformers" where transformers is not installed either
-        (["--ops", "generate"], "--ops generate: it runs transformers' model.generate(), which "
-         "needs torch"),
+        (
+            ["--ops", "generate"],
+            "--ops generate: it runs transformers' model.generate(), which needs torch",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bench_without_torch_refuses_what_needs_it(tmp_path, args, error):
     ops = [] if "--ops" in args else ["--ops", "embed"]
     done = _bench_without(tmp_path, ["torch"], *ops, *args, "--plot", "")
@@ -238,9 +278,15 @@ def test_bench_without_matplotlib(tmp_path):
 
 @pytest.mark.parametrize(
     "given, meant",
-    [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("fp64", "float64"),
-     ("bfloat16", "bfloat16"), ("float16", "float16")],
-)  # fmt: skip
+    [
+        ("bf16", "bfloat16"),
+        ("fp16", "float16"),
+        ("fp32", "float32"),
+        ("fp64", "float64"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float16"),
+    ],
+)
 def test_bench_dtype_short_names(monkeypatch, tmp_path, given, meant):
     calls = []
 

@@ -9,9 +9,15 @@ pytest.importorskip("transformers")
 
 from fastpe.benchmarking.generate import IMPLEMENTATIONS, run_generate  # noqa: E402
 
-TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
-        "max_position_embeddings": 128}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 128,
+}
 
 
 def test_generate_rows_compare_with_sdpa_on_the_same_tokens():
@@ -20,8 +26,9 @@ def test_generate_rows_compare_with_sdpa_on_the_same_tokens():
     import fastpe.integrations.transformers_rope as tr
 
     original = modeling_llama.apply_rotary_pos_emb
-    rows = run_generate(shape=TINY, sizes={"prefill": 40, "context": 24, "new_tokens": 5},
-                        progress=lambda m: None)  # fmt: skip
+    rows = run_generate(
+        shape=TINY, sizes={"prefill": 40, "context": 24, "new_tokens": 5}, progress=lambda m: None
+    )
     assert modeling_llama.apply_rotary_pos_emb is original and not tr._originals  # unpatched
     assert [(r["case"], r["impl"]) for r in rows] == [
         (case, impl) for impl in IMPLEMENTATIONS for case in ("prefill 40", "5 new after 24")

@@ -19,9 +19,19 @@ TINY = [c for c in bm.SMOKE_GRID if c.op in ("embed", "apply_rope") and c.mode =
 
 
 def _row(impl="fastpe[numba]", **extra):
-    row = {"op": "embed", "case": "2x16", "seq": 16, "series": "", "impl": impl,
-           "median_s": 0.010, "throughput": 1.0, "unit": "GB/s", "fraction_of_peak": None,
-           "max_abs_error": 0.0, "speedup_vs_best_baseline": None}  # fmt: skip
+    row = {
+        "op": "embed",
+        "case": "2x16",
+        "seq": 16,
+        "series": "",
+        "impl": impl,
+        "median_s": 0.010,
+        "throughput": 1.0,
+        "unit": "GB/s",
+        "fraction_of_peak": None,
+        "max_abs_error": 0.0,
+        "speedup_vs_best_baseline": None,
+    }
     return {**row, **extra}
 
 
@@ -83,8 +93,10 @@ def test_report_not_json(tmp_path, capsys):
         ([1, 2], ["'results' list"]),
         ({"results": {"op": "embed"}}, ["'results' list"]),
         ({"results": ["embed"]}, ["results[0] is not an object"]),
-        ({"results": [_row(), {k: v for k, v in _row().items() if k != "median_s"}]},
-         ["results[1] has no 'median_s'"]),
+        (
+            {"results": [_row(), {k: v for k, v in _row().items() if k != "median_s"}]},
+            ["results[1] has no 'median_s'"],
+        ),
         ({"results": [_row(median_s="10 ms")]}, ["results[0]['median_s']", "'10 ms'"]),
         ({"results": [_row(median_s=0.0)]}, ["results[0]['median_s']"]),
         ({"results": [_row(throughput=None)]}, ["results[0]['throughput']"]),
@@ -92,7 +104,7 @@ def test_report_not_json(tmp_path, capsys):
         ({"results": [_row(iqr_s=0.001, min_s=0)]}, ["results[0]['min_s']"]),
         ({"results": [_row()], "skipped": [{"impl": "numpy"}]}, ["'skipped'"]),
     ],
-)  # fmt: skip
+)
 def test_report_wrong_schema(tmp_path, capsys, doc, words):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(doc))
@@ -114,12 +126,14 @@ def test_report_reads_files_without_spread(capsys):
 
 
 def test_report_shows_spread_and_warns_on_noisy_rows(tmp_path, capsys):
-    doc = {"results": [
-        _row("fastpe[numba]", iqr_s=0.004, min_s=0.009),  # IQR 40% of the median: noisy
-        _row("numpy", iqr_s=0.001, min_s=0.009),  # IQR 10%, median 1.1x the fastest: fine
-        # most runs one 8 ms time slice late: IQR 0, median twice the fastest run
-        _row("torch eager", median_s=0.016, iqr_s=0.0, min_s=0.008),
-    ]}  # fmt: skip
+    doc = {
+        "results": [
+            _row("fastpe[numba]", iqr_s=0.004, min_s=0.009),  # IQR 40% of the median: noisy
+            _row("numpy", iqr_s=0.001, min_s=0.009),  # IQR 10%, median 1.1x the fastest: fine
+            # most runs one 8 ms time slice late: IQR 0, median twice the fastest run
+            _row("torch eager", median_s=0.016, iqr_s=0.0, min_s=0.008),
+        ]
+    }
     path = tmp_path / "results.json"
     path.write_text(json.dumps(doc))
     assert cli.main(["report", str(path)]) == 0

@@ -115,9 +115,11 @@ def test_explain_reports_choice_and_reasons():
 
 def test_explicit_unavailable_backend_raises_with_reason():
     q = np.zeros((1, 1, 2, 4), np.float32)
-    reasons = "; ".join(REGISTRY[("triton", "attention")].not_supported_reasons(
-        fastpe.explain("attention", q, q, q).inputs
-    ))  # fmt: skip
+    reasons = "; ".join(
+        REGISTRY[("triton", "attention")].not_supported_reasons(
+            fastpe.explain("attention", q, q, q).inputs
+        )
+    )
     assert reasons
     with pytest.raises(
         fastpe.BackendNotSupportedError, match="backend 'triton' cannot run attention"

@@ -192,8 +192,11 @@ def _fenced_blocks(path: Path):
 
 
 def _marked_python_blocks():
-    return [code for lang, code, before in _fenced_blocks(README)
-            if lang == "python" and before == RUN_MARKER]  # fmt: skip
+    return [
+        code
+        for lang, code, before in _fenced_blocks(README)
+        if lang == "python" and before == RUN_MARKER
+    ]
 
 
 def test_readme_quick_start_is_marked_to_run():
@@ -228,8 +231,11 @@ def _cli_commands(path: Path):
                     yield words[3:]
 
 
-@pytest.mark.parametrize("page", [README, ROOT / "bench" / "results" / "README.md"],
-                         ids=lambda p: str(p.relative_to(ROOT)))  # fmt: skip
+@pytest.mark.parametrize(
+    "page",
+    [README, ROOT / "bench" / "results" / "README.md"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_documented_cli_commands_parse(page):
     """A renamed command or option must not leave the README showing one that fails."""
     from fastpe import cli
@@ -257,15 +263,18 @@ INTERNAL = re.compile(
 def test_user_facing_text_names_no_issue_or_commit():
     from fastpe import cli
 
-    texts = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
-             for p in [README, ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]}  # fmt: skip
+    texts = {
+        str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+        for p in [README, ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
+    }
     parser = cli._parser()
     texts["fastpe --help"] = parser.format_help()
     for action in parser._subparsers._group_actions:
         for name, sub in action.choices.items():
             texts[f"fastpe {name} --help"] = sub.format_help()
-    found = [f"{where}: {m.group(0)!r}" for where, text in texts.items()
-             for m in INTERNAL.finditer(text)]  # fmt: skip
+    found = [
+        f"{where}: {m.group(0)!r}" for where, text in texts.items() for m in INTERNAL.finditer(text)
+    ]
     assert not found, "\n".join(found)
 
 

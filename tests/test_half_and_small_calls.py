@@ -165,8 +165,10 @@ def test_half_attention_makes_no_float32_copy_of_its_inputs(backend, dtype, monk
     """No full-tensor widening on the way in: neither Tensor.float() nor .to(float32) is called
     on q, k or v (the old path widened each with .float() before the kernel)."""
     tdtype = getattr(torch, dtype)
-    q, k, v = (torch.from_numpy(rng.standard_normal(s)).to(tdtype)
-               for s in ((1, 4, 16, 32), (1, 2, 300, 32), (1, 2, 300, 32)))  # fmt: skip
+    q, k, v = (
+        torch.from_numpy(rng.standard_normal(s)).to(tdtype)
+        for s in ((1, 4, 16, 32), (1, 2, 300, 32), (1, 2, 300, 32))
+    )
     fastpe.attention(q, k, v, backend=backend)  # compiled before the spy goes in
     inputs = {a.data_ptr() for a in (q, k, v)}  # detached views share it
     widened = []
@@ -190,8 +192,15 @@ def test_half_attention_makes_no_float32_copy_of_its_inputs(backend, dtype, monk
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("bfloat16", "bfloat16"),
-                                    ("float16", "float16"), ("bfloat16", "float16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float16"),
+        ("bfloat16", "float16"),
+    ],
+)
 def test_apply_rope_pair_in_one_launch_equals_single_calls(layout, interleaved, dtypes, rng):
     """A one-token (q, k) is rotated by one serial launch for both: bit for bit what two single
     calls give (partial rotary, GQA head counts, strided bshd views, half bits of either type),
@@ -199,8 +208,10 @@ def test_apply_rope_pair_in_one_launch_equals_single_calls(layout, interleaved, 
     pytest.importorskip("numba")
     cos, sin = fastpe.rope_table(4096, 96, device="cpu")  # R 96 < D 128: the tail is copied
     shape = (lambda h: (2, h, 1, 128)) if layout == "bhsd" else (lambda h: (2, 1, h, 128))
-    q, k = (torch.from_numpy(rng.standard_normal(shape(h)).astype(np.float32)).to(getattr(torch, t))
-            for h, t in zip((32, 8), dtypes, strict=True))  # fmt: skip
+    q, k = (
+        torch.from_numpy(rng.standard_normal(shape(h)).astype(np.float32)).to(getattr(torch, t))
+        for h, t in zip((32, 8), dtypes, strict=True)
+    )
     kw = {"positions": torch.tensor([[2048], [7]]), "interleaved": interleaved, "layout": layout}
     got = fastpe.apply_rope((q, k), cos, sin, backend="numba", **kw)
     for g, x, dtype in zip(got, (q, k), dtypes, strict=True):
@@ -225,10 +236,18 @@ def test_attention_serial_and_parallel_paths_match_the_oracle(threshold, sq, mon
     monkeypatch.setattr(kernel, "SERIAL_WORK", threshold)
     # 2 (batch, kv head) items and 3 key tiles: split in two when parallel on 2+ threads (sq 1)
     b, hq, hkv, sk, d = 1, 8, 2, 700, 32
-    q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float32))
-               for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)))  # fmt: skip
-    kw = {"causal": True, "window": (500, 0), "softcap": 3.0, "return_lse": True,
-          "sinks": torch.linspace(-1.0, 2.0, hq), "key_lengths": torch.tensor([613])}  # fmt: skip
+    q, k, v = (
+        torch.from_numpy(rng.standard_normal(s).astype(np.float32))
+        for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
+    )
+    kw = {
+        "causal": True,
+        "window": (500, 0),
+        "softcap": 3.0,
+        "return_lse": True,
+        "sinks": torch.linspace(-1.0, 2.0, hq),
+        "key_lengths": torch.tensor([613]),
+    }
     got, got_lse = fastpe.attention(q, k, v, backend="numba", **kw)
     want, want_lse = fastpe.attention(q, k, v, **kw, **O)
     assert (got.double() - want.double()).abs().max().item() < 3e-5
@@ -252,7 +271,8 @@ def test_float16_kernels_compile_without_numba_ir_warnings(tmp_path):
         "print(sorted({w.category.__name__ for w in caught}))\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     assert "NumbaIRAssumptionWarning" not in done.stdout, done.stdout

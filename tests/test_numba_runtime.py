@@ -130,8 +130,7 @@ def test_forked_child_runs_parallel_kernels(tmp_path, layer):
 
 
 @pytest.mark.parametrize(
-    "method, layer",
-    [("fork", None), ("fork", "workqueue"), ("spawn", None), ("forkserver", None)],
+    "method, layer", [("fork", None), ("fork", "workqueue"), ("spawn", None), ("forkserver", None)]
 )
 def test_multiprocessing_pool_runs_parallel_kernels(tmp_path, method, layer):
     # With fork, every pool worker was killed on its first kernel and Pool.map hung.

@@ -143,14 +143,30 @@ SCALINGS = [
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 512},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "beta_fast": 16,
-     "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 256},
-    {"rope_type": "longrope", "short_factor": list(np.linspace(1.0, 2.0, 32)),
-     "long_factor": list(np.linspace(1.0, 8.0, 32)), "original_max_position_embeddings": 256,
-     "max_position_embeddings": 2048},
-]  # fmt: skip
+    {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 16,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "truncate": False,
+    },
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    {
+        "rope_type": "longrope",
+        "short_factor": list(np.linspace(1.0, 2.0, 32)),
+        "long_factor": list(np.linspace(1.0, 8.0, 32)),
+        "original_max_position_embeddings": 256,
+        "max_position_embeddings": 2048,
+    },
+]
 
 
 @pytest.mark.parametrize(
@@ -165,13 +181,18 @@ def test_rope_inv_freq_matches_transformers(scaling, seq_len):
     params = {"rope_type": "default"} if scaling is None else dict(scaling)
     mpe = params.pop("max_position_embeddings", 2048)
     config = LlamaConfig(
-        hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=mpe,
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        max_position_embeddings=mpe,
         rope_parameters={**params, "rope_theta": 50000.0},
-    )  # fmt: skip
+    )
     ours, ours_factor = fastpe.rope_inv_freq(
-        64, base=50000.0, scaling=None if scaling is None else {**scaling, "max_position_embeddings": mpe},
+        64,
+        base=50000.0,
+        scaling=None if scaling is None else {**scaling, "max_position_embeddings": mpe},
         seq_len=seq_len,
-    )  # fmt: skip
+    )
     if scaling is None:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -233,9 +254,13 @@ def test_apply_rope_matches_transformers(backend, fw, rng, rotary_dim):
     np.testing.assert_allclose(to_np(out), _hf_rotate(x, cos, sin, positions), atol=1e-12)
     # bshd layout is the same rotation on a transposed array
     out_bshd = fastpe.apply_rope(
-        to_fw(x.transpose(0, 2, 1, 3), fw), to_fw(cos, fw), to_fw(sin, fw),
-        positions=to_fw(positions, fw), layout="bshd", backend=backend,
-    )  # fmt: skip
+        to_fw(x.transpose(0, 2, 1, 3), fw),
+        to_fw(cos, fw),
+        to_fw(sin, fw),
+        positions=to_fw(positions, fw),
+        layout="bshd",
+        backend=backend,
+    )
     np.testing.assert_allclose(to_np(out_bshd).transpose(0, 2, 1, 3), to_np(out), atol=0)
 
 
@@ -325,9 +350,14 @@ def test_embed_is_the_three_way_sum(backend, fw, rng):
     tt_w = rng.standard_normal((2, 8))
     tt = rng.integers(0, 2, size=(2, 5))
     out = fastpe.embed(
-        to_fw(ids, fw), to_fw(weight, fw), scale=math.sqrt(8), positions=4,
-        token_type_ids=to_fw(tt, fw), token_type_weight=to_fw(tt_w, fw), backend=backend,
-    )  # fmt: skip
+        to_fw(ids, fw),
+        to_fw(weight, fw),
+        scale=math.sqrt(8),
+        positions=4,
+        token_type_ids=to_fw(tt, fw),
+        token_type_weight=to_fw(tt_w, fw),
+        backend=backend,
+    )
     pe = fastpe.sinusoidal_table(5, 8, offset=4, dtype="float64", **ORACLE)
     np.testing.assert_allclose(
         to_np(out), math.sqrt(8) * weight[ids] + pe + tt_w[tt], atol=loose(backend, 1e-14, 1e-12)
@@ -339,8 +369,14 @@ def test_embed_learned_table_and_no_pe(backend, fw, rng):
     table = rng.standard_normal((9, 6))
     ids = rng.integers(0, 7, size=(3, 4))
     positions = rng.integers(0, 9, size=(3, 4))
-    out = fastpe.embed(to_fw(ids, fw), to_fw(weight, fw), pe="table", pe_table=to_fw(table, fw),
-                       positions=to_fw(positions, fw), backend=backend)  # fmt: skip
+    out = fastpe.embed(
+        to_fw(ids, fw),
+        to_fw(weight, fw),
+        pe="table",
+        pe_table=to_fw(table, fw),
+        positions=to_fw(positions, fw),
+        backend=backend,
+    )
     np.testing.assert_allclose(
         to_np(out), weight[ids] + table[positions], atol=loose(backend, 1e-15, 1e-12)
     )
@@ -353,17 +389,31 @@ def test_embed_matches_bert_embeddings(backend):
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertEmbeddings
 
-    config = BertConfig(vocab_size=50, hidden_size=16, max_position_embeddings=32, type_vocab_size=2,
-                        hidden_dropout_prob=0.0)  # fmt: skip
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        max_position_embeddings=32,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+    )
     emb = BertEmbeddings(config).eval()
     ids = torch.randint(0, 50, (2, 7))
     tt = torch.randint(0, 2, (2, 7))
     with torch.no_grad():
-        before_norm = (emb.word_embeddings(ids) + emb.token_type_embeddings(tt)
-                       + emb.position_embeddings(torch.arange(7)))  # fmt: skip
-        ours = fastpe.embed(ids, emb.word_embeddings.weight, pe="table",
-                            pe_table=emb.position_embeddings.weight, token_type_ids=tt,
-                            token_type_weight=emb.token_type_embeddings.weight, backend=backend)  # fmt: skip
+        before_norm = (
+            emb.word_embeddings(ids)
+            + emb.token_type_embeddings(tt)
+            + emb.position_embeddings(torch.arange(7))
+        )
+        ours = fastpe.embed(
+            ids,
+            emb.word_embeddings.weight,
+            pe="table",
+            pe_table=emb.position_embeddings.weight,
+            token_type_ids=tt,
+            token_type_weight=emb.token_type_embeddings.weight,
+            backend=backend,
+        )
     torch.testing.assert_close(ours, before_norm, rtol=1e-6, atol=1e-6)
 
 
@@ -395,10 +445,15 @@ def _sdpa(q, k, v, **kwargs):
 
 @needs_torch
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), sq=st.integers(1, 7),
-    sk=st.integers(1, 9), d=st.sampled_from([1, 3, 8]), kind=st.sampled_from(["none", "bool", "float", "causal"]),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    sq=st.integers(1, 7),
+    sk=st.integers(1, 9),
+    d=st.sampled_from([1, 3, 8]),
+    kind=st.sampled_from(["none", "bool", "float", "causal"]),
     seed=st.integers(0, 2**16),
-)  # fmt: skip
+)
 @settings(max_examples=60, deadline=None)
 def test_attention_matches_torch_sdpa(backend, b, hkv, group, sq, sk, d, kind, seed):
     require(backend, "attention", *(np.zeros((1, 1, 1, 1)),) * 3)
@@ -496,8 +551,9 @@ def test_alibi_and_t5_bias_match_sdpa_with_explicit_bias(backend, rng):
     bias = -slopes[:, None, None] * np.abs(qpos - np.arange(sk)[None, :])
     np.testing.assert_allclose(
         fastpe.attention(q, k, v, alibi_slopes=slopes, backend=backend),
-        _sdpa(q, k, v, attn_mask=torch.from_numpy(bias)), atol=1e-12,
-    )  # fmt: skip
+        _sdpa(q, k, v, attn_mask=torch.from_numpy(bias)),
+        atol=1e-12,
+    )
     table = rng.standard_normal((32, h))
     rel = torch.from_numpy(np.arange(sk)[None, :] - qpos)
     bucket = T5Attention._relative_position_bucket(
@@ -550,8 +606,13 @@ def test_fused_rope_equals_rotating_first(backend, rng):
         atol=loose(backend, 1e-14, 1e-12),
     )
     qp = rng.integers(0, 16, size=(2, 3))
-    explicit = fastpe.attention(q, k, v, rope={"cos": cos, "sin": sin, "interleaved": True, "q_positions": qp,
-                                               "k_positions": 2}, backend=backend)  # fmt: skip
+    explicit = fastpe.attention(
+        q,
+        k,
+        v,
+        rope={"cos": cos, "sin": sin, "interleaved": True, "q_positions": qp, "k_positions": 2},
+        backend=backend,
+    )
     rq = fastpe.apply_rope(q, cos, sin, positions=qp, interleaved=True, **ORACLE)
     rk = fastpe.apply_rope(k, cos, sin, positions=2, interleaved=True, **ORACLE)
     np.testing.assert_allclose(

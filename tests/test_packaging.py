@@ -126,16 +126,23 @@ def test_sdist_holds_the_package_and_no_tests(tmp_path):
     """The sdist leaves out tests/ and bench/ (they need the repository: docs, bench/results,
     .ci) and holds the package, its kernels, the README and the LICENSE."""
     built = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))",
-         str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     name = built.stdout.strip().splitlines()[-1]
     with tarfile.open(tmp_path / name) as sdist:
         names = [n.split("/", 1)[1] for n in sdist.getnames() if "/" in n]
-        (pkg_info,) = [m for m in sdist.getmembers() if m.name.count("/") == 1 and
-                       m.name.endswith("/PKG-INFO")]  # fmt: skip
+        (pkg_info,) = [
+            m for m in sdist.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")
+        ]
         metadata = sdist.extractfile(pkg_info).read().decode()
     tops = {n.split("/")[0] for n in names}
     assert not tops & {"tests", "bench", ".ci", "docs"}, sorted(tops)
@@ -161,6 +168,7 @@ def test_benchmark_outputs_are_ignored_by_git():
 
 def test_ci_lints_before_the_tests():
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    lint = next(n for n, line in enumerate(lines) if line.strip() == "python -m ruff check .")
     tests = next(n for n, line in enumerate(lines) if "pytest" in line and not line.startswith("#"))
-    assert lint < tests
+    for check in ("python -m ruff check .", "python -m ruff format --check ."):
+        lint = next(n for n, line in enumerate(lines) if line.strip() == check)
+        assert lint < tests, check

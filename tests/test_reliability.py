@@ -32,8 +32,9 @@ def test_inplace_rope_refuses_overlapping_views(make, backend):
     x = make()
     cos, sin = fastpe.rope_table(16, 8)
     with pytest.raises(ValueError, match="inplace=True needs an x whose elements occupy distinct"):
-        fastpe.apply_rope(x, torch.from_numpy(cos), torch.from_numpy(sin), inplace=True,
-                          backend=backend)  # fmt: skip
+        fastpe.apply_rope(
+            x, torch.from_numpy(cos), torch.from_numpy(sin), inplace=True, backend=backend
+        )
 
 
 def test_inplace_rope_refuses_overlapping_numpy_views():
@@ -165,10 +166,12 @@ def test_positions_of_shape_1_by_s_broadcast(fw, backend, rng):
 
     q = rng.standard_normal((3, 2, 5, 8)).astype(np.float32)
     rope = {"cos": cos, "sin": sin, "q_positions": pos, "k_positions": pos}
-    want = fastpe.attention(q, q, q, rope={**rope, "q_positions": pos[0], "k_positions": pos[0]},
-                            backend="numpy")  # fmt: skip
-    got = fastpe.attention(arr(q), arr(q), arr(q), backend=backend,
-                           rope={k: arr(v) for k, v in rope.items()})  # fmt: skip
+    want = fastpe.attention(
+        q, q, q, rope={**rope, "q_positions": pos[0], "k_positions": pos[0]}, backend="numpy"
+    )
+    got = fastpe.attention(
+        arr(q), arr(q), arr(q), backend=backend, rope={k: arr(v) for k, v in rope.items()}
+    )
     np.testing.assert_allclose(to_np(got), want, atol=2e-6)
 
 
@@ -183,11 +186,24 @@ def test_rope_table_under_compile_with_changing_scaling(fullgraph):
 
     compiled = torch.compile(table, fullgraph=fullgraph, backend="eager")
     dicts = [{"rope_type": "linear", "factor": f} for f in (2.0, 4.0, np.float32(8.0))]
-    dicts.append({"rope_type": "llama3", "factor": np.float64(8.0), "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": np.int64(8)})  # fmt: skip
-    dicts.append({"rope_type": "longrope", "short_factor": [1.0, 2.0, 3.0, 4.0],
-                  "long_factor": [np.float32(1.5)] * 4, "original_max_position_embeddings": 8,
-                  "max_position_embeddings": 32})  # fmt: skip
+    dicts.append(
+        {
+            "rope_type": "llama3",
+            "factor": np.float64(8.0),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": np.int64(8),
+        }
+    )
+    dicts.append(
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 2.0, 3.0, 4.0],
+            "long_factor": [np.float32(1.5)] * 4,
+            "original_max_position_embeddings": 8,
+            "max_position_embeddings": 32,
+        }
+    )
     for scaling in dicts:
         eager = fastpe.rope_table(16, 8, scaling=scaling)[1]
         np.testing.assert_allclose(compiled(scaling).numpy(), eager, rtol=1e-6, atol=1e-7)
@@ -236,13 +252,22 @@ def test_ragged_kv_cache_equals_each_sequence_alone(backend, rng):
     }
     if backend == "triton":
         pytest.importorskip("torch")
-        got = fastpe.attention(*(torch.from_numpy(t) for t in (q, k, v)), backend=backend,
-                               key_lengths=torch.from_numpy(lengths),
-                               causal=True, alibi_slopes=torch.from_numpy(options["alibi_slopes"]),
-                               rope={"cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin)})  # fmt: skip
+        got = fastpe.attention(
+            *(torch.from_numpy(t) for t in (q, k, v)),
+            backend=backend,
+            key_lengths=torch.from_numpy(lengths),
+            causal=True,
+            alibi_slopes=torch.from_numpy(options["alibi_slopes"]),
+            rope={"cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin)},
+        )
     else:
         got = fastpe.attention(q, k, v, key_lengths=lengths, backend=backend, **options)
     for row, length in enumerate(lengths):
-        alone = fastpe.attention(q[row : row + 1], k[row : row + 1, :, :length],
-                                 v[row : row + 1, :, :length], backend="numpy", **options)  # fmt: skip
+        alone = fastpe.attention(
+            q[row : row + 1],
+            k[row : row + 1, :, :length],
+            v[row : row + 1, :, :length],
+            backend="numpy",
+            **options,
+        )
         np.testing.assert_allclose(to_np(got)[row : row + 1], alone, atol=2e-5)

@@ -64,8 +64,17 @@ def test_attention_uses_tensor_cores_in_half_precision(quick_records):
 
 def _record(target=90, pickable=True, **stats):
     case = tr.Case("attention", "plain", "bfloat16", 128, (("BLOCK_M", 64),), target, pickable)
-    base = {"ok": True, "error": None, "registers": 200, "stack_bytes": 0, "local_bytes": 0,
-            "spill_stores": 0, "spill_loads": 0, "shared": 1024, "static_shared": 0}  # fmt: skip
+    base = {
+        "ok": True,
+        "error": None,
+        "registers": 200,
+        "stack_bytes": 0,
+        "local_bytes": 0,
+        "spill_stores": 0,
+        "spill_loads": 0,
+        "shared": 1024,
+        "static_shared": 0,
+    }
     return {"case": tr.dataclasses.asdict(case), "key": case.key(), **base, **stats}
 
 

@@ -14,8 +14,11 @@ f32 = np.float32
 
 def _qkv(b=1, hq=2, hkv=2, sq=3, sk=4, d=8):
     r = np.random.default_rng(0)
-    return (r.standard_normal((b, hq, sq, d)).astype(f32), r.standard_normal((b, hkv, sk, d)).astype(f32),
-            r.standard_normal((b, hkv, sk, d)).astype(f32))  # fmt: skip
+    return (
+        r.standard_normal((b, hq, sq, d)).astype(f32),
+        r.standard_normal((b, hkv, sk, d)).astype(f32),
+        r.standard_normal((b, hkv, sk, d)).astype(f32),
+    )
 
 
 def raises(exc, match, fn, *args, **kwargs):
@@ -62,17 +65,50 @@ def test_relative_transform_errors():
         ((0,), {}, ValueError, "rotary_dim must be >= 2"),
         ((8,), {"scaling": {"rope_type": "ntk"}}, ValueError, "rope_type'\\] must be one of"),
         ((8,), {"scaling": {"rope_type": "linear"}}, ValueError, "'factor'\\] is required"),
-        ((8,), {"scaling": {"rope_type": "linear", "factor": 2, "fator": 3}}, ValueError, "unknown keys"),
-        ((8,), {"scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}},
-         ValueError, "original_max_position_embeddings"),
-        ((8,), {"scaling": {"rope_type": "dynamic", "factor": 2}}, ValueError, "max_position_embeddings"),
-        ((8,), {"scaling": {"rope_type": "longrope", "short_factor": [1, 1], "long_factor": [1, 1, 1, 1],
-                            "original_max_position_embeddings": 8, "factor": 2}}, ValueError, "4 entries"),
+        (
+            (8,),
+            {"scaling": {"rope_type": "linear", "factor": 2, "fator": 3}},
+            ValueError,
+            "unknown keys",
+        ),
+        (
+            (8,),
+            {
+                "scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8,
+                    "low_freq_factor": 1,
+                    "high_freq_factor": 4,
+                }
+            },
+            ValueError,
+            "original_max_position_embeddings",
+        ),
+        (
+            (8,),
+            {"scaling": {"rope_type": "dynamic", "factor": 2}},
+            ValueError,
+            "max_position_embeddings",
+        ),
+        (
+            (8,),
+            {
+                "scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1, 1],
+                    "long_factor": [1, 1, 1, 1],
+                    "original_max_position_embeddings": 8,
+                    "factor": 2,
+                }
+            },
+            ValueError,
+            "4 entries",
+        ),
         ((8,), {"scaling": "linear"}, TypeError, "scaling must be None or a dict"),
         ((8,), {"scaling": {"rope_theta": 500.0}, "base": 100.0}, ValueError, "conflicts"),
         ((8,), {"seq_len": -1}, ValueError, "seq_len must be >= 0"),
     ],
-)  # fmt: skip
+)
 def test_rope_inv_freq_errors(args, kwargs, exc, match):
     raises(exc, match, fastpe.rope_inv_freq, *args, **kwargs)
     if "seq_len" not in kwargs:  # rope_table takes the length from num_positions
@@ -155,8 +191,15 @@ def test_apply_rope_group_errors(fw):
     cos, sin = (to_fw(t, fw) for t in fastpe.rope_table(8, 4, **O))
     q = to_fw(np.zeros((1, 2, 3, 4), f32), fw)
     raises(ValueError, "non-empty tuple", fastpe.apply_rope, (), cos, sin, **O)
-    raises(ValueError, "x\\[1\\] has batch and sequence \\(1, 5\\)", fastpe.apply_rope,
-           (q, to_fw(np.zeros((1, 2, 5, 4), f32), fw)), cos, sin, **O)  # fmt: skip
+    raises(
+        ValueError,
+        "x\\[1\\] has batch and sequence \\(1, 5\\)",
+        fastpe.apply_rope,
+        (q, to_fw(np.zeros((1, 2, 5, 4), f32), fw)),
+        cos,
+        sin,
+        **O,
+    )
     raises(ValueError, "x must have 4 dimensions", fastpe.apply_rope, (q, q[0]), cos, sin, **O)
 
 
@@ -209,13 +252,38 @@ def test_embed_errors(fw):
         pe_table=to_fw(np.zeros((4, 6), f32), fw),
         **O,
     )
-    raises(IndexError, "positions 2 … 4 are needed but pe_table has only 4 rows", em, ids, w, pe="table",
-           pe_table=to_fw(np.zeros((4, 8), f32), fw), positions=2, **O)  # fmt: skip
+    raises(
+        IndexError,
+        "positions 2 … 4 are needed but pe_table has only 4 rows",
+        em,
+        ids,
+        w,
+        pe="table",
+        pe_table=to_fw(np.zeros((4, 8), f32), fw),
+        positions=2,
+        **O,
+    )
     raises(ValueError, "given together", em, ids, w, token_type_ids=ids, **O)
-    raises(IndexError, "token_type_ids contains 3", em, ids, w, token_type_ids=to_fw(np.array([[0, 3, 1]]), fw),
-           token_type_weight=to_fw(np.zeros((2, 8), f32), fw), **O)  # fmt: skip
-    raises(ValueError, "shape of ids", em, ids, w, token_type_ids=to_fw(np.array([[0, 1]]), fw),
-           token_type_weight=to_fw(np.zeros((2, 8), f32), fw), **O)  # fmt: skip
+    raises(
+        IndexError,
+        "token_type_ids contains 3",
+        em,
+        ids,
+        w,
+        token_type_ids=to_fw(np.array([[0, 3, 1]]), fw),
+        token_type_weight=to_fw(np.zeros((2, 8), f32), fw),
+        **O,
+    )
+    raises(
+        ValueError,
+        "shape of ids",
+        em,
+        ids,
+        w,
+        token_type_ids=to_fw(np.array([[0, 1]]), fw),
+        token_type_weight=to_fw(np.zeros((2, 8), f32), fw),
+        **O,
+    )
     raises(ValueError, "scale must be finite", em, ids, w, scale=float("inf"), **O)
 
 
@@ -232,8 +300,16 @@ def test_attention_errors(fw):
         ValueError, "share batch size", at, q, to_fw(np.concatenate([_qkv()[1]] * 2), fw), v, **O
     )
     raises(TypeError, "share one dtype", at, q, to_fw(_qkv()[1].astype(np.float64), fw), v, **O)
-    raises(ValueError, "does not broadcast to \\[B, Hq, Sq, Sk\\] = \\[1, 2, 3, 4\\]", at, q, k, v,
-           mask=to_fw(np.ones((3, 5), bool), fw), **O)  # fmt: skip
+    raises(
+        ValueError,
+        "does not broadcast to \\[B, Hq, Sq, Sk\\] = \\[1, 2, 3, 4\\]",
+        at,
+        q,
+        k,
+        v,
+        mask=to_fw(np.ones((3, 5), bool), fw),
+        **O,
+    )
     raises(
         TypeError, "mask must be bool", at, q, k, v, mask=to_fw(np.ones((3, 4), np.int64), fw), **O
     )
@@ -303,10 +379,26 @@ def test_attention_errors(fw):
         alibi_slopes=to_fw(np.array([1, np.inf], f32), fw),
         **O,
     )
-    raises(ValueError, "relative_bias\\['table'\\] must have shape \\[num_buckets, Hq\\] = \\[32, 2\\]", at, q, k, v,
-           relative_bias={"table": to_fw(np.zeros((32, 3), f32), fw)}, **O)  # fmt: skip
-    raises(ValueError, "max_distance'\\] must be >= 9", at, q, k, v,
-           relative_bias={"table": to_fw(np.zeros((32, 2), f32), fw), "max_distance": 8}, **O)  # fmt: skip
+    raises(
+        ValueError,
+        "relative_bias\\['table'\\] must have shape \\[num_buckets, Hq\\] = \\[32, 2\\]",
+        at,
+        q,
+        k,
+        v,
+        relative_bias={"table": to_fw(np.zeros((32, 3), f32), fw)},
+        **O,
+    )
+    raises(
+        ValueError,
+        "max_distance'\\] must be >= 9",
+        at,
+        q,
+        k,
+        v,
+        relative_bias={"table": to_fw(np.zeros((32, 2), f32), fw), "max_distance": 8},
+        **O,
+    )
     raises(
         ValueError, "must be a dict with key table", at, q, k, v, relative_bias={"buckets": 3}, **O
     )
@@ -354,13 +446,23 @@ def test_numpy_half_precision_rejected():
 def test_inputs_never_modified(fw):
     r = np.random.default_rng(3)
     arrays = {
-        "q": r.standard_normal((1, 2, 3, 4)), "k": r.standard_normal((1, 1, 5, 4)),
-        "v": r.standard_normal((1, 1, 5, 4)), "mask": r.standard_normal((3, 5)),
-    }  # fmt: skip
+        "q": r.standard_normal((1, 2, 3, 4)),
+        "k": r.standard_normal((1, 1, 5, 4)),
+        "v": r.standard_normal((1, 1, 5, 4)),
+        "mask": r.standard_normal((3, 5)),
+    }
     given = {name: to_fw(a, fw) for name, a in arrays.items()}
     cos, sin = fastpe.rope_table(8, 4, dtype="float64", **O)
-    fastpe.attention(given["q"], given["k"], given["v"], mask=given["mask"], causal=True, return_lse=True,
-                     rope={"cos": to_fw(cos, fw), "sin": to_fw(sin, fw)}, **O)  # fmt: skip
+    fastpe.attention(
+        given["q"],
+        given["k"],
+        given["v"],
+        mask=given["mask"],
+        causal=True,
+        return_lse=True,
+        rope={"cos": to_fw(cos, fw), "sin": to_fw(sin, fw)},
+        **O,
+    )
     for name, a in arrays.items():
         np.testing.assert_array_equal(np.asarray(given[name]), a, err_msg=name)
 
@@ -402,15 +504,47 @@ def test_attention_window_softcap_sinks_errors(fw):
         **O,
     )
     raises(TypeError, "softcap must be a real number", at, q, k, v, softcap="30", **O)
-    raises(ValueError, "sinks must have shape \\[Hq\\] = \\[2\\]; got \\(3,\\)", at, q, k, v,
-           sinks=to_fw(np.zeros(3, f32), fw), **O)  # fmt: skip
-    raises(ValueError, "sinks must have shape \\[Hq\\] = \\[2\\]; got \\(1, 2\\)", at, q, k, v,
-           sinks=to_fw(np.zeros((1, 2), f32), fw), **O)  # fmt: skip
-    raises(TypeError, "sinks must have a float dtype", at, q, k, v,
-           sinks=to_fw(np.zeros(2, np.int64), fw), **O)  # fmt: skip
+    raises(
+        ValueError,
+        "sinks must have shape \\[Hq\\] = \\[2\\]; got \\(3,\\)",
+        at,
+        q,
+        k,
+        v,
+        sinks=to_fw(np.zeros(3, f32), fw),
+        **O,
+    )
+    raises(
+        ValueError,
+        "sinks must have shape \\[Hq\\] = \\[2\\]; got \\(1, 2\\)",
+        at,
+        q,
+        k,
+        v,
+        sinks=to_fw(np.zeros((1, 2), f32), fw),
+        **O,
+    )
+    raises(
+        TypeError,
+        "sinks must have a float dtype",
+        at,
+        q,
+        k,
+        v,
+        sinks=to_fw(np.zeros(2, np.int64), fw),
+        **O,
+    )
     for bad in (np.nan, np.inf, -np.inf):
-        raises(ValueError, "sinks must be finite", at, q, k, v,
-               sinks=to_fw(np.array([0.0, bad], f32), fw), **O)  # fmt: skip
+        raises(
+            ValueError,
+            "sinks must be finite",
+            at,
+            q,
+            k,
+            v,
+            sinks=to_fw(np.array([0.0, bad], f32), fw),
+            **O,
+        )
     # np.int64 entries are integers too
     at(q, k, v, window=(np.int64(1), np.int32(-1)), **O)
 

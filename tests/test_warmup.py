@@ -31,9 +31,14 @@ def run_python(code: str, cache: pathlib.Path, *args: str, **env) -> subprocess.
     environ.pop("FASTPE_QUIET_COMPILE", None)  # the caller's own setting would hide the notice
     environ.update(env)
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-        cwd=ROOT, env=environ, timeout=TIMEOUT, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environ,
+        timeout=TIMEOUT,
+        check=False,
+    )
 
 
 def run_cli(*args: str, cache: pathlib.Path) -> subprocess.CompletedProcess:
@@ -100,8 +105,9 @@ def test_notice_silenced_by_the_environment_and_by_logging(tmp_path):
 def warmed(tmp_path_factory):
     """A cache filled by `fastpe warmup` for the two table ops, on two worker processes."""
     cache = tmp_path_factory.mktemp("warmed")
-    result = run_cli("warmup", "--ops", "sinusoidal_table", "rope_table", "--jobs", "2",
-                     cache=cache)  # fmt: skip
+    result = run_cli(
+        "warmup", "--ops", "sinusoidal_table", "rope_table", "--jobs", "2", cache=cache
+    )
     return cache, result
 
 
@@ -179,21 +185,33 @@ def test_cache_commands_without_a_writable_cache(monkeypatch, capsys):
 def test_import_stays_light():
     result = subprocess.run(
         [sys.executable, "-c", "import sys, fastpe; fastpe.warmup; print('numba' in sys.modules)"],
-        capture_output=True, text=True, timeout=TIMEOUT, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=True,
+    )
     assert result.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------- plans from model configs
 
 LLAMA = {
-    "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8,
-    "hidden_size": 4096, "torch_dtype": "bfloat16", "sliding_window": None,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "torch_dtype": "bfloat16",
+    "sliding_window": None,
+}
 GPT_OSS = {
-    "model_type": "gpt_oss", "num_attention_heads": 64, "num_key_value_heads": 8,
-    "head_dim": 64, "hidden_size": 2880, "sliding_window": 128, "torch_dtype": "bfloat16",
-}  # fmt: skip
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_size": 2880,
+    "sliding_window": 128,
+    "torch_dtype": "bfloat16",
+}
 
 
 def write_config(folder: pathlib.Path, config: dict) -> pathlib.Path:
@@ -210,22 +228,29 @@ def test_plan_for_a_llama_config(tmp_path):
     assert (item.heads, item.kv_heads, item.head_dim) == (32, 8, 128)
     # a directory holding config.json reads the same; --dtype and --ops override the config's
     assert _warmup.plan(model_config=str(tmp_path / "llama")) == [item]
-    items = _warmup.plan(ops=["attention", "apply_rope"], dtypes=["float32"],
-                         model_config=path)  # fmt: skip
+    items = _warmup.plan(ops=["attention", "apply_rope"], dtypes=["float32"], model_config=path)
     assert [(i.op, i.dtype, i.features) for i in items] == [
-        ("attention", "float32", ("causal", "decode")), ("apply_rope", "float32", ()),
-    ]  # fmt: skip
+        ("attention", "float32", ("causal", "decode")),
+        ("apply_rope", "float32", ()),
+    ]
 
 
 def test_plan_for_gpt_oss_and_gemma_configs(tmp_path):
     (item,) = _warmup.plan(model_config=write_config(tmp_path / "oss", GPT_OSS))
     assert item.features == ("causal", "window", "sinks", "decode")
     assert (item.heads, item.kv_heads, item.head_dim, item.window) == (64, 8, 64, 128)
-    gemma = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-             "attn_logit_softcapping": 50.0, "sliding_window": 4096}  # fmt: skip
+    gemma = {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "attn_logit_softcapping": 50.0,
+        "sliding_window": 4096,
+    }
     (item,) = _warmup.plan(model_config=gemma)
     assert (item.dtype, item.features, item.softcap) == (
-        "float32", ("causal", "window", "softcap", "decode"), 50.0
+        "float32",
+        ("causal", "window", "softcap", "decode"),
+        50.0,
     )
     flash = _warmup.plan(model_config=gemma, flash=True)
     assert [i.op for i in flash] == ["attention_varlen", "attention"]
@@ -240,10 +265,28 @@ def test_warmup_cli_dry_run_and_errors(tmp_path, capsys):
     assert out.strip() == (
         "attention bfloat16 causal window sinks decode  (heads 64, kv heads 8, head dim 64)"
     )
-    assert main(["warmup", "--ops", "attention", "--dtype", "fp32", "bf16", "--features",
-                 "causal", "window", "softcap", "--dry-run"]) == 0  # fmt: skip
-    assert capsys.readouterr().out.splitlines()[1].startswith(
-        "attention bfloat16 causal window softcap"
+    assert (
+        main(
+            [
+                "warmup",
+                "--ops",
+                "attention",
+                "--dtype",
+                "fp32",
+                "bf16",
+                "--features",
+                "causal",
+                "window",
+                "softcap",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[1]
+        .startswith("attention bfloat16 causal window softcap")
     )
     assert main(["warmup", "--model-config", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
@@ -257,8 +300,12 @@ def test_workers_only_for_several_attention_items(monkeypatch):
     assert _warmup.default_jobs(_warmup.plan(["sinusoidal_table", "rope_table", "embed"])) == 0
     assert _warmup.default_jobs(_warmup.plan(["attention", "embed"])) == 0
     assert _warmup.default_jobs(_warmup.plan(["attention"], ["float32", "bfloat16"])) == 2
-    assert _warmup.default_jobs(_warmup.plan(["attention", "attention_varlen"],
-                                             ["float32", "bfloat16"])) == 2  # fmt: skip
+    assert (
+        _warmup.default_jobs(
+            _warmup.plan(["attention", "attention_varlen"], ["float32", "bfloat16"])
+        )
+        == 2
+    )
 
 
 def test_item_calls_reach_both_twins_and_decode():
@@ -287,8 +334,11 @@ def test_every_planned_call_is_a_valid_call(dtype, monkeypatch):
         monkeypatch.setattr(
             fastpe, name, lambda *a, _op=op, **kw: _op(*a, **{**kw, "backend": "numpy"})
         )
-    features = _warmup.FEATURES if dtype == "bfloat16" else [f for f in _warmup.FEATURES
-                                                             if f != "backward"]  # fmt: skip
+    features = (
+        _warmup.FEATURES
+        if dtype == "bfloat16"
+        else [f for f in _warmup.FEATURES if f != "backward"]
+    )
     for item in _warmup.plan(list(_warmup.OPS), [dtype], features):
         calls = _warmup._calls(item)
         assert calls, item
@@ -350,8 +400,11 @@ def test_register_flash_warmup_on_first_call_plans_from_the_query(monkeypatch):
     assert call["flash"] is True
     (item, *rest) = _warmup.plan(model_config=call["model_config"], flash=True)
     assert (item.op, item.dtype, item.heads, item.head_dim) == (
-        "attention_varlen", "bfloat16", 6, 32,
-    )  # fmt: skip
+        "attention_varlen",
+        "bfloat16",
+        6,
+        32,
+    )
     assert {"causal", "decode", "window", "softcap", "sinks"} <= set(item.features)
 
 
@@ -361,11 +414,18 @@ class _Done:
 
 
 TINY_LLAMA = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 200, "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-}  # fmt: skip
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 200,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.mark.slow

@@ -79,11 +79,7 @@ def cache_rows(inp, k_cache, v_cache):
     """(k rows, v rows, page_start int64 [B, pages]) for the kernels, from the record's caches
     or their host views (same shapes and strides)."""
     per_block = inp.rows_per_block
-    return (
-        row_view(k_cache, per_block),
-        row_view(v_cache, per_block),
-        inp.page_table * per_block,
-    )
+    return (row_view(k_cache, per_block), row_view(v_cache, per_block), inp.page_table * per_block)
 
 
 def write_new_tokens(inp, k_cache, v_cache, k_new, v_new) -> None:
@@ -192,10 +188,16 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
             ]
         # one page per sequence: its keys are the packed rows from cu_k[b]
         return PagedArguments(
-            q, k, v, q_start=inp.cu_q[:-1], q_len=inp.q_lengths, k_len=inp.k_lengths,
-            page_start=inp.cu_k[:-1, None], page_size=max(inp.max_seqlen_k, 1),
+            q,
+            k,
+            v,
+            q_start=inp.cu_q[:-1],
+            q_len=inp.q_lengths,
+            k_len=inp.k_lengths,
+            page_start=inp.cu_k[:-1, None],
+            page_size=max(inp.max_seqlen_k, 1),
             bottom_right=inp.bottom_right,
-        )  # fmt: skip
+        )
     batch, sq, hq, d = inp.q.shape
     # CPU caches become views of the caller's memory: the append writes the caller's caches
     q, k_cache, v_cache = arrays.load(inp.q), arrays.view(inp.k_cache), arrays.view(inp.v_cache)
@@ -205,10 +207,16 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
     # rows would copy a non-contiguous cache whole on every call)
     k_rows, v_rows, page_start = cache_rows(inp, k_cache, v_cache)
     return PagedArguments(
-        q.reshape(batch * sq, hq, d), k_rows, v_rows,
-        q_start=np.arange(batch, dtype=np.int64) * sq, q_len=np.full(batch, sq, np.int64),
-        k_len=inp.seqlens, page_start=page_start, page_size=inp.page_size, bottom_right=True,
-    )  # fmt: skip
+        q.reshape(batch * sq, hq, d),
+        k_rows,
+        v_rows,
+        q_start=np.arange(batch, dtype=np.int64) * sq,
+        q_len=np.full(batch, sq, np.int64),
+        k_len=inp.seqlens,
+        page_start=page_start,
+        page_size=inp.page_size,
+        bottom_right=True,
+    )
 
 
 def run(inp, arrays: ServingArrays):

@@ -155,19 +155,34 @@ def _sequence_record(inputs, b: int, rows: slice, keys: slice):
 
     rope = None
     if fwd.rope is not None:
-        rope = {"cos": fwd.rope.cos, "sin": fwd.rope.sin, "interleaved": fwd.rope.interleaved,
-                "q_positions": torch.as_tensor(fwd.rope.q_positions[rows], device=device),
-                "k_positions": torch.as_tensor(fwd.rope.k_positions[keys], device=device)}  # fmt: skip
+        rope = {
+            "cos": fwd.rope.cos,
+            "sin": fwd.rope.sin,
+            "interleaved": fwd.rope.interleaved,
+            "q_positions": torch.as_tensor(fwd.rope.q_positions[rows], device=device),
+            "k_positions": torch.as_tensor(fwd.rope.k_positions[keys], device=device),
+        }
     forward = AttentionInputs.build(
-        heads_first(fwd.q, rows), heads_first(fwd.k, keys), heads_first(fwd.v, keys),
-        causal=fwd.causal, causal_alignment="bottom_right" if fwd.bottom_right else "top_left",
-        mask=None, key_lengths=None, scale=fwd.scale, rope=rope,
+        heads_first(fwd.q, rows),
+        heads_first(fwd.k, keys),
+        heads_first(fwd.v, keys),
+        causal=fwd.causal,
+        causal_alignment="bottom_right" if fwd.bottom_right else "top_left",
+        mask=None,
+        key_lengths=None,
+        scale=fwd.scale,
+        rope=rope,
         alibi_slopes=None if fwd.alibi_slopes is None else fwd.alibi_slopes[b : b + 1],
-        relative_bias=None, return_lse=True, window=fwd.window, softcap=fwd.softcap,
+        relative_bias=None,
+        return_lse=True,
+        window=fwd.window,
+        softcap=fwd.softcap,
         sinks=fwd.sinks,
-    )  # fmt: skip
+    )
     return AttentionBackwardInputs.build(
-        forward, grad_out=heads_first(inputs.grad_out, rows),
+        forward,
+        grad_out=heads_first(inputs.grad_out, rows),
         grad_lse=inputs.grad_lse[:, rows].unsqueeze(0).contiguous(),
-        out=heads_first(inputs.out, rows), lse=inputs.lse[:, rows].unsqueeze(0).contiguous(),
-    )  # fmt: skip
+        out=heads_first(inputs.out, rows),
+        lse=inputs.lse[:, rows].unsqueeze(0).contiguous(),
+    )

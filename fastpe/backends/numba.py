@@ -98,10 +98,14 @@ class ApplyRope(_Numba):
             from fastpe.kernels.numba.apply_rope import apply_rope_pair_numba
 
             outs = apply_rope_pair_numba(
-                to_host_bits(first.x, dtype), to_host_bits(second.x, dtype), *tables,
+                to_host_bits(first.x, dtype),
+                to_host_bits(second.x, dtype),
+                *tables,
                 first.positions.as_int64(first.batch, first.seq),
-                interleaved=first.interleaved, layout=first.layout, inverse=first.inverse,
-            )  # fmt: skip
+                interleaved=first.interleaved,
+                layout=first.layout,
+                inverse=first.inverse,
+            )
             return tuple(
                 from_host(out, inp.placement, inp.dtype)
                 for out, inp in zip(outs, group, strict=True)
@@ -120,10 +124,14 @@ class ApplyRope(_Numba):
         # stay bits too: a decode step reads one row, so widening the whole table would dominate
         direct = inp.inplace
         out = apply_rope_numba(
-            x, *tables, inp.positions.as_int64(inp.batch, inp.seq),
-            interleaved=inp.interleaved, layout=inp.layout, out=x if direct else None,
+            x,
+            *tables,
+            inp.positions.as_int64(inp.batch, inp.seq),
+            interleaved=inp.interleaved,
+            layout=inp.layout,
+            out=x if direct else None,
             inverse=inp.inverse,
-        )  # fmt: skip
+        )
         if direct:
             return inp.x
         result = from_host(out, inp.placement, inp.dtype)
@@ -166,15 +174,27 @@ class EmbedBackward(_Numba):
         grad = to_host_bits(inp.grad, dtype)
         rows = (
             (inp.need_weight, lambda: _arrays.to_int64(fwd.ids), fwd.weight, fwd.scale),
-            (inp.need_pe_table, lambda: fwd.positions.as_int64(fwd.batch, fwd.seq), fwd.pe_table, 1.0),
-            (inp.need_token_type_weight, lambda: _arrays.to_int64(fwd.token_type_ids),
-             fwd.token_type_weight, 1.0),
-        )  # fmt: skip
+            (
+                inp.need_pe_table,
+                lambda: fwd.positions.as_int64(fwd.batch, fwd.seq),
+                fwd.pe_table,
+                1.0,
+            ),
+            (
+                inp.need_token_type_weight,
+                lambda: _arrays.to_int64(fwd.token_type_ids),
+                fwd.token_type_weight,
+                1.0,
+            ),
+        )
         return tuple(
-            from_host(scatter_rows_numba(index(), grad, table.shape[0], scale), inp.placement, inp.dtype)
-            if want else None
+            from_host(
+                scatter_rows_numba(index(), grad, table.shape[0], scale), inp.placement, inp.dtype
+            )
+            if want
+            else None
             for want, index, table, scale in rows
-        )  # fmt: skip
+        )
 
 
 class Attention(_Numba):
@@ -196,23 +216,36 @@ class Attention(_Numba):
             # before the scores would add an error the float32 path does not have
             wide = q.dtype in (np.uint16, np.int16)
             q, k = (
-                apply_rope_numba(x, cos, sin, positions.as_int64(b, s),
-                                 interleaved=rope.interleaved, layout="bhsd",
-                                 out=np.empty(x.shape, np.float32) if wide else None)
+                apply_rope_numba(
+                    x,
+                    cos,
+                    sin,
+                    positions.as_int64(b, s),
+                    interleaved=rope.interleaved,
+                    layout="bhsd",
+                    out=np.empty(x.shape, np.float32) if wide else None,
+                )
                 for x, positions, s in ((q, rope.q_positions, sq), (k, rope.k_positions, sk))
-            )  # fmt: skip
+            )
         mask = None
         if inp.mask is not None:  # kept in its own float dtype: a cast would copy [B, Hq, Sq, Sk]
             mask = _arrays.to_bool(inp.mask) if inp.mask_is_bool else _host_float(inp.mask)
         bias = inp.relative_bias
         out, lse = attention_numba(
-            q, k, v, scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right, mask=mask,
+            q,
+            k,
+            v,
+            scale=inp.scale,
+            causal=inp.causal,
+            bottom_right=inp.bottom_right,
+            mask=mask,
             key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
             alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
             relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, dtype)),
-            window=inp.window, softcap=inp.softcap,
+            window=inp.window,
+            softcap=inp.softcap,
             sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
-        )  # fmt: skip
+        )
         out = from_host(out, inp.placement, inp.dtype)
         return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
 
@@ -237,34 +270,54 @@ class AttentionBackward(_Numba):
             pos = (rope.q_positions.as_int64(b, sq), rope.k_positions.as_int64(b, sk))
             wide = q.dtype in (np.uint16, np.int16)
             q, k = (
-                apply_rope_numba(x, cos, sin, p, interleaved=rope.interleaved, layout="bhsd",
-                                 out=np.empty(x.shape, np.float32) if wide else None)
+                apply_rope_numba(
+                    x,
+                    cos,
+                    sin,
+                    p,
+                    interleaved=rope.interleaved,
+                    layout="bhsd",
+                    out=np.empty(x.shape, np.float32) if wide else None,
+                )
                 for x, p in zip((q, k), pos, strict=True)
-            )  # fmt: skip
+            )
         mask = None
         if fwd.mask is not None:
             mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else _host_float(fwd.mask)
         bias = fwd.relative_bias
         dq, dk, dv_, dsinks, dtable = attention_backward_numba(
-            q, k, v, to_host_bits(inp.out, dtype), to_host(inp.lse, "float32"),
+            q,
+            k,
+            v,
+            to_host_bits(inp.out, dtype),
+            to_host(inp.lse, "float32"),
             to_host_bits(inp.grad_out, dtype),
             None if inp.grad_lse is None else to_host(inp.grad_lse, "float32"),
-            scale=fwd.scale, causal=fwd.causal, bottom_right=fwd.bottom_right, mask=mask,
+            scale=fwd.scale,
+            causal=fwd.causal,
+            bottom_right=fwd.bottom_right,
+            mask=mask,
             key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
             alibi_slopes=None if fwd.alibi_slopes is None else _arrays.to_float64(fwd.alibi_slopes),
-            relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, "float32")),
-            window=fwd.window, softcap=fwd.softcap,
+            relative_bias=None
+            if bias is None
+            else bias._replace(table=to_host(bias.table, "float32")),
+            window=fwd.window,
+            softcap=fwd.softcap,
             sinks=None if fwd.sinks is None else _arrays.to_float64(fwd.sinks),
-        )  # fmt: skip
+        )
         if rope is not None:  # the rotation's transpose is the rotation by -θ
             dq, dk = (
                 apply_rope_numba(g, cos, -sin, p, interleaved=rope.interleaved, layout="bhsd")
                 for g, p in zip((dq, dk), pos, strict=True)
-            )  # fmt: skip
+            )
         grads = [from_host(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
         for extra, like in ((dsinks, fwd.sinks), (dtable, None if bias is None else bias.table)):
-            grads.append(None if extra is None else _arrays.from_float64(
-                extra, inp.placement, _arrays.dtype_name(like)))  # fmt: skip
+            grads.append(
+                None
+                if extra is None
+                else _arrays.from_float64(extra, inp.placement, _arrays.dtype_name(like))
+            )
         return tuple(grads)
 
 
@@ -299,10 +352,13 @@ class MergeAttentionBackward(_Numba):
         fwd = inp.forward
         dtype = compute_dtype(inp.dtype)
         grads = merge_attention_backward_numba(
-            to_host(inp.grad_out, dtype), to_host(inp.grad_lse, "float64"),
-            to_host(fwd.out_a, dtype), to_host(fwd.lse_a, "float64"),
-            to_host(fwd.out_b, dtype), to_host(fwd.lse_b, "float64"),
-        )  # fmt: skip
+            to_host(inp.grad_out, dtype),
+            to_host(inp.grad_lse, "float64"),
+            to_host(fwd.out_a, dtype),
+            to_host(fwd.lse_a, "float64"),
+            to_host(fwd.out_b, dtype),
+            to_host(fwd.lse_b, "float64"),
+        )
         likes = (fwd.out_a, fwd.lse_a, fwd.out_b, fwd.lse_b)
         results = []
         for g, like in zip(grads, likes, strict=True):
@@ -338,22 +394,36 @@ class _ServingArrays(_serving.ServingArrays):
         # before the scores would add an error the float32 path does not have
         wide = not store and x.dtype in (np.uint16, np.int16)
         return apply_rope_numba(
-            x, cos, sin, positions, interleaved=interleaved, layout="bshd",
+            x,
+            cos,
+            sin,
+            positions,
+            interleaved=interleaved,
+            layout="bshd",
             out=np.empty(x.shape, np.float32) if wide else None,
-        )  # fmt: skip
+        )
 
     def attend(self, args):
         from fastpe.kernels.numba.attention_paged import attention_paged_numba
 
         inp = self.inp
         return attention_paged_numba(
-            args.q, args.k, args.v, q_start=args.q_start, q_len=args.q_len, k_len=args.k_len,
-            page_start=args.page_start, page_size=args.page_size, scale=inp.scale,
-            causal=inp.causal, bottom_right=args.bottom_right,
+            args.q,
+            args.k,
+            args.v,
+            q_start=args.q_start,
+            q_len=args.q_len,
+            k_len=args.k_len,
+            page_start=args.page_start,
+            page_size=args.page_size,
+            scale=inp.scale,
+            causal=inp.causal,
+            bottom_right=args.bottom_right,
             alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
-            window=inp.window, softcap=inp.softcap,
+            window=inp.window,
+            softcap=inp.softcap,
             sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
-        )  # fmt: skip
+        )
 
     def output(self, x, dtype):
         # a KV cache's lse arrives transposed to [B, Hq, Sq]: returned contiguous

@@ -136,13 +136,20 @@ class Attention(_Numpy):
             mask = _arrays.to_bool(inp.mask) if inp.mask_is_bool else to_float64(inp.mask)
         bias = inp.relative_bias
         out, lse = reference.attention(
-            q, k, v, scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right, mask=mask,
+            q,
+            k,
+            v,
+            scale=inp.scale,
+            causal=inp.causal,
+            bottom_right=inp.bottom_right,
+            mask=mask,
             key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
             alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
             relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
-            window=inp.window, softcap=inp.softcap,
+            window=inp.window,
+            softcap=inp.softcap,
             sinks=None if inp.sinks is None else to_float64(inp.sinks),
-        )  # fmt: skip
+        )
         out = from_float64(out, inp.placement, inp.dtype)
         if inp.return_lse:
             return out, from_float64(lse, inp.placement, "float32")
@@ -167,22 +174,32 @@ class AttentionBackward(_Numpy):
             mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else to_float64(fwd.mask)
         bias = fwd.relative_bias
         dq, dk, dv_, dsinks, dtable = reference.attention_backward(
-            q, k, v, to_float64(inp.grad_out),
+            q,
+            k,
+            v,
+            to_float64(inp.grad_out),
             None if inp.grad_lse is None else to_float64(inp.grad_lse),
-            scale=fwd.scale, causal=fwd.causal, bottom_right=fwd.bottom_right, mask=mask,
+            scale=fwd.scale,
+            causal=fwd.causal,
+            bottom_right=fwd.bottom_right,
+            mask=mask,
             key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
             alibi_slopes=None if fwd.alibi_slopes is None else to_float64(fwd.alibi_slopes),
             relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
-            window=fwd.window, softcap=fwd.softcap,
+            window=fwd.window,
+            softcap=fwd.softcap,
             sinks=None if fwd.sinks is None else to_float64(fwd.sinks),
-        )  # fmt: skip
+        )
         if rope is not None:  # the rotation's transpose is the rotation by -θ
             dq = reference.apply_rope(dq, cos, -sin, q_pos, rope.interleaved)
             dk = reference.apply_rope(dk, cos, -sin, k_pos, rope.interleaved)
         grads = [from_float64(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
         for extra, like in ((dsinks, fwd.sinks), (dtable, None if bias is None else bias.table)):
-            grads.append(None if extra is None else from_float64(extra, inp.placement,
-                                                                  _arrays.dtype_name(like)))  # fmt: skip
+            grads.append(
+                None
+                if extra is None
+                else from_float64(extra, inp.placement, _arrays.dtype_name(like))
+            )
         return tuple(grads)
 
 
@@ -240,21 +257,30 @@ class _ServingArrays(_serving.ServingArrays):
         inp = self.inp
         index = np.concatenate(
             [np.zeros(0, np.int64)]
-            + [args.page_start[b, j // args.page_size] + j % args.page_size
-               for b, j in enumerate(np.arange(n) for n in args.k_len)]
-        )  # fmt: skip
+            + [
+                args.page_start[b, j // args.page_size] + j % args.page_size
+                for b, j in enumerate(np.arange(n) for n in args.k_len)
+            ]
+        )
         k, v = (to_float64(_take_rows(rows, index)) for rows in (args.k, args.v))
         # the queries of one sequence follow those of the previous one (packed or [B, Sq])
         ends = args.q_start + args.q_len
         cu_q = np.concatenate([args.q_start[:1], ends]) if len(ends) else np.zeros(1, np.int64)
         cu_k = np.concatenate([[0], np.cumsum(args.k_len)])
         return reference.attention_varlen(
-            args.q, k, v, cu_q, cu_k, scale=inp.scale, causal=inp.causal,
+            args.q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            scale=inp.scale,
+            causal=inp.causal,
             bottom_right=args.bottom_right,
             alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
-            window=inp.window, softcap=inp.softcap,
+            window=inp.window,
+            softcap=inp.softcap,
             sinks=None if inp.sinks is None else to_float64(inp.sinks),
-        )  # fmt: skip
+        )
 
     def output(self, x, dtype):
         return from_float64(x, self.inp.placement, dtype)

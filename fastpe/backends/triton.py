@@ -67,9 +67,13 @@ class SinusoidalTable(_Triton):
 
         omega = reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
         return sinusoidal_table_triton(
-            omega, inp.num_positions, inp.offset, inp.layout == "interleaved",
-            getattr(torch, inp.dtype), inp.placement.device,
-        )  # fmt: skip
+            omega,
+            inp.num_positions,
+            inp.offset,
+            inp.layout == "interleaved",
+            getattr(torch, inp.dtype),
+            inp.placement.device,
+        )
 
 
 class RopeTable(_Triton):
@@ -82,9 +86,13 @@ class RopeTable(_Triton):
         from fastpe.kernels.triton.rope_table import rope_table_triton
 
         return rope_table_triton(
-            inp.inv_freq, inp.attention_factor, inp.num_positions, inp.offset,
-            getattr(torch, inp.dtype), inp.placement.device,
-        )  # fmt: skip
+            inp.inv_freq,
+            inp.attention_factor,
+            inp.num_positions,
+            inp.offset,
+            getattr(torch, inp.dtype),
+            inp.placement.device,
+        )
 
 
 class ApplyRope(_Triton):
@@ -101,10 +109,16 @@ class ApplyRope(_Triton):
         first = group[0]
         positions, offset = first.positions.on_device(first.x.device)
         return apply_rope_triton(
-            tuple(inp.x for inp in group), first.cos.contiguous(), first.sin.contiguous(), positions, offset,
-            interleaved=first.interleaved, layout=first.layout, inplace=first.inplace,
+            tuple(inp.x for inp in group),
+            first.cos.contiguous(),
+            first.sin.contiguous(),
+            positions,
+            offset,
+            interleaved=first.interleaved,
+            layout=first.layout,
+            inplace=first.inplace,
             inverse=first.inverse,
-        )  # fmt: skip
+        )
 
 
 class Embed(_Triton):
@@ -116,13 +130,20 @@ class Embed(_Triton):
         positions, offset = inp.positions.on_device(inp.weight.device)
         types = inp.token_type_ids is not None
         return embed_triton(
-            inp.ids, inp.weight.contiguous(), positions, offset, scale=inp.scale, pe=inp.pe,
+            inp.ids,
+            inp.weight.contiguous(),
+            positions,
+            offset,
+            scale=inp.scale,
+            pe=inp.pe,
             pe_table=None if inp.pe_table is None else inp.pe_table.contiguous(),
-            omega=reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq) if inp.pe == "sinusoidal" else None,
+            omega=reference.sinusoidal_frequencies(inp.dim, inp.base, inp.freq)
+            if inp.pe == "sinusoidal"
+            else None,
             interleaved=inp.layout == "interleaved",
             token_type_ids=inp.token_type_ids if types else None,
             token_type_weight=inp.token_type_weight.contiguous() if types else None,
-        )  # fmt: skip
+        )
 
 
 class EmbedBackward(_Triton):
@@ -186,12 +207,22 @@ class Attention(_Triton):
             else None
         )
         out, lse = attention_triton(
-            inp.q, inp.k, inp.v, scale=inp.scale, causal=inp.causal, bottom_right=inp.bottom_right,
-            mask=inp.mask, key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
+            inp.q,
+            inp.k,
+            inp.v,
+            scale=inp.scale,
+            causal=inp.causal,
+            bottom_right=inp.bottom_right,
+            mask=inp.mask,
+            key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
             alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
-            relative_bias=inp.relative_bias, rope=rope, window=inp.window, softcap=inp.softcap,
-            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(), num_sms=sms,
-        )  # fmt: skip
+            relative_bias=inp.relative_bias,
+            rope=rope,
+            window=inp.window,
+            softcap=inp.softcap,
+            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
+            num_sms=sms,
+        )
         return (out, lse) if inp.return_lse else out
 
 
@@ -218,17 +249,33 @@ class AttentionBackward(_Triton):
             q, k = _rotated_first(q.float(), k.float(), (cos, sin, rope.interleaved, *positions))
         bias = fwd.relative_bias
         dq, dk, dv, dsinks, dtable = attention_backward_triton(
-            q, k, v, inp.out, inp.lse, inp.grad_out, inp.grad_lse, scale=fwd.scale,
-            causal=fwd.causal, bottom_right=fwd.bottom_right, mask=fwd.mask,
+            q,
+            k,
+            v,
+            inp.out,
+            inp.lse,
+            inp.grad_out,
+            inp.grad_lse,
+            scale=fwd.scale,
+            causal=fwd.causal,
+            bottom_right=fwd.bottom_right,
+            mask=fwd.mask,
             key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
-            alibi_slopes=fwd.alibi_slopes, relative_bias=bias, window=fwd.window, softcap=fwd.softcap,
+            alibi_slopes=fwd.alibi_slopes,
+            relative_bias=bias,
+            window=fwd.window,
+            softcap=fwd.softcap,
             sinks=fwd.sinks,
-        )  # fmt: skip
+        )
         if rope is not None:
             dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
-        return (dq.to(fwd.q.dtype), dk.to(fwd.k.dtype), dv.to(fwd.v.dtype),
-                None if dsinks is None else dsinks.to(fwd.sinks.dtype),
-                None if dtable is None else dtable.to(bias.table.dtype))  # fmt: skip
+        return (
+            dq.to(fwd.q.dtype),
+            dk.to(fwd.k.dtype),
+            dv.to(fwd.v.dtype),
+            None if dsinks is None else dsinks.to(fwd.sinks.dtype),
+            None if dtable is None else dtable.to(bias.table.dtype),
+        )
 
 
 class MergeAttention(_Triton):
@@ -257,12 +304,15 @@ class MergeAttentionBackward(_Triton):
         safe = torch.where(seen, lse, 0.0)
         weights = [torch.where(seen, torch.exp(part - safe), 0.0) for part in (lse_a, lse_b)]
         # an empty part's out is ignored (it may hold NaN or inf)
-        parts = [torch.where((w > 0)[..., None], part, 0.0)
-                 for w, part in zip(weights, (out_a, out_b), strict=True)]  # fmt: skip
+        parts = [
+            torch.where((w > 0)[..., None], part, 0.0)
+            for w, part in zip(weights, (out_a, out_b), strict=True)
+        ]
         out = weights[0][..., None] * parts[0] + weights[1][..., None] * parts[1]
         grads = []
-        for w, part, like_out, like_lse in zip(weights, parts, (fwd.out_a, fwd.out_b),
-                                               (fwd.lse_a, fwd.lse_b), strict=True):  # fmt: skip
+        for w, part, like_out, like_lse in zip(
+            weights, parts, (fwd.out_a, fwd.out_b), (fwd.lse_a, fwd.lse_b), strict=True
+        ):
             d_lse = torch.where(w > 0, w * (((part - out) * grad_out).sum(-1) + grad_lse), 0.0)
             grads += [(w[..., None] * grad_out).to(like_out.dtype), d_lse.to(like_lse.dtype)]
         return tuple(grads)
@@ -297,9 +347,15 @@ class _ServingArrays(_serving.ServingArrays):
         from fastpe.kernels.triton.apply_rope import apply_rope_triton
 
         (rotated,) = apply_rope_triton(
-            (x,), cos, sin, _host_int64(positions, x.device), 0, interleaved=interleaved,
-            layout="bshd", inplace=False,
-        )  # fmt: skip
+            (x,),
+            cos,
+            sin,
+            _host_int64(positions, x.device),
+            0,
+            interleaved=interleaved,
+            layout="bshd",
+            inplace=False,
+        )
         # fp32 under the interpreter for bf16 (see low_precision_via_fp32)
         return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
@@ -309,15 +365,23 @@ class _ServingArrays(_serving.ServingArrays):
         inp = self.inp
         device = args.q.device
         return attention_paged_triton(
-            args.q, args.k, args.v, q_start=_host_int64(args.q_start, device),
-            q_len=_host_int64(args.q_len, device), k_len=_host_int64(args.k_len, device),
-            page_start=_host_int64(args.page_start, device), page_size=args.page_size,
-            scale=inp.scale, causal=inp.causal, bottom_right=args.bottom_right,
+            args.q,
+            args.k,
+            args.v,
+            q_start=_host_int64(args.q_start, device),
+            q_len=_host_int64(args.q_len, device),
+            k_len=_host_int64(args.k_len, device),
+            page_start=_host_int64(args.page_start, device),
+            page_size=args.page_size,
+            scale=inp.scale,
+            causal=inp.causal,
+            bottom_right=args.bottom_right,
             alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
-            window=inp.window, softcap=inp.softcap,
+            window=inp.window,
+            softcap=inp.softcap,
             sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
             num_sms=_sms(device),
-        )  # fmt: skip
+        )
 
     def output(self, x, dtype):
         return x  # already the caller's tensors, in their dtype (lse float32)

@@ -23,14 +23,7 @@ from .cases import (
     with_mode,
     work,
 )
-from .report import (
-    caveats,
-    format_summary,
-    format_table,
-    load_results,
-    plot,
-    speedup_over_target,
-)
+from .report import caveats, format_summary, format_table, load_results, plot, speedup_over_target
 from .runner import (
     Timing,
     baselines_for,

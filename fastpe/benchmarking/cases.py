@@ -69,8 +69,13 @@ def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False,
     label = f"B{b} H{hq}/{hkv} Sq{sq} Sk{sk} D{d}" + (" causal" if causal else "") + options
     kind = "decode" if sq == 1 else "causal" if causal else "non-causal"
     series = f"{kind}{options} B{b} H{hq}/{hkv} D{d}"
-    params = {"shape": (b, hq, hkv, sq, sk, d), "causal": causal, "window": window,
-              "softcap": softcap, "sinks": sinks}  # fmt: skip
+    params = {
+        "shape": (b, hq, hkv, sq, sk, d),
+        "causal": causal,
+        "window": window,
+        "softcap": softcap,
+        "sinks": sinks,
+    }
     if mode != "forward":
         label, series = f"{label} {mode}", f"{series} {mode}"
         params["mode"] = mode
@@ -80,12 +85,31 @@ def _attn(b, hq, hkv, sq, sk, d, causal, window=None, softcap=None, sinks=False,
 # The issue's target cases (full grid) and a sequence-length sweep for the plot.
 FULL_GRID = [
     Case("sinusoidal_table", "8192 x 1024", 8192, {"positions": 8192, "dim": 1024}),
-    Case("sinusoidal_table", "512 x 1024 at 2^20", 512, {"positions": 512, "dim": 1024, "offset": 2**20 - 512}),
+    Case(
+        "sinusoidal_table",
+        "512 x 1024 at 2^20",
+        512,
+        {"positions": 512, "dim": 1024, "offset": 2**20 - 512},
+    ),
     Case("rope_table", "8192 x 128", 8192, {"positions": 8192, "rotary_dim": 128}),
-    *[Case("apply_rope", f"q32+k8 S{s} D128", s, {"seq": s, "q_heads": 32, "k_heads": 8, "dim": 128})
-      for s in (1024, 4096)],
-    *[Case("embed", f"8x{s} vocab 32000 d1024", s, {"batch": 8, "seq": s, "vocab": 32000, "dim": 1024})
-      for s in (512, 2048)],
+    *[
+        Case(
+            "apply_rope",
+            f"q32+k8 S{s} D128",
+            s,
+            {"seq": s, "q_heads": 32, "k_heads": 8, "dim": 128},
+        )
+        for s in (1024, 4096)
+    ],
+    *[
+        Case(
+            "embed",
+            f"8x{s} vocab 32000 d1024",
+            s,
+            {"batch": 8, "seq": s, "vocab": 32000, "dim": 1024},
+        )
+        for s in (512, 2048)
+    ],
     _attn(1, 16, 16, 1024, 1024, 64, False),
     *[_attn(1, 16, 16, s, s, 64, True) for s in (512, 1024, 2048)],
     _attn(1, 8, 8, 4096, 4096, 128, True),
@@ -94,8 +118,12 @@ FULL_GRID = [
     # issue 12: one decode step of one layer (q and k rotated by one call at position 700 of a
     # 4096-row table; one query against Sk keys), where per-call overhead and the start of a
     # parallel region weigh as much as the work
-    Case("apply_rope", "q32+k8 S1 D128 at 700 (one token)", 1,
-         {"seq": 1, "q_heads": 32, "k_heads": 8, "dim": 128, "position": 700}),
+    Case(
+        "apply_rope",
+        "q32+k8 S1 D128 at 700 (one token)",
+        1,
+        {"seq": 1, "q_heads": 32, "k_heads": 8, "dim": 128, "position": 700},
+    ),
     *[_attn(1, 32, 8, 1, sk, 128, True) for sk in (512, 4096)],
     # issue 13: a sliding window costs S·W (compare with the full-causal row at S8192), and
     # soft-capping / sinks cost little over the same call without them
@@ -103,33 +131,54 @@ FULL_GRID = [
     _attn(1, 16, 16, 8192, 8192, 64, True, window=1024),
     _attn(1, 16, 16, 8192, 8192, 64, True, window=1024, softcap=50.0),
     _attn(1, 16, 16, 8192, 8192, 64, True, window=1024, sinks=True),
-]  # fmt: skip
+]
 
 QUICK_GRID = [
     Case("sinusoidal_table", "2048 x 512", 2048, {"positions": 2048, "dim": 512}),
     Case("rope_table", "2048 x 128", 2048, {"positions": 2048, "rotary_dim": 128}),
-    Case("apply_rope", "q32+k8 S512 D128", 512, {"seq": 512, "q_heads": 32, "k_heads": 8, "dim": 128}),
-    Case("embed", "4x512 vocab 32000 d1024", 512, {"batch": 4, "seq": 512, "vocab": 32000, "dim": 1024}),
+    Case(
+        "apply_rope", "q32+k8 S512 D128", 512, {"seq": 512, "q_heads": 32, "k_heads": 8, "dim": 128}
+    ),
+    Case(
+        "embed",
+        "4x512 vocab 32000 d1024",
+        512,
+        {"batch": 4, "seq": 512, "vocab": 32000, "dim": 1024},
+    ),
     _attn(1, 8, 8, 512, 512, 64, False),
     _attn(1, 8, 8, 512, 512, 64, True),
     _attn(4, 32, 8, 1, 2048, 128, True),
     _attn(1, 8, 8, 2048, 2048, 64, True, window=256),
-]  # fmt: skip
+]
 
 # Tiny shapes for `pytest bench --benchmark-disable` (the CI smoke run): every op, every impl,
 # every mode.
 SMOKE_GRID = [
     Case("sinusoidal_table", "64 x 32", 64, {"positions": 64, "dim": 32}),
     Case("rope_table", "64 x 16", 64, {"positions": 64, "rotary_dim": 16}),
-    *[Case("apply_rope", "q4+k2 S32 D16", 32, {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16, "mode": m})
-      for m in MODES],
-    *[Case("embed", "2x16 vocab 100 d32", 16, {"batch": 2, "seq": 16, "vocab": 100, "dim": 32, "mode": m})
-      for m in MODES],
+    *[
+        Case(
+            "apply_rope",
+            "q4+k2 S32 D16",
+            32,
+            {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16, "mode": m},
+        )
+        for m in MODES
+    ],
+    *[
+        Case(
+            "embed",
+            "2x16 vocab 100 d32",
+            16,
+            {"batch": 2, "seq": 16, "vocab": 100, "dim": 32, "mode": m},
+        )
+        for m in MODES
+    ],
     _attn(1, 4, 2, 32, 32, 16, True),
     _attn(2, 4, 2, 1, 64, 16, True),
     _attn(1, 4, 2, 48, 48, 16, True, window=8, softcap=5.0, sinks=True),
     *[_attn(1, 4, 2, 32, 32, 16, causal, mode=m) for causal in (False, True) for m in MODES[1:]],
-]  # fmt: skip
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,11 +227,18 @@ def _rope_arrays(p, rng):
     start = p.get("position", 0)
     rows = 4096 if "position" in p else p["seq"]
     table_cos, table_sin = fastpe.rope_table(rows, p["dim"], dtype="float64", backend="numpy")
-    arrays = {"q": q, "k": k, "cos": table_cos[start : start + p["seq"]],
-              "sin": table_sin[start : start + p["seq"]]}  # fmt: skip
+    arrays = {
+        "q": q,
+        "k": k,
+        "cos": table_cos[start : start + p["seq"]],
+        "sin": table_sin[start : start + p["seq"]],
+    }
     if "position" in p:
-        arrays.update(table_cos=table_cos, table_sin=table_sin,
-                      positions=np.arange(start, start + p["seq"])[None])  # fmt: skip
+        arrays.update(
+            table_cos=table_cos,
+            table_sin=table_sin,
+            positions=np.arange(start, start + p["seq"])[None],
+        )
     return arrays
 
 
@@ -226,9 +282,13 @@ def _attention_options(p, x, heads=None):
 def _attention_reference(p, x):
     heads = p["shape"][1] // p["shape"][2]
     return fastpe.attention(
-        _first_group(p, x["q"]), x["k"][:1, :1], x["v"][:1, :1], causal=p["causal"],
-        **_attention_options(p, x, heads), **_ORACLE,
-    )  # fmt: skip
+        _first_group(p, x["q"]),
+        x["k"][:1, :1],
+        x["v"][:1, :1],
+        causal=p["causal"],
+        **_attention_options(p, x, heads),
+        **_ORACLE,
+    )
 
 
 def _table_call(fn, args, backend, device, **kwargs):
@@ -347,7 +407,7 @@ OPS: dict[str, OpSpec] = {
                 causal=p["causal"],
                 backend=backend,
                 **_attention_options(p, x),
-            )  # fmt: skip
+            )
         ),
         compared=_first_group,
         grad_inputs=("q", "k", "v"),

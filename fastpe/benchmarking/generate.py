@@ -55,9 +55,14 @@ def _iqr(times):
 
 
 def run_generate(
-    device: str = "cpu", dtype: str = "float32", *, shape: dict | None = None,
-    sizes: dict | None = None, repeats: int = 1, progress=print,
-) -> list[dict]:  # fmt: skip
+    device: str = "cpu",
+    dtype: str = "float32",
+    *,
+    shape: dict | None = None,
+    sizes: dict | None = None,
+    repeats: int = 1,
+    progress=print,
+) -> list[dict]:
     """Rows for a results document (``op`` "generate"); each timing is the median of
     ``repeats`` calls after one warm-up call."""
     import torch
@@ -94,13 +99,22 @@ def run_generate(
                 outputs[(label, impl)] = out[0, ids.shape[1] :].cpu()
                 times = sorted(times[1:])
                 median = times[len(times) // 2]
-                rows.append({
-                    "op": "generate", "case": label, "seq": ids.shape[1], "series": "",
-                    "impl": impl, "median_s": median,
-                    "iqr_s": _iqr(times), "min_s": times[0], "runs": len(times),
-                    "throughput": (ids.shape[1] if new == 1 else new) / median, "unit": "tok/s",
-                    "fraction_of_peak": None,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "op": "generate",
+                        "case": label,
+                        "seq": ids.shape[1],
+                        "series": "",
+                        "impl": impl,
+                        "median_s": median,
+                        "iqr_s": _iqr(times),
+                        "min_s": times[0],
+                        "runs": len(times),
+                        "throughput": (ids.shape[1] if new == 1 else new) / median,
+                        "unit": "tok/s",
+                        "fraction_of_peak": None,
+                    }
+                )
     for r in rows:
         base = next(b for b in rows if b["case"] == r["case"] and b["impl"] == "sdpa")
         r["speedup_vs_best_baseline"] = (

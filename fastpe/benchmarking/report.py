@@ -15,8 +15,7 @@ def speedup_over_target(rows: list[dict], row: dict) -> tuple[str | None, float 
     the plot all take their ratios from here, so they agree."""
     name = target_baseline(row["op"], row.get("mode", "forward"))
     base = next(
-        (b for b in rows if (b["op"], b["case"], b["impl"]) == (row["op"], row["case"], name)),
-        None,
+        (b for b in rows if (b["op"], b["case"], b["impl"]) == (row["op"], row["case"], name)), None
     )
     return name, None if base is None else base["median_s"] / row["median_s"]
 
@@ -38,17 +37,35 @@ def format_table(doc: dict, markdown: bool = False) -> str:
     of peak, speedup over the op's target baseline (named in each cell), error vs the oracle."""
     rows = doc["results"]
     spread = any("iqr_s" in r for r in rows)  # absent from files of older versions
-    head = ["op", "case", "implementation", "median", *(["IQR", "min"] if spread else []),
-            "throughput", "% peak", SPEEDUP_HEADER, "max |err|"]  # fmt: skip
+    head = [
+        "op",
+        "case",
+        "implementation",
+        "median",
+        *(["IQR", "min"] if spread else []),
+        "throughput",
+        "% peak",
+        SPEEDUP_HEADER,
+        "max |err|",
+    ]
     lines = []
     for r in rows:
         frac = "" if r["fraction_of_peak"] is None else f"{100 * r['fraction_of_peak']:.0f}%"
         times = [
             _ms(r.get(k)) for k in (["median_s", "iqr_s", "min_s"] if spread else ["median_s"])
         ]
-        lines.append([r["op"], r["case"], r["impl"], *times,
-                      f"{r['throughput']:.1f} {r['unit']}", frac, _speedup_cell(rows, r),
-                      f"{r['max_abs_error']:.1e}"])  # fmt: skip
+        lines.append(
+            [
+                r["op"],
+                r["case"],
+                r["impl"],
+                *times,
+                f"{r['throughput']:.1f} {r['unit']}",
+                frac,
+                _speedup_cell(rows, r),
+                f"{r['max_abs_error']:.1e}",
+            ]
+        )
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(out + ["| " + " | ".join(row) + " |" for row in lines])
@@ -142,9 +159,13 @@ def plot(doc: dict, path: str):
     # inches per panel: a band per case, tall enough for its bars, and room for the title and axis
     heights = [1.1 + len(cases) * (0.25 + 0.2 * len(impls)) for _, _, cases, impls in layout]
     fig, axes = plt.subplots(
-        len(ops), 1, figsize=(12, sum(heights)), squeeze=False, layout="constrained",
+        len(ops),
+        1,
+        figsize=(12, sum(heights)),
+        squeeze=False,
+        layout="constrained",
         gridspec_kw={"height_ratios": heights},
-    )  # fmt: skip
+    )
     for ax, (op, op_rows, cases, impls) in zip(axes[:, 0], layout, strict=True):
         bar = 0.8 / len(impls)
         widest = max(r["throughput"] for r in op_rows)

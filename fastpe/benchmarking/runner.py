@@ -305,14 +305,24 @@ def run_benchmarks(
                 continue
             rate = amount / timing.median / 1e9
             peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["sgemm_gflops"]
-            case_rows.append({
-                "op": case.op, "case": case.label, "seq": case.seq, "series": case.series,
-                "mode": case.mode, "impl": name,
-                "median_s": timing.median, "iqr_s": timing.iqr, "min_s": timing.min,
-                "runs": timing.runs, "throughput": rate, "unit": unit,
-                "fraction_of_peak": rate / peak if device == "cpu" else None,
-                "max_abs_error": max_error(case, fn(), expected),
-            })  # fmt: skip
+            case_rows.append(
+                {
+                    "op": case.op,
+                    "case": case.label,
+                    "seq": case.seq,
+                    "series": case.series,
+                    "mode": case.mode,
+                    "impl": name,
+                    "median_s": timing.median,
+                    "iqr_s": timing.iqr,
+                    "min_s": timing.min,
+                    "runs": timing.runs,
+                    "throughput": rate,
+                    "unit": unit,
+                    "fraction_of_peak": rate / peak if device == "cpu" else None,
+                    "max_abs_error": max_error(case, fn(), expected),
+                }
+            )
         best = min(
             (r["median_s"] for r in case_rows if not r["impl"].startswith("fastpe")), default=None
         )

@@ -47,9 +47,20 @@ import fastpe
 from fastpe import flash_attn
 
 
-def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                             is_causal=None, sliding_window=None, softcap=None, s_aux=None,
-                             **kwargs):  # fmt: skip
+def fastpe_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    **kwargs,
+):
     """transformers' attention-function protocol: query [B, Hq, S, D], key/value [B, Hkv, Sk, D]
     (strided views are fine; GQA is read in place, no repeat_kv), returns ([B, S, Hq, Dv], None).
     """
@@ -69,8 +80,20 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
         )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
-        return _packed_forward(module, query, key, value, cu_q, cu_k, kwargs, scaling, is_causal,
-                               sliding_window, softcap, s_aux)  # fmt: skip
+        return _packed_forward(
+            module,
+            query,
+            key,
+            value,
+            cu_q,
+            cu_k,
+            kwargs,
+            scaling,
+            is_causal,
+            sliding_window,
+            softcap,
+            s_aux,
+        )
     position_bias = kwargs.get("position_bias")
     causal = False
     window = None
@@ -95,14 +118,34 @@ def fastpe_attention_forward(module, query, key, value, attention_mask, dropout=
             bias = bias + mask
         mask = bias
     out = fastpe.attention(
-        query, key, value, causal=causal, causal_alignment="bottom_right", mask=mask,
-        scale=scaling, window=window, softcap=softcap, sinks=s_aux,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        causal=causal,
+        causal_alignment="bottom_right",
+        mask=mask,
+        scale=scaling,
+        window=window,
+        softcap=softcap,
+        sinks=s_aux,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed_forward(module, query, key, value, cu_q, cu_k, kwargs, scaling, is_causal,
-                    sliding_window, softcap, s_aux):  # fmt: skip
+def _packed_forward(
+    module,
+    query,
+    key,
+    value,
+    cu_q,
+    cu_k,
+    kwargs,
+    scaling,
+    is_causal,
+    sliding_window,
+    softcap,
+    s_aux,
+):
     """A padding-free packed batch: query [1, Hq, total_q, D], key/value [1, Hkv, total_k, D],
     sequence boundaries cu_q/cu_k (FlashAttention's varlen convention, bottom-right causal)."""
     if cu_q is None or cu_k is None:
@@ -116,16 +159,35 @@ def _packed_forward(module, query, key, value, cu_q, cu_k, kwargs, scaling, is_c
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = (int(sliding_window) - 1, 0) if causal and sliding_window is not None else None
     out = fastpe.attention_varlen(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k,
-        max_seqlen_q=kwargs.get("max_length_q"), max_seqlen_k=kwargs.get("max_length_k"),
-        causal=causal, causal_alignment="bottom_right", scale=scaling, window=window,
-        softcap=softcap, sinks=s_aux,
-    )  # fmt: skip
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_q,
+        cu_k,
+        max_seqlen_q=kwargs.get("max_length_q"),
+        max_seqlen_k=kwargs.get("max_length_k"),
+        causal=causal,
+        causal_alignment="bottom_right",
+        scale=scaling,
+        window=window,
+        softcap=softcap,
+        sinks=s_aux,
+    )
     return out[None], None
 
 
-def fastpe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
-                local_size=None, allow_is_causal_skip=True, config=None, **kwargs):  # fmt: skip
+def fastpe_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip=True,
+    config=None,
+    **kwargs,
+):
     """transformers' mask-function protocol: None when the kernel can apply the masking itself
     (see the module docstring), else SDPA's boolean mask."""
     from transformers.masking_utils import sdpa_mask
@@ -135,10 +197,17 @@ def fastpe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attent
     ):
         return None
     return sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-        kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
-        allow_is_causal_skip=False, config=config, **kwargs,
-    )  # fmt: skip
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        config=config,
+        **kwargs,
+    )
 
 
 def _kernel_can_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, local_size, config):
@@ -199,16 +268,20 @@ def _first_use_warmup(which, config, query, flash) -> None:
     # the dtype the model runs in, which may not be the config's torch_dtype (a bfloat16
     # checkpoint loaded in float32 on a CPU)
     try:
-        config = {**fastpe._warmup._load_config(config),
-                  "torch_dtype": str(query.dtype).removeprefix("torch.")}  # fmt: skip
+        config = {
+            **fastpe._warmup._load_config(config),
+            "torch_dtype": str(query.dtype).removeprefix("torch."),
+        }
         _warmup_now(config, flash)
     except Exception as exc:  # noqa: BLE001 - the model's call goes on; kernels compile as used
         import logging
 
         logging.getLogger("fastpe").warning(
             "fastpe: register(warmup=True) could not warm up for this model (%s: %s); the "
-            "kernels compile on first use instead", type(exc).__name__, exc,
-        )  # fmt: skip
+            "kernels compile on first use instead",
+            type(exc).__name__,
+            exc,
+        )
 
 
 def _arm_warmup(which: str, warmup, flash: bool) -> None:
@@ -321,21 +394,53 @@ def _wrap_flash_loader(fa_utils) -> None:
 # silently, and block_table must not be one (transformers would pass its paged table, which
 # fastpe.flash_attn's varlen function refuses). Otherwise they are fastpe.flash_attn's functions,
 # plus the first-use warmup and transformers' optional max_seqlen_q/k.
-def _flash_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                       dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                       softcap=0.0, s_aux=None):  # fmt: skip
+def _flash_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    s_aux=None,
+):
     """fastpe.flash_attn.flash_attn_varlen_func as transformers calls it: q [total_q, Hq, D],
     k/v [total_k, Hkv, D]; max_seqlen_q/k None for the longest sequence."""
     if _warm_on_first_use:
         _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
     return flash_attn.flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, window_size, softcap, s_aux=s_aux,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        s_aux=s_aux,
+    )
 
 
-def _flash_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                softcap=0.0, s_aux=None):  # fmt: skip
+def _flash_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    s_aux=None,
+):
     """fastpe.flash_attn.flash_attn_func as transformers calls it: q [B, Sq, Hq, D], k/v
     [B, Sk, Hkv, D]."""
     if _warm_on_first_use:
@@ -350,7 +455,10 @@ def _flash_config(q) -> dict:
     FlashAttention's functions get no model, so every feature a layer might use is warmed up
     (today they are runtime arguments of one compiled kernel: warming all costs no more)."""
     return {
-        "num_attention_heads": q.shape[-2], "head_dim": q.shape[-1],
+        "num_attention_heads": q.shape[-2],
+        "head_dim": q.shape[-1],
         "torch_dtype": str(q.dtype).removeprefix("torch."),
-        "sliding_window": 4096, "attn_logit_softcapping": 30.0, "sinks": True,
-    }  # fmt: skip
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 30.0,
+        "sinks": True,
+    }

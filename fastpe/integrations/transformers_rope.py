@@ -52,8 +52,10 @@ def _make_replacement(original):
         half = dim // 2
         # rotate_half pairs (i, i + D/2) and transformers duplicates each frequency: a table of
         # the first halves is fastpe's; if a model ever stores different halves, fall back
-        if not (torch.equal(cos[..., :half], cos[..., half:]) and
-                torch.equal(sin[..., :half], sin[..., half:])):  # fmt: skip
+        if not (
+            torch.equal(cos[..., :half], cos[..., half:])
+            and torch.equal(sin[..., :half], sin[..., half:])
+        ):
             return original(q, k, cos, sin, *args, **kwargs)
         table_cos = cos.reshape(batch * seq, dim)[:, :half]
         table_sin = sin.reshape(batch * seq, dim)[:, :half]

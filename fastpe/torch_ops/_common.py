@@ -77,8 +77,9 @@ def register_autograd(op_name: str, backward, *, save=None, save_outputs: bool =
 
     def restored_backward(ctx, *grads):
         saved = iter(ctx.saved_tensors)
-        values = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants,
-                                                            strict=True)]  # fmt: skip
+        values = [
+            next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants, strict=True)
+        ]
         ctx.args, ctx.outputs = values[: ctx.num_args], values[ctx.num_args :]
         return backward(ctx, *grads)
 

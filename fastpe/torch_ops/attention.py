@@ -24,45 +24,121 @@ from fastpe.torch_ops._common import (
 
 
 def _attention_inputs(
-    q, k, v, causal, causal_alignment, mask, key_lengths, scale, rope_cos, rope_sin,
-    rope_interleaved, rope_q_positions, rope_q_positions_offset, rope_k_positions,
-    rope_k_positions_offset, alibi_slopes, relative_bias_table, relative_bias_num_buckets,
-    relative_bias_max_distance, relative_bias_bidirectional, window_left, window_right, softcap,
+    q,
+    k,
+    v,
+    causal,
+    causal_alignment,
+    mask,
+    key_lengths,
+    scale,
+    rope_cos,
+    rope_sin,
+    rope_interleaved,
+    rope_q_positions,
+    rope_q_positions_offset,
+    rope_k_positions,
+    rope_k_positions_offset,
+    alibi_slopes,
+    relative_bias_table,
+    relative_bias_num_buckets,
+    relative_bias_max_distance,
+    relative_bias_bidirectional,
+    window_left,
+    window_right,
+    softcap,
     sinks,
-) -> AttentionInputs:  # fmt: skip
+) -> AttentionInputs:
     """The validated forward record of the attention schema's arguments (with lse: the backward
     needs it)."""
-    rope = _rope_from_schema(rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-                             rope_q_positions_offset, rope_k_positions, rope_k_positions_offset)  # fmt: skip
+    rope = _rope_from_schema(
+        rope_cos,
+        rope_sin,
+        rope_interleaved,
+        rope_q_positions,
+        rope_q_positions_offset,
+        rope_k_positions,
+        rope_k_positions_offset,
+    )
     relative_bias = _relative_bias_from_schema(
-        relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
+        relative_bias_table,
+        relative_bias_num_buckets,
+        relative_bias_max_distance,
         relative_bias_bidirectional,
-    )  # fmt: skip
+    )
     return AttentionInputs.build(
-        q, k, v, causal=causal, causal_alignment=causal_alignment, mask=mask,
-        key_lengths=key_lengths, scale=scale, rope=rope, alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias, return_lse=True, window=(window_left, window_right),
-        softcap=softcap, sinks=sinks,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        causal_alignment=causal_alignment,
+        mask=mask,
+        key_lengths=key_lengths,
+        scale=scale,
+        rope=rope,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        return_lse=True,
+        window=(window_left, window_right),
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
 @torch.library.custom_op("fastpe::attention", mutates_args=())
 def attention_op(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
-    key_lengths: Tensor | None, scale: float | None, rope_cos: Tensor | None,
-    rope_sin: Tensor | None, rope_interleaved: bool, rope_q_positions: Tensor | None,
-    rope_q_positions_offset: int | None, rope_k_positions: Tensor | None, rope_k_positions_offset: int | None,
-    alibi_slopes: Tensor | None, relative_bias_table: Tensor | None,
-    relative_bias_num_buckets: int, relative_bias_max_distance: int,
-    relative_bias_bidirectional: bool, window_left: int, window_right: int,
-    softcap: float | None, sinks: Tensor | None, backend: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    causal_alignment: str,
+    mask: Tensor | None,
+    key_lengths: Tensor | None,
+    scale: float | None,
+    rope_cos: Tensor | None,
+    rope_sin: Tensor | None,
+    rope_interleaved: bool,
+    rope_q_positions: Tensor | None,
+    rope_q_positions_offset: int | None,
+    rope_k_positions: Tensor | None,
+    rope_k_positions_offset: int | None,
+    alibi_slopes: Tensor | None,
+    relative_bias_table: Tensor | None,
+    relative_bias_num_buckets: int,
+    relative_bias_max_distance: int,
+    relative_bias_bidirectional: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float | None,
+    sinks: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
     inputs = _attention_inputs(
-        q, k, v, causal, causal_alignment, mask, key_lengths, scale, rope_cos, rope_sin, rope_interleaved,
-        rope_q_positions, rope_q_positions_offset, rope_k_positions, rope_k_positions_offset,
-        alibi_slopes, relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
-        relative_bias_bidirectional, window_left, window_right, softcap, sinks,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal,
+        causal_alignment,
+        mask,
+        key_lengths,
+        scale,
+        rope_cos,
+        rope_sin,
+        rope_interleaved,
+        rope_q_positions,
+        rope_q_positions_offset,
+        rope_k_positions,
+        rope_k_positions_offset,
+        alibi_slopes,
+        relative_bias_table,
+        relative_bias_num_buckets,
+        relative_bias_max_distance,
+        relative_bias_bidirectional,
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+    )
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
 
@@ -76,37 +152,95 @@ def _(q, k, v, *args):
 # The forward's options as they travel to the backward op: everything after (q, k, v) in
 # attention_op's schema except the backend, in order.
 _ATTENTION_OPTIONS = (
-    "causal", "causal_alignment", "mask", "key_lengths", "scale", "rope_cos", "rope_sin",
-    "rope_interleaved", "rope_q_positions", "rope_q_positions_offset", "rope_k_positions",
-    "rope_k_positions_offset", "alibi_slopes", "relative_bias_table",
-    "relative_bias_num_buckets", "relative_bias_max_distance", "relative_bias_bidirectional",
-    "window_left", "window_right", "softcap", "sinks",
-)  # fmt: skip
+    "causal",
+    "causal_alignment",
+    "mask",
+    "key_lengths",
+    "scale",
+    "rope_cos",
+    "rope_sin",
+    "rope_interleaved",
+    "rope_q_positions",
+    "rope_q_positions_offset",
+    "rope_k_positions",
+    "rope_k_positions_offset",
+    "alibi_slopes",
+    "relative_bias_table",
+    "relative_bias_num_buckets",
+    "relative_bias_max_distance",
+    "relative_bias_bidirectional",
+    "window_left",
+    "window_right",
+    "softcap",
+    "sinks",
+)
 # inputs that get no gradient (docs/README.md#training): asking for one is an error
-_NO_GRADIENT = {3 + _ATTENTION_OPTIONS.index(name): name
-                for name in ("mask", "rope_cos", "rope_sin", "alibi_slopes")}  # fmt: skip
+_NO_GRADIENT = {
+    3 + _ATTENTION_OPTIONS.index(name): name
+    for name in ("mask", "rope_cos", "rope_sin", "alibi_slopes")
+}
 
 
 @torch.library.custom_op("fastpe::attention_backward", mutates_args=())
 def attention_backward_op(
-    grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-    lse: Tensor, causal: bool, causal_alignment: str, mask: Tensor | None,
-    key_lengths: Tensor | None, scale: float | None, rope_cos: Tensor | None,
-    rope_sin: Tensor | None, rope_interleaved: bool, rope_q_positions: Tensor | None,
-    rope_q_positions_offset: int | None, rope_k_positions: Tensor | None, rope_k_positions_offset: int | None,
-    alibi_slopes: Tensor | None, relative_bias_table: Tensor | None,
-    relative_bias_num_buckets: int, relative_bias_max_distance: int,
-    relative_bias_bidirectional: bool, window_left: int, window_right: int,
-    softcap: float | None, sinks: Tensor | None, backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_out: Tensor,
+    grad_lse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    causal_alignment: str,
+    mask: Tensor | None,
+    key_lengths: Tensor | None,
+    scale: float | None,
+    rope_cos: Tensor | None,
+    rope_sin: Tensor | None,
+    rope_interleaved: bool,
+    rope_q_positions: Tensor | None,
+    rope_q_positions_offset: int | None,
+    rope_k_positions: Tensor | None,
+    rope_k_positions_offset: int | None,
+    alibi_slopes: Tensor | None,
+    relative_bias_table: Tensor | None,
+    relative_bias_num_buckets: int,
+    relative_bias_max_distance: int,
+    relative_bias_bidirectional: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float | None,
+    sinks: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks, d relative_bias_table) of one attention_op call; the last two are
     empty when the call had no sinks / no table."""
     forward = _attention_inputs(
-        q, k, v, causal, causal_alignment, mask, key_lengths, scale, rope_cos, rope_sin, rope_interleaved,
-        rope_q_positions, rope_q_positions_offset, rope_k_positions, rope_k_positions_offset,
-        alibi_slopes, relative_bias_table, relative_bias_num_buckets, relative_bias_max_distance,
-        relative_bias_bidirectional, window_left, window_right, softcap, sinks,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal,
+        causal_alignment,
+        mask,
+        key_lengths,
+        scale,
+        rope_cos,
+        rope_sin,
+        rope_interleaved,
+        rope_q_positions,
+        rope_q_positions_offset,
+        rope_k_positions,
+        rope_k_positions_offset,
+        alibi_slopes,
+        relative_bias_table,
+        relative_bias_num_buckets,
+        relative_bias_max_distance,
+        relative_bias_bidirectional,
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+    )
     inputs = AttentionBackwardInputs.build(
         forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse
     )
@@ -143,8 +277,10 @@ def _attention_backward(ctx, grad_out, grad_lse):
         grad_out, grad_lse, q, k, v, out, lse, *options, ctx.backend
     )
     named = dict(zip(_ATTENTION_OPTIONS, options, strict=True))
-    grads = {"sinks": dsinks if named["sinks"] is not None else None,
-             "relative_bias_table": dtable if named["relative_bias_table"] is not None else None}  # fmt: skip
+    grads = {
+        "sinks": dsinks if named["sinks"] is not None else None,
+        "relative_bias_table": dtable if named["relative_bias_table"] is not None else None,
+    }
     return (dq, dk, dv, *(grads.get(name) for name in _ATTENTION_OPTIONS), None)
 
 
@@ -158,8 +294,13 @@ def _rope_to_schema(rope, device) -> tuple:
     Rope.check_keys(rope)
     q_positions = _split_positions(rope.get("q_positions"), device, "rope['q_positions']")
     k_positions = _split_positions(rope.get("k_positions"), device, "rope['k_positions']")
-    return (rope.get("cos"), rope.get("sin"), rope.get("interleaved", False), *q_positions,
-            *k_positions)  # fmt: skip
+    return (
+        rope.get("cos"),
+        rope.get("sin"),
+        rope.get("interleaved", False),
+        *q_positions,
+        *k_positions,
+    )
 
 
 def _rope_from_schema(
@@ -168,8 +309,10 @@ def _rope_from_schema(
     if cos is None and sin is None:
         return None
     rope = {"cos": cos, "sin": sin, "interleaved": interleaved}
-    for key, tensor, offset in (("q_positions", q_positions, q_positions_offset),
-                                ("k_positions", k_positions, k_positions_offset)):  # fmt: skip
+    for key, tensor, offset in (
+        ("q_positions", q_positions, q_positions_offset),
+        ("k_positions", k_positions, k_positions_offset),
+    ):
         if tensor is not None or offset is not None:  # absent: the record's default positions
             rope[key] = tensor if tensor is not None else offset
     return rope
@@ -183,15 +326,23 @@ def _relative_bias_to_schema(relative_bias) -> tuple:
     num_buckets, max_distance, bidirectional = (
         bias.get(key, defaults[key]) for key in RelativeBias._fields[1:]
     )
-    return (bias.get("table"), _schema_int("relative_bias['num_buckets']", num_buckets),
-            _schema_int("relative_bias['max_distance']", max_distance), _plain(bidirectional))  # fmt: skip
+    return (
+        bias.get("table"),
+        _schema_int("relative_bias['num_buckets']", num_buckets),
+        _schema_int("relative_bias['max_distance']", max_distance),
+        _plain(bidirectional),
+    )
 
 
 def _relative_bias_from_schema(table, num_buckets, max_distance, bidirectional):
     if table is None:
         return None
-    return {"table": table, "num_buckets": num_buckets, "max_distance": max_distance,
-            "bidirectional": bidirectional}  # fmt: skip
+    return {
+        "table": table,
+        "num_buckets": num_buckets,
+        "max_distance": max_distance,
+        "bidirectional": bidirectional,
+    }
 
 
 def _attention_schema(
@@ -213,10 +364,19 @@ def _attention_schema(
     backend (``_ATTENTION_OPTIONS``' order)."""
     window_left, window_right, softcap = window_and_softcap(window, softcap)
     return (
-        causal, causal_alignment, mask, key_lengths, None if scale is None else float(scale),
-        *_rope_to_schema(rope, q.device), alibi_slopes, *_relative_bias_to_schema(relative_bias),
-        window_left, window_right, softcap, sinks,
-    )  # fmt: skip
+        causal,
+        causal_alignment,
+        mask,
+        key_lengths,
+        None if scale is None else float(scale),
+        *_rope_to_schema(rope, q.device),
+        alibi_slopes,
+        *_relative_bias_to_schema(relative_bias),
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+    )
 
 
 def call_attention(q, k, v, *, return_lse, backend, **options):

@@ -13,15 +13,33 @@ from fastpe.torch_ops._common import _backend, _positions, _split_positions, reg
 
 @torch.library.custom_op("fastpe::embed", mutates_args=())
 def embed_op(
-    ids: Tensor, weight: Tensor, positions: Tensor | None, offset: int, pe: str,
-    pe_table: Tensor | None, scale: float, base: float, layout: str, freq: str,
-    token_type_ids: Tensor | None, token_type_weight: Tensor | None, backend: str,
-) -> Tensor:  # fmt: skip
+    ids: Tensor,
+    weight: Tensor,
+    positions: Tensor | None,
+    offset: int,
+    pe: str,
+    pe_table: Tensor | None,
+    scale: float,
+    base: float,
+    layout: str,
+    freq: str,
+    token_type_ids: Tensor | None,
+    token_type_weight: Tensor | None,
+    backend: str,
+) -> Tensor:
     inputs = EmbedInputs.build(
-        ids, weight, positions=_positions(positions, offset), pe=pe or None, pe_table=pe_table,
-        scale=scale, base=base, layout=layout, freq=freq, token_type_ids=token_type_ids,
+        ids,
+        weight,
+        positions=_positions(positions, offset),
+        pe=pe or None,
+        pe_table=pe_table,
+        scale=scale,
+        base=base,
+        layout=layout,
+        freq=freq,
+        token_type_ids=token_type_ids,
         token_type_weight=token_type_weight,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, _backend(backend))
 
 
@@ -46,33 +64,74 @@ def _(
 
 @torch.library.custom_op("fastpe::embed_backward", mutates_args=())
 def embed_backward_op(
-    grad: Tensor, ids: Tensor, weight: Tensor, positions: Tensor | None, offset: int, pe: str,
-    pe_table: Tensor | None, scale: float, token_type_ids: Tensor | None,
-    token_type_weight: Tensor | None, need_weight: bool, need_pe_table: bool,
-    need_token_type_weight: bool, backend: str,
-) -> list[Tensor]:  # fmt: skip
+    grad: Tensor,
+    ids: Tensor,
+    weight: Tensor,
+    positions: Tensor | None,
+    offset: int,
+    pe: str,
+    pe_table: Tensor | None,
+    scale: float,
+    token_type_ids: Tensor | None,
+    token_type_weight: Tensor | None,
+    need_weight: bool,
+    need_pe_table: bool,
+    need_token_type_weight: bool,
+    backend: str,
+) -> list[Tensor]:
     """The gradients of ``embed`` w.r.t. weight, pe_table and token_type_weight (those asked
     for, in that order): scatter-adds of ``grad`` over ids / positions / token types."""
     forward = EmbedInputs.build(
-        ids, weight, positions=_positions(positions, offset), pe=pe or None, pe_table=pe_table,
-        scale=scale, base=10000.0, layout="interleaved", freq="paper",
-        token_type_ids=token_type_ids, token_type_weight=token_type_weight,
-    )  # fmt: skip
+        ids,
+        weight,
+        positions=_positions(positions, offset),
+        pe=pe or None,
+        pe_table=pe_table,
+        scale=scale,
+        base=10000.0,
+        layout="interleaved",
+        freq="paper",
+        token_type_ids=token_type_ids,
+        token_type_weight=token_type_weight,
+    )
     inputs = EmbedBackwardInputs.build(
-        forward, grad, weight=need_weight, pe_table=need_pe_table,
+        forward,
+        grad,
+        weight=need_weight,
+        pe_table=need_pe_table,
         token_type_weight=need_token_type_weight,
-    )  # fmt: skip
+    )
     grads = dispatch.run(inputs, _backend(backend))
     return [g for g in grads if g is not None]
 
 
 @embed_backward_op.register_fake
-def _(grad, ids, weight, positions, offset, pe, pe_table, scale, token_type_ids,
-      token_type_weight, need_weight, need_pe_table, need_token_type_weight, backend):  # fmt: skip
-    tables = ((need_weight, weight), (need_pe_table, pe_table),
-              (need_token_type_weight, token_type_weight))  # fmt: skip
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for need, t in tables
-            if need and t is not None]  # fmt: skip
+def _(
+    grad,
+    ids,
+    weight,
+    positions,
+    offset,
+    pe,
+    pe_table,
+    scale,
+    token_type_ids,
+    token_type_weight,
+    need_weight,
+    need_pe_table,
+    need_token_type_weight,
+    backend,
+):
+    tables = (
+        (need_weight, weight),
+        (need_pe_table, pe_table),
+        (need_token_type_weight, token_type_weight),
+    )
+    return [
+        torch.empty_like(t, memory_format=torch.contiguous_format)
+        for need, t in tables
+        if need and t is not None
+    ]
 
 
 # weight, pe_table and token_type_weight: the arguments that get a gradient (ids, positions and
@@ -86,10 +145,22 @@ def _embed_backward(ctx, grad):
     if not any(wanted):
         return tuple(grads)
     ids, weight, positions, offset, pe, pe_table, scale, _, _, _, tt_ids, tt_weight = ctx.args
-    found = iter(embed_backward_op(
-        grad, ids, weight, positions, offset, pe, pe_table, scale, tt_ids, tt_weight,
-        *(bool(w) for w in wanted), ctx.backend,
-    ))  # fmt: skip
+    found = iter(
+        embed_backward_op(
+            grad,
+            ids,
+            weight,
+            positions,
+            offset,
+            pe,
+            pe_table,
+            scale,
+            tt_ids,
+            tt_weight,
+            *(bool(w) for w in wanted),
+            ctx.backend,
+        )
+    )
     for index, want in zip(_TABLES, wanted, strict=True):
         if want:
             grads[index] = next(found)
@@ -99,8 +170,34 @@ def _embed_backward(ctx, grad):
 register_autograd("embed", _embed_backward)
 
 
-def call_embed(ids, weight, *, positions, pe, pe_table, scale, base, layout, freq,
-               token_type_ids, token_type_weight, backend):  # fmt: skip
+def call_embed(
+    ids,
+    weight,
+    *,
+    positions,
+    pe,
+    pe_table,
+    scale,
+    base,
+    layout,
+    freq,
+    token_type_ids,
+    token_type_weight,
+    backend,
+):
     tensor, offset = _split_positions(positions, weight.device)
-    return embed_op(ids, weight, tensor, offset or 0, pe or "", pe_table, float(scale), float(base), layout,
-                    freq, token_type_ids, token_type_weight, backend or "")  # fmt: skip
+    return embed_op(
+        ids,
+        weight,
+        tensor,
+        offset or 0,
+        pe or "",
+        pe_table,
+        float(scale),
+        float(base),
+        layout,
+        freq,
+        token_type_ids,
+        token_type_weight,
+        backend or "",
+    )

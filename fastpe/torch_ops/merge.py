@@ -28,9 +28,14 @@ def _(out_a, lse_a, out_b, lse_b, backend):
 
 @torch.library.custom_op("fastpe::merge_attention_backward", mutates_args=())
 def merge_attention_backward_op(
-    grad_out: Tensor, grad_lse: Tensor, out_a: Tensor, lse_a: Tensor, out_b: Tensor,
-    lse_b: Tensor, backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_out: Tensor,
+    grad_lse: Tensor,
+    out_a: Tensor,
+    lse_a: Tensor,
+    out_b: Tensor,
+    lse_b: Tensor,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d out_a, d lse_a, d out_b, d lse_b) of ``merge_attention`` (docs/math.md#merge-gradients)."""
     forward = MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b)
     inputs = MergeAttentionBackwardInputs.build(forward, grad_out, grad_lse)
@@ -39,8 +44,10 @@ def merge_attention_backward_op(
 
 @merge_attention_backward_op.register_fake
 def _(grad_out, grad_lse, out_a, lse_a, out_b, lse_b, backend):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (out_a, lse_a, out_b, lse_b))  # fmt: skip
+    return tuple(
+        torch.empty_like(t, memory_format=torch.contiguous_format)
+        for t in (out_a, lse_a, out_b, lse_b)
+    )
 
 
 def _merge_backward(ctx, grad_out, grad_lse):
@@ -52,8 +59,10 @@ def _merge_backward(ctx, grad_out, grad_lse):
     grads = merge_attention_backward_op(
         grad_out.to(out_a.dtype), grad_lse, out_a, lse_a, out_b, lse_b, ctx.backend
     )
-    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)),
-            None)  # fmt: skip
+    return (
+        *(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=False)),
+        None,
+    )
 
 
 register_autograd("merge_attention", _merge_backward)

@@ -21,13 +21,24 @@ from fastpe.torch_ops._common import (
 
 @torch.library.custom_op("fastpe::apply_rope", mutates_args=())
 def apply_rope_op(
-    x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, offset: int, interleaved: bool,
-    layout: str, backend: str,
-) -> Tensor:  # fmt: skip
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor | None,
+    offset: int,
+    interleaved: bool,
+    layout: str,
+    backend: str,
+) -> Tensor:
     inputs = ApplyRopeInputs.build(
-        x, cos, sin, positions=_positions(positions, offset), interleaved=interleaved, layout=layout,
+        x,
+        cos,
+        sin,
+        positions=_positions(positions, offset),
+        interleaved=interleaved,
+        layout=layout,
         inplace=False,
-    )  # fmt: skip
+    )
     return dispatch.run(inputs, _backend(backend))
 
 
@@ -38,9 +49,15 @@ def _(x, cos, sin, positions, offset, interleaved, layout, backend):
 
 @torch.library.custom_op("fastpe::apply_rope_group", mutates_args=())
 def apply_rope_group_op(
-    xs: list[Tensor], cos: Tensor, sin: Tensor, positions: Tensor | None, offset: int,
-    interleaved: bool, layout: str, backend: str,
-) -> list[Tensor]:  # fmt: skip
+    xs: list[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor | None,
+    offset: int,
+    interleaved: bool,
+    layout: str,
+    backend: str,
+) -> list[Tensor]:
     """``apply_rope((q, k), ...)``: the tensors of one call in one op (one launch on Triton)."""
     return _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, False)
 
@@ -52,9 +69,15 @@ def _(xs, cos, sin, positions, offset, interleaved, layout, backend):
 
 @torch.library.custom_op("fastpe::apply_rope_backward", mutates_args=())
 def apply_rope_backward_op(
-    grads: list[Tensor], cos: Tensor, sin: Tensor, positions: Tensor | None, offset: int,
-    interleaved: bool, layout: str, backend: str,
-) -> list[Tensor]:  # fmt: skip
+    grads: list[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor | None,
+    offset: int,
+    interleaved: bool,
+    layout: str,
+    backend: str,
+) -> list[Tensor]:
     """The gradients w.r.t. x of ``apply_rope`` / ``apply_rope_group``: each output gradient
     rotated by -θ (docs/math.md#gradients), all of them in one kernel call."""
     return _rotate_group(grads, cos, sin, positions, offset, interleaved, layout, backend, True)
@@ -67,9 +90,14 @@ def _(grads, cos, sin, positions, offset, interleaved, layout, backend):
 
 def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, inverse):
     first = ApplyRopeInputs.build(
-        xs[0], cos, sin, positions=_positions(positions, offset), interleaved=interleaved,
-        layout=layout, inplace=False,
-    )  # fmt: skip
+        xs[0],
+        cos,
+        sin,
+        positions=_positions(positions, offset),
+        interleaved=interleaved,
+        layout=layout,
+        inplace=False,
+    )
     if inverse:
         first = dataclasses.replace(first, inverse=True)
     group = [first, *(first.with_x(x) for x in xs[1:])]
@@ -125,6 +153,7 @@ def call_apply_rope(x, cos, sin, *, positions, interleaved, layout, inplace, bac
 
 def call_apply_rope_group(xs, cos, sin, *, positions, interleaved, layout, inplace, backend):
     tensor, offset = _split_positions(positions, xs[0].device)
-    outs = apply_rope_group_op(list(xs), cos, sin, tensor, offset or 0, interleaved, layout,
-                               backend or "")  # fmt: skip
+    outs = apply_rope_group_op(
+        list(xs), cos, sin, tensor, offset or 0, interleaved, layout, backend or ""
+    )
     return tuple(x.copy_(out) for x, out in zip(xs, outs, strict=True)) if inplace else tuple(outs)

@@ -24,46 +24,127 @@ from fastpe.torch_ops._common import (
 # backends like any op.
 
 _VARLEN_OPTIONS = (
-    "max_seqlen_q", "max_seqlen_k", "causal", "causal_alignment", "scale", "rope_cos",
-    "rope_sin", "rope_interleaved", "rope_q_positions", "rope_k_positions", "alibi_slopes",
-    "window_left", "window_right", "softcap", "sinks",
-)  # fmt: skip
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "causal",
+    "causal_alignment",
+    "scale",
+    "rope_cos",
+    "rope_sin",
+    "rope_interleaved",
+    "rope_q_positions",
+    "rope_k_positions",
+    "alibi_slopes",
+    "window_left",
+    "window_right",
+    "softcap",
+    "sinks",
+)
 # (q, k, v, cu_seqlens_q, cu_seqlens_k) come first in the schema
-_VARLEN_NO_GRADIENT = {5 + _VARLEN_OPTIONS.index(name): name
-                       for name in ("rope_cos", "rope_sin", "alibi_slopes")}  # fmt: skip
+_VARLEN_NO_GRADIENT = {
+    5 + _VARLEN_OPTIONS.index(name): name for name in ("rope_cos", "rope_sin", "alibi_slopes")
+}
 
 
-def _varlen_inputs(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, causal_alignment,
-                   scale, rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-                   rope_k_positions, alibi_slopes, window_left, window_right, softcap, sinks):  # fmt: skip
+def _varlen_inputs(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    causal_alignment,
+    scale,
+    rope_cos,
+    rope_sin,
+    rope_interleaved,
+    rope_q_positions,
+    rope_k_positions,
+    alibi_slopes,
+    window_left,
+    window_right,
+    softcap,
+    sinks,
+):
     from fastpe._inputs_serving import AttentionVarlenInputs
 
     rope = None
     if rope_cos is not None or rope_sin is not None:
-        rope = {"cos": rope_cos, "sin": rope_sin, "interleaved": rope_interleaved,
-                "q_positions": rope_q_positions, "k_positions": rope_k_positions}  # fmt: skip
+        rope = {
+            "cos": rope_cos,
+            "sin": rope_sin,
+            "interleaved": rope_interleaved,
+            "q_positions": rope_q_positions,
+            "k_positions": rope_k_positions,
+        }
     return AttentionVarlenInputs.build(
-        q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        causal=causal, causal_alignment=causal_alignment, scale=scale, rope=rope,
-        alibi_slopes=alibi_slopes, window=(window_left, window_right), softcap=softcap,
-        sinks=sinks, return_lse=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        causal=causal,
+        causal_alignment=causal_alignment,
+        scale=scale,
+        rope=rope,
+        alibi_slopes=alibi_slopes,
+        window=(window_left, window_right),
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=True,
+    )
 
 
 @torch.library.custom_op("fastpe::attention_varlen", mutates_args=())
 def attention_varlen_op(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None, max_seqlen_k: int | None, causal: bool, causal_alignment: str,
-    scale: float | None, rope_cos: Tensor | None, rope_sin: Tensor | None,
-    rope_interleaved: bool, rope_q_positions: Tensor | None, rope_k_positions: Tensor | None,
-    alibi_slopes: Tensor | None, window_left: int, window_right: int, softcap: float | None,
-    sinks: Tensor | None, backend: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    causal: bool,
+    causal_alignment: str,
+    scale: float | None,
+    rope_cos: Tensor | None,
+    rope_sin: Tensor | None,
+    rope_interleaved: bool,
+    rope_q_positions: Tensor | None,
+    rope_k_positions: Tensor | None,
+    alibi_slopes: Tensor | None,
+    window_left: int,
+    window_right: int,
+    softcap: float | None,
+    sinks: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
     inputs = _varlen_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        causal_alignment, scale, rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-        rope_k_positions, alibi_slopes, window_left, window_right, softcap, sinks,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        causal_alignment,
+        scale,
+        rope_cos,
+        rope_sin,
+        rope_interleaved,
+        rope_q_positions,
+        rope_k_positions,
+        alibi_slopes,
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+    )
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
 
@@ -76,24 +157,59 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
 
 @torch.library.custom_op("fastpe::attention_varlen_backward", mutates_args=())
 def attention_varlen_backward_op(
-    grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-    lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int | None,
-    max_seqlen_k: int | None, causal: bool, causal_alignment: str, scale: float | None,
-    rope_cos: Tensor | None, rope_sin: Tensor | None, rope_interleaved: bool,
-    rope_q_positions: Tensor | None, rope_k_positions: Tensor | None,
-    alibi_slopes: Tensor | None, window_left: int, window_right: int, softcap: float | None,
-    sinks: Tensor | None, backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_out: Tensor,
+    grad_lse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    causal: bool,
+    causal_alignment: str,
+    scale: float | None,
+    rope_cos: Tensor | None,
+    rope_sin: Tensor | None,
+    rope_interleaved: bool,
+    rope_q_positions: Tensor | None,
+    rope_k_positions: Tensor | None,
+    alibi_slopes: Tensor | None,
+    window_left: int,
+    window_right: int,
+    softcap: float | None,
+    sinks: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks) of one attention_varlen_op call (dsinks empty without sinks); the
     backend's attention_varlen_backward computes them (by default attention's backward once per
     sequence, fastpe.backends.base.AttentionVarlenBackward)."""
     from fastpe._inputs_serving import AttentionVarlenBackwardInputs
 
     forward = _varlen_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        causal_alignment, scale, rope_cos, rope_sin, rope_interleaved, rope_q_positions,
-        rope_k_positions, alibi_slopes, window_left, window_right, softcap, sinks,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        causal_alignment,
+        scale,
+        rope_cos,
+        rope_sin,
+        rope_interleaved,
+        rope_q_positions,
+        rope_k_positions,
+        alibi_slopes,
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+    )
     inputs = AttentionVarlenBackwardInputs.build(
         forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse
     )
@@ -148,23 +264,53 @@ def _max_seqlen(name, value):
     return None if value is None else min(check_int(name, value, minimum=0), 2**62)
 
 
-def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
-                          causal, causal_alignment, scale, rope, alibi_slopes, window, softcap,
-                          sinks, return_lse, backend):  # fmt: skip
+def call_attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    causal_alignment,
+    scale,
+    rope,
+    alibi_slopes,
+    window,
+    softcap,
+    sinks,
+    return_lse,
+    backend,
+):
     window_left, window_right, softcap = window_and_softcap(window, softcap)
     if rope is not None:
         Rope.check_keys(rope)
     rope = rope or {}
     out, lse = attention_varlen_op(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, _max_seqlen("max_seqlen_q", max_seqlen_q),
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        _max_seqlen("max_seqlen_q", max_seqlen_q),
         _max_seqlen("max_seqlen_k", max_seqlen_k),
-        check_bool("causal", causal), causal_alignment, None if scale is None else float(scale),
-        rope.get("cos"), rope.get("sin"),
+        check_bool("causal", causal),
+        causal_alignment,
+        None if scale is None else float(scale),
+        rope.get("cos"),
+        rope.get("sin"),
         check_bool("rope['interleaved']", rope.get("interleaved", False)),
         _varlen_positions("rope['q_positions']", rope.get("q_positions"), q.device),
         _varlen_positions("rope['k_positions']", rope.get("k_positions"), q.device),
-        alibi_slopes, window_left, window_right, softcap, sinks, backend or "",
-    )  # fmt: skip
+        alibi_slopes,
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+        backend or "",
+    )
     return (out, lse) if return_lse else out
 
 
@@ -175,23 +321,49 @@ def call_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, 
 
 @torch.library.custom_op("fastpe::attention_kvcache", mutates_args=("k_cache", "v_cache"))
 def attention_kvcache_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
-    cache_seqlens: Tensor | None, cache_seqlens_int: int, block_table: Tensor | None,
-    cache_batch_idx: Tensor | None, rotary_cos: Tensor | None, rotary_sin: Tensor | None,
-    rotary_interleaved: bool, causal: bool, scale: float | None, alibi_slopes: Tensor | None,
-    window_left: int, window_right: int, softcap: float | None, sinks: Tensor | None,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    cache_seqlens: Tensor | None,
+    cache_seqlens_int: int,
+    block_table: Tensor | None,
+    cache_batch_idx: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    rotary_interleaved: bool,
+    causal: bool,
+    scale: float | None,
+    alibi_slopes: Tensor | None,
+    window_left: int,
+    window_right: int,
+    softcap: float | None,
+    sinks: Tensor | None,
     backend: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     from fastpe._inputs_serving import AttentionKVCacheInputs
 
     inputs = AttentionKVCacheInputs.build(
-        q, k_cache, v_cache, k=k, v=v,
+        q,
+        k_cache,
+        v_cache,
+        k=k,
+        v=v,
         cache_seqlens=cache_seqlens_int if cache_seqlens is None else cache_seqlens,
-        block_table=block_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
-        scale=scale, alibi_slopes=alibi_slopes, window=(window_left, window_right),
-        softcap=softcap, sinks=sinks, return_lse=True,
-    )  # fmt: skip
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved,
+        causal=causal,
+        scale=scale,
+        alibi_slopes=alibi_slopes,
+        window=(window_left, window_right),
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=True,
+    )
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
 
@@ -206,9 +378,28 @@ def _(q, k_cache, v_cache, *args):
 # function refuses inputs that require grad before reaching here (outside torch.compile)
 
 
-def call_attention_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
-                           cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved, causal,
-                           scale, alibi_slopes, window, softcap, sinks, return_lse, backend):  # fmt: skip
+def call_attention_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    *,
+    cache_seqlens,
+    block_table,
+    cache_batch_idx,
+    rotary_cos,
+    rotary_sin,
+    rotary_interleaved,
+    causal,
+    scale,
+    alibi_slopes,
+    window,
+    softcap,
+    sinks,
+    return_lse,
+    backend,
+):
     window_left, window_right, softcap = window_and_softcap(window, softcap)
     cache_seqlens = _plain(cache_seqlens)
     if isinstance(cache_seqlens, int):
@@ -216,15 +407,32 @@ def call_attention_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, block_ta
     length = cache_seqlens if isinstance(cache_seqlens, int) else 0
     lengths, block_table, cache_batch_idx = (
         torch.as_tensor(x, device=q.device) if isinstance(x, (list, tuple)) else x
-        for x in (None if isinstance(cache_seqlens, int) else cache_seqlens, block_table,
-                  cache_batch_idx)
-    )  # fmt: skip
+        for x in (
+            None if isinstance(cache_seqlens, int) else cache_seqlens,
+            block_table,
+            cache_batch_idx,
+        )
+    )
     out, lse = attention_kvcache_op(
-        q, k_cache, v_cache, k, v, lengths, length, block_table, cache_batch_idx,
-        rotary_cos, rotary_sin, check_bool("rotary_interleaved", rotary_interleaved),
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        lengths,
+        length,
+        block_table,
+        cache_batch_idx,
+        rotary_cos,
+        rotary_sin,
+        check_bool("rotary_interleaved", rotary_interleaved),
         check_bool("causal", causal),
-        None if scale is None else float(scale), alibi_slopes, window_left, window_right, softcap,
+        None if scale is None else float(scale),
+        alibi_slopes,
+        window_left,
+        window_right,
+        softcap,
         sinks,
         backend or "",
-    )  # fmt: skip
+    )
     return (out, lse) if return_lse else out

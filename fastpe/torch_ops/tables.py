@@ -15,9 +15,16 @@ from fastpe.torch_ops._common import _backend, _torch_dtype
 
 @torch.library.custom_op("fastpe::sinusoidal_table", mutates_args=())
 def sinusoidal_table_op(
-    num_positions: int, dim: int, base: float, layout: str, freq: str, offset: int,
-    dtype: torch.dtype, device: torch.device, backend: str,
-) -> Tensor:  # fmt: skip
+    num_positions: int,
+    dim: int,
+    base: float,
+    layout: str,
+    freq: str,
+    offset: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str,
+) -> Tensor:
     inputs = SinusoidalTableInputs.build(
         num_positions,
         dim,
@@ -38,10 +45,16 @@ def _(num_positions, dim, base, layout, freq, offset, dtype, device, backend):
 
 @torch.library.custom_op("fastpe::rope_table", mutates_args=())
 def rope_table_op(
-    num_positions: int, rotary_dim: int, base: float, scaling_layout: str,
-    scaling_numbers: Tensor, offset: int,
-    dtype: torch.dtype, device: torch.device, backend: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    num_positions: int,
+    rotary_dim: int,
+    base: float,
+    scaling_layout: str,
+    scaling_numbers: Tensor,
+    offset: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
     scaling = _scaling_from_schema(scaling_layout, scaling_numbers)
     inputs = RopeTableInputs.build(
         num_positions,
@@ -57,8 +70,9 @@ def rope_table_op(
 
 
 @rope_table_op.register_fake
-def _(num_positions, rotary_dim, base, scaling_layout, scaling_numbers, offset, dtype, device,
-      backend):  # fmt: skip
+def _(
+    num_positions, rotary_dim, base, scaling_layout, scaling_numbers, offset, dtype, device, backend
+):
     shape = (num_positions, rotary_dim // 2)
     return torch.empty(shape, dtype=dtype, device=device), torch.empty(
         shape, dtype=dtype, device=device
@@ -68,14 +82,32 @@ def _(num_positions, rotary_dim, base, scaling_layout, scaling_numbers, offset, 
 def call_sinusoidal_table(
     num_positions, dim, *, base, layout, freq, offset, dtype, device, backend
 ):
-    return sinusoidal_table_op(num_positions, dim, float(base), layout, freq, offset,
-                               _torch_dtype(dtype), torch.device(device), backend or "")  # fmt: skip
+    return sinusoidal_table_op(
+        num_positions,
+        dim,
+        float(base),
+        layout,
+        freq,
+        offset,
+        _torch_dtype(dtype),
+        torch.device(device),
+        backend or "",
+    )
 
 
 def call_rope_table(num_positions, rotary_dim, *, base, scaling, offset, dtype, device, backend):
     layout, numbers = _scaling_to_schema(scaling)
-    return rope_table_op(num_positions, rotary_dim, float(base), layout, numbers,
-                         offset, _torch_dtype(dtype), torch.device(device), backend or "")  # fmt: skip
+    return rope_table_op(
+        num_positions,
+        rotary_dim,
+        float(base),
+        layout,
+        numbers,
+        offset,
+        _torch_dtype(dtype),
+        torch.device(device),
+        backend or "",
+    )
 
 
 # A scaling dict travels as a constant layout string (keys, kinds, strings) and a list of its

@@ -159,8 +159,11 @@ class _BasisCache:
 
     def info(self) -> dict:
         with self._lock:
-            return {"entries": len(self._entries), "nbytes": self._nbytes,
-                    "max_bytes": self.max_bytes}  # fmt: skip
+            return {
+                "entries": len(self._entries),
+                "nbytes": self._nbytes,
+                "max_bytes": self.max_bytes,
+            }
 
     def clear(self) -> None:
         with self._lock:

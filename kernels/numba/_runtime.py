@@ -424,8 +424,10 @@ def _notice(name: str, dtype: str, where: str | None) -> None:
     logger.warning(
         "fastpe: compiling CPU kernel %s for %s arrays: a one-time cost of seconds, %s; "
         "`fastpe warmup` compiles ahead (FASTPE_QUIET_COMPILE=1 hides this line)",
-        name, dtype or "these", kept,
-    )  # fmt: skip
+        name,
+        dtype or "these",
+        kept,
+    )
 
 
 event.register("numba:compile", _CompileNotice())

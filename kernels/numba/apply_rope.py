@@ -88,9 +88,15 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, i
     as_bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.swapaxes(1, 2))
     kernel = _apply_rope_kernel.serial if x.size <= SERIAL_ELEMENTS else _apply_rope_kernel
     kernel(
-        as_bhsd(x), cos, sin, np.ascontiguousarray(positions, dtype=np.int64), as_bhsd(out),
-        interleaved, not inplace and 2 * cos.shape[1] < x.shape[3], inverse,
-    )  # fmt: skip
+        as_bhsd(x),
+        cos,
+        sin,
+        np.ascontiguousarray(positions, dtype=np.int64),
+        as_bhsd(out),
+        interleaved,
+        not inplace and 2 * cos.shape[1] < x.shape[3],
+        inverse,
+    )
     return out
 
 
@@ -101,7 +107,7 @@ def apply_rope_pair_numba(x1, x2, cos, sin, positions, *, interleaved, layout, i
         return tuple(
             apply_rope_numba(
                 x, cos, sin, positions, interleaved=interleaved, layout=layout, inverse=inverse
-            )  # fmt: skip
+            )
             for x in (x1, x2)
         )
     cos, sin = _tables(cos, sin, x1)
@@ -109,8 +115,16 @@ def apply_rope_pair_numba(x1, x2, cos, sin, positions, *, interleaved, layout, i
     out1, out2 = np.empty(x1.shape, dtype=x1.dtype), np.empty(x2.shape, dtype=x2.dtype)
     rotary = 2 * cos.shape[1]
     _apply_rope_pair(
-        as_bhsd(x1), as_bhsd(out1), rotary < x1.shape[3], as_bhsd(x2), as_bhsd(out2),
-        rotary < x2.shape[3], cos, sin, np.ascontiguousarray(positions, dtype=np.int64),
-        interleaved, inverse,
-    )  # fmt: skip
+        as_bhsd(x1),
+        as_bhsd(out1),
+        rotary < x1.shape[3],
+        as_bhsd(x2),
+        as_bhsd(out2),
+        rotary < x2.shape[3],
+        cos,
+        sin,
+        np.ascontiguousarray(positions, dtype=np.int64),
+        interleaved,
+        inverse,
+    )
     return out1, out2

@@ -110,10 +110,14 @@ def _exp2(x):
 # steps alone cost 3 ulp of tanh, and a soft-capped score's rounding error, scaled by the scores'
 # size, was the largest term of float32 attention's error (2x torch's with softcap); in float64
 # the capped score is rounded once, within 0.85 ulp, for about 6 µs more per 128 x 256 tile.
-_TP = (0.9999999794671105, 0.13381017025367345, 0.003495577585278725, 2.060889880275588e-05,
-       1.3354396314089421e-08)  # fmt: skip
-_TQ = (1.0, 0.4671433262729406, 0.025876942889573283, 0.00032856171000776,
-       7.776451609754166e-07)  # fmt: skip
+_TP = (
+    0.9999999794671105,
+    0.13381017025367345,
+    0.003495577585278725,
+    2.060889880275588e-05,
+    1.3354396314089421e-08,
+)
+_TQ = (1.0, 0.4671433262729406, 0.025876942889573283, 0.00032856171000776, 7.776451609754166e-07)
 
 
 @njit(cache=True, fastmath=_FLAGS, inline="always")
@@ -215,9 +219,30 @@ def _nearest_key_distance(qpos, length):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _apply_tile_masks(
-    s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,
-    mask_is_bool, mask_limit, unit, has_alibi, alibi, length, has_bias, bias, bias_offset,
-):  # fmt: skip
+    s,
+    b,
+    hk,
+    group,
+    i0,
+    npos,
+    j0,
+    n,
+    query_shift,
+    win_left,
+    win_right,
+    has_mask,
+    mask_bool,
+    mask,
+    mask_is_bool,
+    mask_limit,
+    unit,
+    has_alibi,
+    alibi,
+    length,
+    has_bias,
+    bias,
+    bias_offset,
+):
     """Add biases and set -inf where a row may not attend, on one (group·npos, n) tile.
 
     Row r is query head hk·group + r // npos at position i0 + r % npos; column c is key j0 + c.
@@ -426,10 +451,39 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(
-    qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, b, hk, group, i0, npos, j0,
-    query_shift, win_left, win_right, softcap, has_mask, mask_bool, mask, mask_is_bool, unit,
-    has_alibi, alibi, length, has_bias, bias, bias_offset, is_f32,
-):  # fmt: skip
+    qt,
+    kt,
+    vt,
+    s,
+    p,
+    pv,
+    acc,
+    row_max,
+    row_sum,
+    work,
+    b,
+    hk,
+    group,
+    i0,
+    npos,
+    j0,
+    query_shift,
+    win_left,
+    win_right,
+    softcap,
+    has_mask,
+    mask_bool,
+    mask,
+    mask_is_bool,
+    unit,
+    has_alibi,
+    alibi,
+    length,
+    has_bias,
+    bias,
+    bias_offset,
+    is_f32,
+):
     """One key tile for one row tile: S = Q·Kᵀ, soft-cap, masks, online-softmax update,
     O += P·V."""
     m, n = s.shape
@@ -441,9 +495,30 @@ def _attend_tile(
         _softcap(s, softcap, is_f32, unit)
     mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
     _apply_tile_masks(
-        s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool, mask,
-        mask_is_bool, mask_limit, unit, has_alibi, alibi, length, has_bias, bias, bias_offset,
-    )  # fmt: skip
+        s,
+        b,
+        hk,
+        group,
+        i0,
+        npos,
+        j0,
+        n,
+        query_shift,
+        win_left,
+        win_right,
+        has_mask,
+        mask_bool,
+        mask,
+        mask_is_bool,
+        mask_limit,
+        unit,
+        has_alibi,
+        alibi,
+        length,
+        has_bias,
+        bias,
+        bias_offset,
+    )
     _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32)
     if m <= SMALL_ROWS:
         _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
@@ -469,10 +544,34 @@ def _split_key_range(first_pos, npos, length, win_left, win_right, block_n, spli
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
-    q, k, v, part_out, part_lse, scale, win_left, win_right, softcap, query_shift, key_len,
-    has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, has_bias, bias,
-    bias_offset, has_sinks, sinks, block_m, block_n, n_splits, is_f32,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    part_out,
+    part_lse,
+    scale,
+    win_left,
+    win_right,
+    softcap,
+    query_shift,
+    key_len,
+    has_mask,
+    mask_bool,
+    mask,
+    mask_is_bool,
+    unit,
+    has_alibi,
+    alibi,
+    has_bias,
+    bias,
+    bias_offset,
+    has_sinks,
+    sinks,
+    block_m,
+    block_n,
+    n_splits,
+    is_f32,
+):
     batch, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     group = hq // hkv
@@ -518,22 +617,74 @@ def _attention_numba(
             # to a list of them, where Numba accepts no control flow
             if j_stop - j0 >= block_n:
                 _attend_tile(
-                    qt, _load_tile(k[b, hk, j0 : j0 + block_n], k_tile),
-                    _load_tile(v[b, hk, j0 : j0 + block_n], v_tile), s_full, p_full,
-                    pv, acc, row_max, row_sum, work,
-                    b, hk, group, i0, npos, j0, query_shift[b], win_left, win_right, softcap,
-                    has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
-                    has_bias, bias, bias_offset, is_f32,
-                )  # fmt: skip
+                    qt,
+                    _load_tile(k[b, hk, j0 : j0 + block_n], k_tile),
+                    _load_tile(v[b, hk, j0 : j0 + block_n], v_tile),
+                    s_full,
+                    p_full,
+                    pv,
+                    acc,
+                    row_max,
+                    row_sum,
+                    work,
+                    b,
+                    hk,
+                    group,
+                    i0,
+                    npos,
+                    j0,
+                    query_shift[b],
+                    win_left,
+                    win_right,
+                    softcap,
+                    has_mask,
+                    mask_bool,
+                    mask,
+                    mask_is_bool,
+                    unit,
+                    has_alibi,
+                    alibi,
+                    key_len[b],
+                    has_bias,
+                    bias,
+                    bias_offset,
+                    is_f32,
+                )
             else:
                 _attend_tile(
-                    qt, _load_tile(k[b, hk, j0 : j0 + tail], k_tile),
-                    _load_tile(v[b, hk, j0 : j0 + tail], v_tile), s_tail, p_tail,
-                    pv, acc, row_max, row_sum, work,
-                    b, hk, group, i0, npos, j0, query_shift[b], win_left, win_right, softcap,
-                    has_mask, mask_bool, mask, mask_is_bool, unit, has_alibi, alibi, key_len[b],
-                    has_bias, bias, bias_offset, is_f32,
-                )  # fmt: skip
+                    qt,
+                    _load_tile(k[b, hk, j0 : j0 + tail], k_tile),
+                    _load_tile(v[b, hk, j0 : j0 + tail], v_tile),
+                    s_tail,
+                    p_tail,
+                    pv,
+                    acc,
+                    row_max,
+                    row_sum,
+                    work,
+                    b,
+                    hk,
+                    group,
+                    i0,
+                    npos,
+                    j0,
+                    query_shift[b],
+                    win_left,
+                    win_right,
+                    softcap,
+                    has_mask,
+                    mask_bool,
+                    mask,
+                    mask_is_bool,
+                    unit,
+                    has_alibi,
+                    alibi,
+                    key_len[b],
+                    has_bias,
+                    bias,
+                    bias_offset,
+                    is_f32,
+                )
         for g in range(group):
             h = hk * group + g
             for r in range(npos):
@@ -693,9 +844,21 @@ def _relative_bias_by_distance_numba(table, first, count, bidirectional, num_buc
 
 
 def attention_numba(
-    q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
-    relative_bias=None, window=None, softcap=None, sinks=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+):
     """Launch the flash-style kernel on NumPy arrays (float32, float64, or bfloat16 / float16
     bits as uint16 / int16, read tile by tile and computed in float32; any strides).
 
@@ -758,8 +921,12 @@ def attention_numba(
         count = sk - int(query_shift.min(initial=0)) - first
         bias = _relative_bias_by_distance_numba(
             np.ascontiguousarray(table * unit, dtype=dtype),
-            first, count, bidirectional, num_buckets, max_distance,
-        )  # fmt: skip
+            first,
+            count,
+            bidirectional,
+            num_buckets,
+            max_distance,
+        )
         bias_offset = -first
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     # split parts keep their lse in float64 until merged: the merge weighs each part by
@@ -772,14 +939,34 @@ def attention_numba(
     uses_blas = group * block_m > SMALL_ROWS
     with _single_threaded_blas() if uses_blas else contextlib.nullcontext():
         kernel(
-        q, k, v, out, lse, dtype.type(scale), win_left, win_right,
-        0.0 if softcap is None else float(softcap), query_shift, key_len,
-        mask is not None, mask_bool, mask_add, mask_is_bool, unit,
-        alibi_slopes is not None, alibi,
-        relative_bias is not None, bias, bias_offset,
-        sinks is not None, _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
-        block_m, block_n, n_splits, dtype == np.float32,
-    )  # fmt: skip
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dtype.type(scale),
+            win_left,
+            win_right,
+            0.0 if softcap is None else float(softcap),
+            query_shift,
+            key_len,
+            mask is not None,
+            mask_bool,
+            mask_add,
+            mask_is_bool,
+            unit,
+            alibi_slopes is not None,
+            alibi,
+            relative_bias is not None,
+            bias,
+            bias_offset,
+            sinks is not None,
+            _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
+            block_m,
+            block_n,
+            n_splits,
+            dtype == np.float32,
+        )
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

@@ -42,10 +42,38 @@ from numba import prange
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
 def _backward_tile(
-    qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, b, hk, group, i0, npos, j0,
-    query_shift, win_left, win_right, softcap, has_mask, mask_bool, mask, mask_is_bool,
-    mask_limit, has_alibi, alibi, length, has_bias, bias, bias_offset,
-):  # fmt: skip
+    qs,
+    kt,
+    vt,
+    go,
+    ref,
+    delta,
+    dq_acc,
+    dk_acc,
+    dv_acc,
+    dbias,
+    b,
+    hk,
+    group,
+    i0,
+    npos,
+    j0,
+    query_shift,
+    win_left,
+    win_right,
+    softcap,
+    has_mask,
+    mask_bool,
+    mask,
+    mask_is_bool,
+    mask_limit,
+    has_alibi,
+    alibi,
+    length,
+    has_bias,
+    bias,
+    bias_offset,
+):
     """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), soft-cap, masks, P = exp(S - ref),
     dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘(1 - tanh²); dV += Pᵀ·dO, dK += dSᵀ·Qs,
     dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
@@ -62,10 +90,30 @@ def _backward_tile(
                 s[r, c] = softcap * t
                 slope[r, c] = 1.0 - t * t
     _apply_tile_masks(
-        s, b, hk, group, i0, npos, j0, n, query_shift, win_left, win_right, has_mask, mask_bool,
-        mask, mask_is_bool, mask_limit, 1.0, has_alibi, alibi, length, has_bias, bias,
+        s,
+        b,
+        hk,
+        group,
+        i0,
+        npos,
+        j0,
+        n,
+        query_shift,
+        win_left,
+        win_right,
+        has_mask,
+        mask_bool,
+        mask,
+        mask_is_bool,
+        mask_limit,
+        1.0,
+        has_alibi,
+        alibi,
+        length,
+        has_bias,
+        bias,
         bias_offset,
-    )  # fmt: skip
+    )
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
         shift = ref[r]
@@ -97,10 +145,39 @@ def _backward_tile(
 
 @njit(cache=True, fastmath=_FLAGS)
 def _backward_item(
-    q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias, split, b, hk, n_splits, scale,
-    win_left, win_right, softcap, query_shift, key_len, has_mask, mask_bool, mask, mask_is_bool,
-    mask_limit, has_alibi, alibi, has_bias, bias, bias_offset, block_m, block_n,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    grad_out,
+    lse,
+    delta,
+    dq_part,
+    dk,
+    dv,
+    dbias,
+    split,
+    b,
+    hk,
+    n_splits,
+    scale,
+    win_left,
+    win_right,
+    softcap,
+    query_shift,
+    key_len,
+    has_mask,
+    mask_bool,
+    mask,
+    mask_is_bool,
+    mask_limit,
+    has_alibi,
+    alibi,
+    has_bias,
+    bias,
+    bias_offset,
+    block_m,
+    block_n,
+):
     """Gradients from one (batch, kv head, key slice): dK, dV of the slice's keys and this
     slice's share of dQ."""
     hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
@@ -154,12 +231,38 @@ def _backward_item(
             n = min(block_n, j_end - j0)
             off = j0 - j_begin
             _backward_tile(
-                qs, _load_tile(k[b, hk, j0 : j0 + n], k_tile),
-                _load_tile(v[b, hk, j0 : j0 + n], v_tile), go, ref, row_delta, dq_acc,
-                dk_acc[off : off + n], dv_acc[off : off + n], dbias, b, hk, group, i0, npos,
-                j0, shift, win_left, win_right, softcap, has_mask, mask_bool, mask,
-                mask_is_bool, mask_limit, has_alibi, alibi, length, has_bias, bias, bias_offset,
-            )  # fmt: skip
+                qs,
+                _load_tile(k[b, hk, j0 : j0 + n], k_tile),
+                _load_tile(v[b, hk, j0 : j0 + n], v_tile),
+                go,
+                ref,
+                row_delta,
+                dq_acc,
+                dk_acc[off : off + n],
+                dv_acc[off : off + n],
+                dbias,
+                b,
+                hk,
+                group,
+                i0,
+                npos,
+                j0,
+                shift,
+                win_left,
+                win_right,
+                softcap,
+                has_mask,
+                mask_bool,
+                mask,
+                mask_is_bool,
+                mask_limit,
+                has_alibi,
+                alibi,
+                length,
+                has_bias,
+                bias,
+                bias_offset,
+            )
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
@@ -173,10 +276,35 @@ def _backward_item(
 
 @njit(parallel=True, cache=True)
 def _attention_backward_numba(
-    q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias_part, scale, win_left, win_right,
-    softcap, query_shift, key_len, has_mask, mask_bool, mask, mask_is_bool, mask_limit,
-    has_alibi, alibi, has_bias, bias, bias_offset, block_m, block_n,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    grad_out,
+    lse,
+    delta,
+    dq_part,
+    dk,
+    dv,
+    dbias_part,
+    scale,
+    win_left,
+    win_right,
+    softcap,
+    query_shift,
+    key_len,
+    has_mask,
+    mask_bool,
+    mask,
+    mask_is_bool,
+    mask_limit,
+    has_alibi,
+    alibi,
+    has_bias,
+    bias,
+    bias_offset,
+    block_m,
+    block_n,
+):
     batch, hkv = k.shape[0], k.shape[1]
     n_splits = dq_part.shape[0]
     for item in prange(batch * hkv * n_splits):
@@ -184,11 +312,39 @@ def _attention_backward_numba(
         hk = (item // n_splits) % hkv
         b = item // (n_splits * hkv)
         _backward_item(
-            q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias_part[item], split, b, hk,
-            n_splits, scale, win_left, win_right, softcap, query_shift, key_len, has_mask,
-            mask_bool, mask, mask_is_bool, mask_limit, has_alibi, alibi, has_bias, bias,
-            bias_offset, block_m, block_n,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq_part,
+            dk,
+            dv,
+            dbias_part[item],
+            split,
+            b,
+            hk,
+            n_splits,
+            scale,
+            win_left,
+            win_right,
+            softcap,
+            query_shift,
+            key_len,
+            has_mask,
+            mask_bool,
+            mask,
+            mask_is_bool,
+            mask_limit,
+            has_alibi,
+            alibi,
+            has_bias,
+            bias,
+            bias_offset,
+            block_m,
+            block_n,
+        )
 
 
 def _widened(x):
@@ -201,10 +357,25 @@ def _widened(x):
 
 
 def attention_backward_numba(
-    q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
-    key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_out,
+    grad_lse=None,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
     sinks=None,
-):  # fmt: skip
+):
     """Gradients of ``attention_numba``'s call on NumPy arrays (float32, or bfloat16 / float16
     bits as uint16 / int16, computed in float32), given its out and lse and the gradients
     grad_out (and grad_lse, or None) of its results. Arguments as ``attention_numba``.
@@ -248,9 +419,13 @@ def attention_backward_numba(
         first = -(int(query_shift.max(initial=0)) + sq - 1)
         count = sk - int(query_shift.min(initial=0)) - first
         bias = _relative_bias_by_distance_numba(
-            np.ascontiguousarray(table, dtype=dtype), first, count, bidirectional, num_buckets,
+            np.ascontiguousarray(table, dtype=dtype),
+            first,
+            count,
+            bidirectional,
+            num_buckets,
             max_distance,
-        )  # fmt: skip
+        )
         bias_offset = -first
 
     block_m = max(1, min(sq, max(128 // group, 16)))
@@ -262,17 +437,41 @@ def attention_backward_numba(
     dq_part = np.zeros((n_splits, batch, hq, sq, d), dtype=dtype)
     dk = np.zeros((batch, hkv, sk, d), dtype=dtype)
     dv = np.zeros((batch, hkv, sk, dvd), dtype=dtype)
-    dbias_part = np.zeros((items, group, count) if relative_bias is not None else (items, 1, 1),
-                          dtype=dtype)  # fmt: skip
+    dbias_part = np.zeros(
+        (items, group, count) if relative_bias is not None else (items, 1, 1), dtype=dtype
+    )
     if batch * hq * sq > 0 and sk > 0:
         with single_threaded_blas():
             _attention_backward_numba(
-                q, k, v, grad_out, lse, delta, dq_part, dk, dv, dbias_part, dtype.type(scale),
-                win_left, win_right, 0.0 if softcap is None else float(softcap), query_shift,
-                key_len, mask is not None, mask_bool, mask_add, mask_is_bool,
-                float(np.finfo(dtype).max), alibi_slopes is not None, alibi,
-                relative_bias is not None, bias, bias_offset, block_m, block_n,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                grad_out,
+                lse,
+                delta,
+                dq_part,
+                dk,
+                dv,
+                dbias_part,
+                dtype.type(scale),
+                win_left,
+                win_right,
+                0.0 if softcap is None else float(softcap),
+                query_shift,
+                key_len,
+                mask is not None,
+                mask_bool,
+                mask_add,
+                mask_is_bool,
+                float(np.finfo(dtype).max),
+                alibi_slopes is not None,
+                alibi,
+                relative_bias is not None,
+                bias,
+                bias_offset,
+                block_m,
+                block_n,
+            )
     dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
     dtable = None
     if relative_bias is not None:

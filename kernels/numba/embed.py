@@ -23,9 +23,24 @@ PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
 
 
 def _embed_numba(
-    ids, weight, scale, positions, pe_kind, pe_table, block, p0, hi_row, hi_a, hi_b, lo_x, lo_y,
-    has_types, type_ids, type_weight, out,
-):  # fmt: skip
+    ids,
+    weight,
+    scale,
+    positions,
+    pe_kind,
+    pe_table,
+    block,
+    p0,
+    hi_row,
+    hi_a,
+    hi_b,
+    lo_x,
+    lo_y,
+    has_types,
+    type_ids,
+    type_weight,
+    out,
+):
     tokens, dim = out.shape
     for t in prange(tokens):
         row = ids[t]
@@ -51,9 +66,18 @@ _embed_kernel = njit(parallel=True, cache=True)(_embed_numba)
 
 
 def embed_numba(
-    ids, weight, positions, *, scale, pe, pe_table=None, omega=None, interleaved=True,
-    token_type_ids=None, token_type_weight=None,
-):  # fmt: skip
+    ids,
+    weight,
+    positions,
+    *,
+    scale,
+    pe,
+    pe_table=None,
+    omega=None,
+    interleaved=True,
+    token_type_ids=None,
+    token_type_weight=None,
+):
     """ids, positions int64 [B, S]; weight [V, D] float32, float64, or the bits of bfloat16
     (uint16) or float16 (int16) (then pe_table / token_type_weight alike; computed in float32).
     Returns [B, S, D] in weight's dtype."""
@@ -84,9 +108,18 @@ def embed_numba(
     )
     kernel = _embed_kernel.serial if out.size <= SERIAL_ELEMENTS else _embed_kernel
     kernel(
-        flat_ids, np.ascontiguousarray(weight), np.dtype(compute).type(scale), flat_pos, kind, table, *basis,
-        has_types, type_ids, type_weight, out,
-    )  # fmt: skip
+        flat_ids,
+        np.ascontiguousarray(weight),
+        np.dtype(compute).type(scale),
+        flat_pos,
+        kind,
+        table,
+        *basis,
+        has_types,
+        type_ids,
+        type_weight,
+        out,
+    )
     return out.reshape(batch, seq, dim)
 
 

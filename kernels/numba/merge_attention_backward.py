@@ -17,8 +17,9 @@ from numba import prange
 
 
 @njit(parallel=True, cache=True)
-def _merge_backward(out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b,
-                    d_lse_b):  # fmt: skip
+def _merge_backward(
+    out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b, d_lse_b
+):
     batch, heads, seq, dv = out_a.shape
     for row in prange(batch * heads * seq):
         i = row % seq
@@ -55,6 +56,7 @@ def merge_attention_backward_numba(grad_out, grad_lse, out_a, lse_a, out_b, lse_
     d_out_b = np.empty(out_a.shape, dtype=out_a.dtype)
     d_lse_a = np.empty(lse_a.shape, dtype=np.float64)
     d_lse_b = np.empty(lse_a.shape, dtype=np.float64)
-    _merge_backward(out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b,
-                    d_lse_b)  # fmt: skip
+    _merge_backward(
+        out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b, d_lse_b
+    )
     return d_out_a, d_lse_a, d_out_b, d_lse_b

@@ -16,11 +16,32 @@ from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, b, s, p, h, heads, half, dim,
-    stride_xb, stride_xh, stride_xs, stride_xd, stride_ob, stride_oh, stride_os, stride_od, stride_cos_p,
-    INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr, INVERSE: tl.constexpr, BLOCK_F: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    b,
+    s,
+    p,
+    h,
+    heads,
+    half,
+    dim,
+    stride_xb,
+    stride_xh,
+    stride_xs,
+    stride_xd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_cos_p,
+    INTERLEAVED: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_F: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
-):  # fmt: skip
+):
     """Rotate heads ``h`` [BLOCK_H] of one (batch b, position s) row of one tensor at row p."""
     f = tl.arange(0, BLOCK_F)
     c = tl.load(cos_ptr + p * stride_cos_p + f, mask=f < half, other=1.0).to(tl.float32)
@@ -53,14 +74,46 @@ def _rotate_heads(
 
 @triton.jit
 def _apply_rope_kernel(
-    x1_ptr, out1_ptr, x2_ptr, out2_ptr, cos_ptr, sin_ptr, pos_ptr,
-    heads1, heads2, seq, half, dim, pos_offset,
-    stride_x1b, stride_x1h, stride_x1s, stride_x1d, stride_o1b, stride_o1h, stride_o1s, stride_o1d,
-    stride_x2b, stride_x2h, stride_x2s, stride_x2d, stride_o2b, stride_o2h, stride_o2s, stride_o2d,
-    stride_cos_p, stride_pos_b, stride_pos_s,
-    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr,
-    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-):  # fmt: skip
+    x1_ptr,
+    out1_ptr,
+    x2_ptr,
+    out2_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    heads1,
+    heads2,
+    seq,
+    half,
+    dim,
+    pos_offset,
+    stride_x1b,
+    stride_x1h,
+    stride_x1s,
+    stride_x1d,
+    stride_o1b,
+    stride_o1h,
+    stride_o1s,
+    stride_o1d,
+    stride_x2b,
+    stride_x2h,
+    stride_x2s,
+    stride_x2d,
+    stride_o2b,
+    stride_o2h,
+    stride_o2s,
+    stride_o2d,
+    stride_cos_p,
+    stride_pos_b,
+    stride_pos_s,
+    HAS_POSITIONS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+):
     """Axis 0: one (batch, position) row; axis 1: head blocks of tensor 1, then of tensor 2 (q
     and k in one launch; tensor 2 has zero heads when only one tensor is rotated)."""
     row = tl.program_id(0).to(tl.int64)
@@ -74,14 +127,62 @@ def _apply_rope_kernel(
     blocks1 = tl.cdiv(heads1, BLOCK_H)
     if block < blocks1:
         h = block * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rotate_heads(x1_ptr, out1_ptr, cos_ptr, sin_ptr, b, s, p, h, heads1, half, dim,
-                      stride_x1b, stride_x1h, stride_x1s, stride_x1d, stride_o1b, stride_o1h, stride_o1s, stride_o1d,
-                      stride_cos_p, INTERLEAVED, COPY_TAIL, INVERSE, BLOCK_F, BLOCK_TAIL)  # fmt: skip
+        _rotate_heads(
+            x1_ptr,
+            out1_ptr,
+            cos_ptr,
+            sin_ptr,
+            b,
+            s,
+            p,
+            h,
+            heads1,
+            half,
+            dim,
+            stride_x1b,
+            stride_x1h,
+            stride_x1s,
+            stride_x1d,
+            stride_o1b,
+            stride_o1h,
+            stride_o1s,
+            stride_o1d,
+            stride_cos_p,
+            INTERLEAVED,
+            COPY_TAIL,
+            INVERSE,
+            BLOCK_F,
+            BLOCK_TAIL,
+        )
     else:
         h = (block - blocks1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        _rotate_heads(x2_ptr, out2_ptr, cos_ptr, sin_ptr, b, s, p, h, heads2, half, dim,
-                      stride_x2b, stride_x2h, stride_x2s, stride_x2d, stride_o2b, stride_o2h, stride_o2s, stride_o2d,
-                      stride_cos_p, INTERLEAVED, COPY_TAIL, INVERSE, BLOCK_F, BLOCK_TAIL)  # fmt: skip
+        _rotate_heads(
+            x2_ptr,
+            out2_ptr,
+            cos_ptr,
+            sin_ptr,
+            b,
+            s,
+            p,
+            h,
+            heads2,
+            half,
+            dim,
+            stride_x2b,
+            stride_x2h,
+            stride_x2s,
+            stride_x2d,
+            stride_o2b,
+            stride_o2h,
+            stride_o2s,
+            stride_o2d,
+            stride_cos_p,
+            INTERLEAVED,
+            COPY_TAIL,
+            INVERSE,
+            BLOCK_F,
+            BLOCK_TAIL,
+        )
 
 
 def _bhsd_strides(t, layout):
@@ -107,8 +208,9 @@ def apply_rope_triton(
             "inplace": inplace,
             "inverse": inverse,
         }
-        return (apply_rope_triton(xs[:2], cos, sin, positions, pos_offset, **options)
-                + apply_rope_triton(xs[2:], cos, sin, positions, pos_offset, **options))  # fmt: skip
+        return apply_rope_triton(
+            xs[:2], cos, sin, positions, pos_offset, **options
+        ) + apply_rope_triton(xs[2:], cos, sin, positions, pos_offset, **options)
     x1 = xs[0]
     x2 = xs[1] if len(xs) == 2 else x1
     batch, dim, half = x1.shape[0], x1.shape[3], cos.shape[1]
@@ -133,14 +235,33 @@ def apply_rope_triton(
     grid = (batch * seq, triton.cdiv(heads1, block_h) + triton.cdiv(heads2, block_h))
     if batch * seq and heads1 + heads2:
         _apply_rope_kernel[grid](
-            x1, outs[0], x2, outs[1], cos, sin, pos, heads1, heads2, seq, half, dim, pos_offset,
-            *_bhsd_strides(x1, layout), *_bhsd_strides(outs[0], layout),
-            *_bhsd_strides(x2, layout), *_bhsd_strides(outs[1], layout),
-            cos.stride(0), *pos_strides,
-            HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved,
-            COPY_TAIL=outs[0] is not x1 and 2 * half < dim, INVERSE=inverse,
-            BLOCK_H=block_h, BLOCK_F=next_pow2(half, 1), BLOCK_TAIL=next_pow2(min(dim - 2 * half, 64), 1),
-        )  # fmt: skip
+            x1,
+            outs[0],
+            x2,
+            outs[1],
+            cos,
+            sin,
+            pos,
+            heads1,
+            heads2,
+            seq,
+            half,
+            dim,
+            pos_offset,
+            *_bhsd_strides(x1, layout),
+            *_bhsd_strides(outs[0], layout),
+            *_bhsd_strides(x2, layout),
+            *_bhsd_strides(outs[1], layout),
+            cos.stride(0),
+            *pos_strides,
+            HAS_POSITIONS=positions is not None,
+            INTERLEAVED=interleaved,
+            COPY_TAIL=outs[0] is not x1 and 2 * half < dim,
+            INVERSE=inverse,
+            BLOCK_H=block_h,
+            BLOCK_F=next_pow2(half, 1),
+            BLOCK_TAIL=next_pow2(min(dim - 2 * half, 64), 1),
+        )
     results = []
     for x, out in list(zip(xs, outs, strict=False)):
         if via_fp32:

@@ -27,8 +27,21 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _rotated(ptr, rows, cols, stride_row, stride_col, row_ok, col_ok, pos, cos_ptr, sin_ptr,
-             stride_cos, half, INTERLEAVED: tl.constexpr):  # fmt: skip
+def _rotated(
+    ptr,
+    rows,
+    cols,
+    stride_row,
+    stride_col,
+    row_ok,
+    col_ok,
+    pos,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    half,
+    INTERLEAVED: tl.constexpr,
+):
     """Load a [rows, cols] tile and apply RoPE at positions ``pos`` [rows] (columns >= 2·half
     pass through). The partner of column d is d ± half (NeoX) or d ^ 1 (GPT-J)."""
     keep = row_ok[:, None] & col_ok[None, :]
@@ -58,9 +71,25 @@ def _rotated(ptr, rows, cols, stride_row, stride_col, row_ok, col_ok, pos, cos_p
 
 
 @triton.jit
-def _load_tile(base, rows, cols, stride_row, stride_col, row_ok, col_ok,
-               HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr, pos_ptr, stride_pos, pos_offset,
-               cos_ptr, sin_ptr, stride_cos, half, INTERLEAVED: tl.constexpr):  # fmt: skip
+def _load_tile(
+    base,
+    rows,
+    cols,
+    stride_row,
+    stride_col,
+    row_ok,
+    col_ok,
+    HAS_ROPE: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    pos_ptr,
+    stride_pos,
+    pos_offset,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    half,
+    INTERLEAVED: tl.constexpr,
+):
     """A [rows, cols] tile of q or k in fp32, rotated by RoPE at its positions when HAS_ROPE
     (positions from ``pos_ptr`` when HAS_POS, else ``pos_offset + row``)."""
     if HAS_ROPE:
@@ -68,11 +97,27 @@ def _load_tile(base, rows, cols, stride_row, stride_col, row_ok, col_ok,
             pos = tl.load(pos_ptr + rows * stride_pos, mask=row_ok, other=0)
         else:
             pos = pos_offset + rows
-        tile = _rotated(base, rows, cols, stride_row, stride_col, row_ok, col_ok, pos, cos_ptr, sin_ptr,
-                        stride_cos, half, INTERLEAVED)  # fmt: skip
+        tile = _rotated(
+            base,
+            rows,
+            cols,
+            stride_row,
+            stride_col,
+            row_ok,
+            col_ok,
+            pos,
+            cos_ptr,
+            sin_ptr,
+            stride_cos,
+            half,
+            INTERLEAVED,
+        )
     else:
-        tile = tl.load(base + rows[:, None] * stride_row + cols[None, :] * stride_col,
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        tile = tl.load(
+            base + rows[:, None] * stride_row + cols[None, :] * stride_col,
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
     return tile
 
 
@@ -131,8 +176,13 @@ def _gpu_configs():
 # k, its partner columns, cos and sin) and by dtype (fp32 takes IEEE fp32 dots). Found with
 # `fastpe triton-report` (bench/results/triton-aot.md); change them only with a rerun of it.
 _FITS = {
-    (64, False, False): {(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-                         (64, 32, 4, 2)},
+    (64, False, False): {
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (64, 64, 4, 3),
+        (128, 128, 8, 2),
+        (64, 32, 4, 2),
+    },
     (64, True, False): {(64, 32, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2)},
     (128, False, False): {(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 2), (64, 32, 8, 2)},
     (128, True, False): {(64, 32, 8, 2), (32, 32, 4, 2)},
@@ -145,7 +195,7 @@ _FITS = {
     (128, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
     (256, False, True): {(32, 16, 8, 2)},
     (256, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
-}  # fmt: skip
+}
 # the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask)
 _BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
 # ... and with RoPE rotated in the kernel as well, only the narrowest tiles stay out of local
@@ -221,31 +271,98 @@ def _prune(configs, named_args, capability=None, **kwargs):
         "HAS_MASK",
         "MASK_IS_BOOL",
         "HAS_ALIBI",
-    ],  # fmt: skip
+    ],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    mask_ptr, key_len_ptr, alibi_ptr, bias_ptr, cos_ptr, sin_ptr, qpos_ptr, kpos_ptr, sinks_ptr,
-    Hq, group, Sq, Sk, D, Dv, query_shift, half, keys_per_split, q_positions_offset,
-    k_positions_offset, bias_max_exact, bias_log_span, win_left, win_right,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_osplit, stride_ob, stride_oh, stride_os, stride_od,
-    stride_lsplit, stride_lb, stride_lh, stride_ls,
-    stride_mb, stride_mh, stride_mq, stride_mk,
-    stride_ab, stride_ah, stride_biasb, stride_biash, stride_cos,
-    stride_qpb, stride_qps, stride_kpb, stride_kps,
-    scale, softcap,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
-    RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
-    HAS_ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KPOS: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    mask_ptr,
+    key_len_ptr,
+    alibi_ptr,
+    bias_ptr,
+    cos_ptr,
+    sin_ptr,
+    qpos_ptr,
+    kpos_ptr,
+    sinks_ptr,
+    Hq,
+    group,
+    Sq,
+    Sk,
+    D,
+    Dv,
+    query_shift,
+    half,
+    keys_per_split,
+    q_positions_offset,
+    k_positions_offset,
+    bias_max_exact,
+    bias_log_span,
+    win_left,
+    win_right,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_osplit,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lsplit,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    stride_ab,
+    stride_ah,
+    stride_biasb,
+    stride_biash,
+    stride_cos,
+    stride_qpb,
+    stride_qps,
+    stride_kpb,
+    stride_kps,
+    scale,
+    softcap,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    ROPE_INTERLEAVED: tl.constexpr,
+    HAS_QPOS: tl.constexpr,
+    HAS_KPOS: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -259,9 +376,25 @@ def _attention_kernel(
     q_base = q_ptr + b * stride_qb + h * stride_qh
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
-    q = _load_tile(q_base, rows, dcols, stride_qs, stride_qd, row_ok, dcols < D, HAS_ROPE, HAS_QPOS,
-                   qpos_ptr + b * stride_qpb, stride_qps, q_positions_offset, cos_ptr, sin_ptr, stride_cos, half,
-                   ROPE_INTERLEAVED)  # fmt: skip
+    q = _load_tile(
+        q_base,
+        rows,
+        dcols,
+        stride_qs,
+        stride_qd,
+        row_ok,
+        dcols < D,
+        HAS_ROPE,
+        HAS_QPOS,
+        qpos_ptr + b * stride_qpb,
+        stride_qps,
+        q_positions_offset,
+        cos_ptr,
+        sin_ptr,
+        stride_cos,
+        half,
+        ROPE_INTERLEAVED,
+    )
     q = q * scale
     if not DOT_FP32:
         q = q.to(k_ptr.dtype.element_ty)
@@ -299,9 +432,25 @@ def _attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_tile(k_base, cols, dcols, stride_ks, stride_kd, col_ok, dcols < D, HAS_ROPE, HAS_KPOS,
-                       kpos_ptr + b * stride_kpb, stride_kps, k_positions_offset, cos_ptr, sin_ptr, stride_cos, half,
-                       ROPE_INTERLEAVED)  # fmt: skip
+        k = _load_tile(
+            k_base,
+            cols,
+            dcols,
+            stride_ks,
+            stride_kd,
+            col_ok,
+            dcols < D,
+            HAS_ROPE,
+            HAS_KPOS,
+            kpos_ptr + b * stride_kpb,
+            stride_kps,
+            k_positions_offset,
+            cos_ptr,
+            sin_ptr,
+            stride_cos,
+            half,
+            ROPE_INTERLEAVED,
+        )
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -318,8 +467,13 @@ def _attention_kernel(
         if HAS_ALIBI:
             s -= slope * (tl.abs(qpos_keys[:, None] - cols[None, :]) - near[:, None]).to(tl.float32)
         if HAS_RELATIVE_BIAS:
-            bucket = _relative_bias_bucket((cols[None, :] - qpos_keys[:, None]).to(tl.int32), RELATIVE_BIAS_BUCKETS,
-                                           RELATIVE_BIAS_BIDIRECTIONAL, bias_max_exact, bias_log_span)  # fmt: skip
+            bucket = _relative_bias_bucket(
+                (cols[None, :] - qpos_keys[:, None]).to(tl.int32),
+                RELATIVE_BIAS_BUCKETS,
+                RELATIVE_BIAS_BIDIRECTIONAL,
+                bias_max_exact,
+                bias_log_span,
+            )
             s += tl.load(
                 bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0
             ).to(tl.float32)
@@ -348,8 +502,11 @@ def _attention_kernel(
         alpha = tl.exp2((m_i - m_safe) * LOG2E)
         p = tl.exp2((s - m_safe[:, None]) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + vcols[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+        v = tl.load(
+            v_base + cols[:, None] * stride_vs + vcols[None, :] * stride_vd,
+            mask=col_ok[:, None] & (vcols[None, :] < Dv),
+            other=0.0,
+        )
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -387,11 +544,20 @@ def _attention_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    n_parts, rows, Dv,
-    stride_po_part, stride_po_row, stride_pl_part, stride_o_row,
-    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    n_parts,
+    rows,
+    Dv,
+    stride_po_part,
+    stride_po_row,
+    stride_pl_part,
+    stride_o_row,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """out = Σ_s part_out[s]·exp(lse_s - lse), lse = log Σ_s exp(lse_s); empty rows stay 0/-inf.
     Parts and rows are flattened: part_out [n_parts, rows, Dv], part_lse [n_parts, rows]."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -411,15 +577,21 @@ def _merge_kernel(
             - top_safe
         )
         total += w
-        x = tl.load(part_out_ptr + part * stride_po_part + r[:, None] * stride_po_row + c[None, :],
-                    mask=r_ok[:, None] & (c[None, :] < Dv), other=0.0).to(tl.float32)  # fmt: skip
+        x = tl.load(
+            part_out_ptr + part * stride_po_part + r[:, None] * stride_po_row + c[None, :],
+            mask=r_ok[:, None] & (c[None, :] < Dv),
+            other=0.0,
+        ).to(tl.float32)
         # a part that saw no key (lse -inf, w = 0) adds nothing, whatever its out holds
         acc += tl.where(w[:, None] == 0.0, 0.0, w[:, None] * x)
     seen = total != 0.0
     out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
     lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    tl.store(out_ptr + r[:, None] * stride_o_row + c[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & (c[None, :] < Dv))  # fmt: skip
+    tl.store(
+        out_ptr + r[:, None] * stride_o_row + c[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=r_ok[:, None] & (c[None, :] < Dv),
+    )
     tl.store(lse_ptr + r, lse, mask=r_ok)
 
 
@@ -434,9 +606,20 @@ def _merge(part_out, part_lse, out_dtype):
     block_r = 16
     if rows:
         _merge_kernel[(triton.cdiv(rows, block_r),)](
-            po, pl, out, lse, n, rows, dv, po.stride(0), po.stride(1), pl.stride(0), out.stride(0),
-            BLOCK_R=block_r, BLOCK_DV=next_pow2(dv),
-        )  # fmt: skip
+            po,
+            pl,
+            out,
+            lse,
+            n,
+            rows,
+            dv,
+            po.stride(0),
+            po.stride(1),
+            pl.stride(0),
+            out.stride(0),
+            BLOCK_R=block_r,
+            BLOCK_DV=next_pow2(dv),
+        )
     return out.reshape(b, h, s, dv), lse.reshape(b, h, s)
 
 
@@ -467,9 +650,23 @@ SPLIT_GRANULE = 128
 
 
 def attention_triton(
-    q, k, v, *, scale, causal, bottom_right, mask=None, key_lengths=None, alibi_slopes=None,
-    relative_bias=None, rope=None, window=None, softcap=None, sinks=None, num_sms=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    rope=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    num_sms=None,
+):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
     Query i of sequence b sits at key position i + L_b - Sq when ``bottom_right`` (L_b =
@@ -504,9 +701,14 @@ def attention_triton(
     def pos_strides(p):
         return (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
 
-    biased = _per_element_bias({"HAS_RELATIVE_BIAS": relative_bias is not None,
-                                "HAS_ALIBI": alibi_slopes is not None, "HAS_MASK": mask is not None,
-                                "MASK_IS_BOOL": mask is not None and mask.dtype == torch.bool})  # fmt: skip
+    biased = _per_element_bias(
+        {
+            "HAS_RELATIVE_BIAS": relative_bias is not None,
+            "HAS_ALIBI": alibi_slopes is not None,
+            "HAS_MASK": mask is not None,
+            "MASK_IS_BOOL": mask is not None and mask.dtype == torch.bool,
+        }
+    )
     if rope is not None and not _rope_in_kernel(d, q.dtype == torch.float32, biased):
         q, k = _rotated_first(q, k, rope)
         rope = None
@@ -548,23 +750,70 @@ def attention_triton(
 
     if batch * hq * sq:
         _attention_kernel[grid](
-            q, k, v, part_out, part_lse, mask_t, key_len, alibi, bias, cos, sin, qpos, kpos, sinks_t,
-            hq, hq // hkv, sq, sk, d, dv, query_shift, half, keys_per_split, q_positions_offset, k_positions_offset,
-            max_exact, math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
-            win_left, win_right,
-            *q.stride(), *k.stride(), *v.stride(), *part_out.stride(), *part_lse.stride(), *mask_t.stride(),
-            alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), bias.stride(0), bias.stride(1),
-            cos.stride(0), *pos_strides(qpos), *pos_strides(kpos),
-            scale, 1.0 if softcap is None else float(softcap),
-            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_SINKS=sinks is not None, HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-            HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi_slopes is not None,
-            HAS_RELATIVE_BIAS=relative_bias is not None, RELATIVE_BIAS_BUCKETS=num_buckets,
+            q,
+            k,
+            v,
+            part_out,
+            part_lse,
+            mask_t,
+            key_len,
+            alibi,
+            bias,
+            cos,
+            sin,
+            qpos,
+            kpos,
+            sinks_t,
+            hq,
+            hq // hkv,
+            sq,
+            sk,
+            d,
+            dv,
+            query_shift,
+            half,
+            keys_per_split,
+            q_positions_offset,
+            k_positions_offset,
+            max_exact,
+            math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
+            win_left,
+            win_right,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *part_out.stride(),
+            *part_lse.stride(),
+            *mask_t.stride(),
+            alibi.stride(0) if alibi.dim() == 2 else 0,
+            alibi.stride(-1),
+            bias.stride(0),
+            bias.stride(1),
+            cos.stride(0),
+            *pos_strides(qpos),
+            *pos_strides(kpos),
+            scale,
+            1.0 if softcap is None else float(softcap),
+            CAUSAL=causal,
+            HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
+            HAS_MASK=mask is not None,
+            MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+            HAS_KEY_LEN=key_lengths is not None,
+            BOTTOM_RIGHT=bottom_right,
+            HAS_ALIBI=alibi_slopes is not None,
+            HAS_RELATIVE_BIAS=relative_bias is not None,
+            RELATIVE_BIAS_BUCKETS=num_buckets,
             RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
-            HAS_ROPE=rope is not None, ROPE_INTERLEAVED=interleaved,
-            HAS_QPOS=q_positions is not None, HAS_KPOS=k_positions is not None,
-            DOT_FP32=dot_fp32, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv),
-        )  # fmt: skip
+            HAS_ROPE=rope is not None,
+            ROPE_INTERLEAVED=interleaved,
+            HAS_QPOS=q_positions is not None,
+            HAS_KPOS=k_positions is not None,
+            DOT_FP32=dot_fp32,
+            BLOCK_D=next_pow2(d),
+            BLOCK_DV=next_pow2(dv),
+        )
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]
     else:

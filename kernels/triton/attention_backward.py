@@ -25,13 +25,41 @@ from fastpe.kernels.triton.attention import FP32_MAX, _relative_bias_bucket, _ta
 
 @triton.jit
 def _tile_grads(
-    q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, qpos, b, h, mask_ptr,
-    stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left, win_right,
-    bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
-    HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_RELATIVE_BIAS: tl.constexpr,
-    RELATIVE_BIAS_BUCKETS: tl.constexpr, RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    qpos,
+    b,
+    h,
+    mask_ptr,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    slope,
+    softcap,
+    win_left,
+    win_right,
+    bias_ptr,
+    stride_biasb,
+    stride_biash,
+    bias_max_exact,
+    bias_log_span,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
+):
     """(P, dZ, dS, T5 buckets) of one [rows, cols] tile: s = q·kᵀ (q pre-scaled), soft-cap,
     window, masks, ALiBi, T5 bias; P = exp(s - lse); dZ = P∘(dO·vᵀ - delta);
     dS = dZ∘(1 - tanh²). The buckets are 0 without a T5 bias."""
@@ -46,12 +74,22 @@ def _tile_grads(
         s -= slope * tl.abs(qpos[:, None] - cols[None, :]).to(tl.float32)
     bucket = tl.zeros((1, 1), tl.int32)
     if HAS_RELATIVE_BIAS:
-        bucket = _relative_bias_bucket((cols[None, :] - qpos[:, None]).to(tl.int32), RELATIVE_BIAS_BUCKETS,
-                                       RELATIVE_BIAS_BIDIRECTIONAL, bias_max_exact, bias_log_span)  # fmt: skip
+        bucket = _relative_bias_bucket(
+            (cols[None, :] - qpos[:, None]).to(tl.int32),
+            RELATIVE_BIAS_BUCKETS,
+            RELATIVE_BIAS_BIDIRECTIONAL,
+            bias_max_exact,
+            bias_log_span,
+        )
         s += tl.load(bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0)
     if HAS_MASK:
-        m_ptrs = (mask_ptr + b * stride_mb + h * stride_mh + rows[:, None] * stride_mq
-                  + cols[None, :] * stride_mk)  # fmt: skip
+        m_ptrs = (
+            mask_ptr
+            + b * stride_mb
+            + h * stride_mh
+            + rows[:, None] * stride_mq
+            + cols[None, :] * stride_mk
+        )
         if MASK_IS_BOOL:
             valid = valid & (tl.load(m_ptrs, mask=valid, other=0) != 0)
         else:  # as the forward: a finite mask beyond fp32 saturates at fp32's largest
@@ -72,14 +110,24 @@ def _tile_grads(
 
 
 @triton.jit
-def _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row_ok, dcols,
-               vcols, scale):  # fmt: skip
+def _row_tiles(
+    q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row_ok, dcols, vcols, scale
+):
     """q·scale, dO, lse and delta of one block of rows of one (batch, query head)."""
     base = (b * Hq + h) * Sq
-    q = tl.load(q_ptr + (base + rows[:, None]) * D + dcols[None, :],
-                mask=row_ok[:, None] & (dcols[None, :] < D), other=0.0) * scale  # fmt: skip
-    do = tl.load(do_ptr + (base + rows[:, None]) * Dv + vcols[None, :],
-                 mask=row_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+    q = (
+        tl.load(
+            q_ptr + (base + rows[:, None]) * D + dcols[None, :],
+            mask=row_ok[:, None] & (dcols[None, :] < D),
+            other=0.0,
+        )
+        * scale
+    )
+    do = tl.load(
+        do_ptr + (base + rows[:, None]) * Dv + vcols[None, :],
+        mask=row_ok[:, None] & (vcols[None, :] < Dv),
+        other=0.0,
+    )
     lse = tl.load(lse_ptr + base + rows, mask=row_ok, other=float("-inf"))
     delta = tl.load(delta_ptr + base + rows, mask=row_ok, other=0.0)
     return q, do, lse, delta
@@ -87,16 +135,54 @@ def _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row
 
 @triton.jit
 def _attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr, key_len_ptr,
-    alibi_ptr, bias_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
-    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, stride_biasb,
-    stride_biash, bias_max_exact, bias_log_span, scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_RELATIVE_BIAS: tl.constexpr, RELATIVE_BIAS_BUCKETS: tl.constexpr,
-    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    mask_ptr,
+    key_len_ptr,
+    alibi_ptr,
+    bias_ptr,
+    Hq,
+    Hkv,
+    Sq,
+    Sk,
+    D,
+    Dv,
+    query_shift,
+    win_left,
+    win_right,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    stride_ab,
+    stride_ah,
+    stride_biasb,
+    stride_biash,
+    bias_max_exact,
+    bias_log_span,
+    scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hkv
@@ -113,10 +199,16 @@ def _attention_dkdv_kernel(
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
     kv_row = (b * Hkv + hk) * Sk + cols
-    k = tl.load(k_ptr + kv_row[:, None] * D + dcols[None, :],
-                mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
-    v = tl.load(v_ptr + kv_row[:, None] * Dv + vcols[None, :],
-                mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+    k = tl.load(
+        k_ptr + kv_row[:, None] * D + dcols[None, :],
+        mask=col_ok[:, None] & (dcols[None, :] < D),
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + kv_row[:, None] * Dv + vcols[None, :],
+        mask=col_ok[:, None] & (vcols[None, :] < Dv),
+        other=0.0,
+    )
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     # the queries that can see a key of this block: j - win_right <= i + shift <= j + win_left
@@ -131,35 +223,123 @@ def _attention_dkdv_kernel(
         for start in range(lo, hi, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < Sq
-            q, do, lse, delta = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv,
-                                           rows, row_ok, dcols, vcols, scale)  # fmt: skip
+            q, do, lse, delta = _row_tiles(
+                q_ptr,
+                do_ptr,
+                lse_ptr,
+                delta_ptr,
+                b,
+                h,
+                Hq,
+                Sq,
+                D,
+                Dv,
+                rows,
+                row_ok,
+                dcols,
+                vcols,
+                scale,
+            )
             p, dz, ds, bucket = _tile_grads(
-                q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, rows + shift, b, h,
-                mask_ptr, stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left,
-                win_right, bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
-                HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI, HAS_RELATIVE_BIAS,
-                RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_BIDIRECTIONAL,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                rows,
+                cols,
+                row_ok,
+                col_ok,
+                rows + shift,
+                b,
+                h,
+                mask_ptr,
+                stride_mb,
+                stride_mh,
+                stride_mq,
+                stride_mk,
+                slope,
+                softcap,
+                win_left,
+                win_right,
+                bias_ptr,
+                stride_biasb,
+                stride_biash,
+                bias_max_exact,
+                bias_log_span,
+                HAS_SOFTCAP,
+                HAS_MASK,
+                MASK_IS_BOOL,
+                HAS_ALIBI,
+                HAS_RELATIVE_BIAS,
+                RELATIVE_BIAS_BUCKETS,
+                RELATIVE_BIAS_BIDIRECTIONAL,
+            )
             dv += tl.dot(tl.trans(p), do, input_precision="ieee")
             dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
-    tl.store(dk_ptr + kv_row[:, None] * D + dcols[None, :], dk,
-             mask=(cols[:, None] < Sk) & (dcols[None, :] < D))  # fmt: skip
-    tl.store(dv_ptr + kv_row[:, None] * Dv + vcols[None, :], dv,
-             mask=(cols[:, None] < Sk) & (vcols[None, :] < Dv))  # fmt: skip
+    tl.store(
+        dk_ptr + kv_row[:, None] * D + dcols[None, :],
+        dk,
+        mask=(cols[:, None] < Sk) & (dcols[None, :] < D),
+    )
+    tl.store(
+        dv_ptr + kv_row[:, None] * Dv + vcols[None, :],
+        dv,
+        mask=(cols[:, None] < Sk) & (vcols[None, :] < Dv),
+    )
 
 
 @triton.jit
 def _attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dtable_ptr, mask_ptr, key_len_ptr,
-    alibi_ptr, bias_ptr, Hq, Hkv, Sq, Sk, D, Dv, query_shift, win_left, win_right,
-    stride_mb, stride_mh, stride_mq, stride_mk, stride_ab, stride_ah, stride_biasb,
-    stride_biash, bias_max_exact, bias_log_span, scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_RELATIVE_BIAS: tl.constexpr, RELATIVE_BIAS_BUCKETS: tl.constexpr,
-    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    dtable_ptr,
+    mask_ptr,
+    key_len_ptr,
+    alibi_ptr,
+    bias_ptr,
+    Hq,
+    Hkv,
+    Sq,
+    Sk,
+    D,
+    Dv,
+    query_shift,
+    win_left,
+    win_right,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    stride_ab,
+    stride_ah,
+    stride_biasb,
+    stride_biash,
+    bias_max_exact,
+    bias_log_span,
+    scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hq
@@ -175,8 +355,9 @@ def _attention_dq_kernel(
     row_ok = rows < Sq
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
-    q, do, lse, delta = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows,
-                                   row_ok, dcols, vcols, scale)  # fmt: skip
+    q, do, lse, delta = _row_tiles(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row_ok, dcols, vcols, scale
+    )
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah)
@@ -191,27 +372,66 @@ def _attention_dq_kernel(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < end_keys
         kv_row = (b * Hkv + hk) * Sk + cols
-        k = tl.load(k_ptr + kv_row[:, None] * D + dcols[None, :],
-                    mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
-        v = tl.load(v_ptr + kv_row[:, None] * Dv + vcols[None, :],
-                    mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+        k = tl.load(
+            k_ptr + kv_row[:, None] * D + dcols[None, :],
+            mask=col_ok[:, None] & (dcols[None, :] < D),
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + kv_row[:, None] * Dv + vcols[None, :],
+            mask=col_ok[:, None] & (vcols[None, :] < Dv),
+            other=0.0,
+        )
         p, dz, ds, bucket = _tile_grads(
-            q, k, v, do, lse, delta, rows, cols, row_ok, col_ok, rows + shift, b, h, mask_ptr,
-            stride_mb, stride_mh, stride_mq, stride_mk, slope, softcap, win_left, win_right,
-            bias_ptr, stride_biasb, stride_biash, bias_max_exact, bias_log_span,
-            HAS_SOFTCAP, HAS_MASK, MASK_IS_BOOL, HAS_ALIBI, HAS_RELATIVE_BIAS,
-            RELATIVE_BIAS_BUCKETS, RELATIVE_BIAS_BIDIRECTIONAL,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            rows + shift,
+            b,
+            h,
+            mask_ptr,
+            stride_mb,
+            stride_mh,
+            stride_mq,
+            stride_mk,
+            slope,
+            softcap,
+            win_left,
+            win_right,
+            bias_ptr,
+            stride_biasb,
+            stride_biash,
+            bias_max_exact,
+            bias_log_span,
+            HAS_SOFTCAP,
+            HAS_MASK,
+            MASK_IS_BOOL,
+            HAS_ALIBI,
+            HAS_RELATIVE_BIAS,
+            RELATIVE_BIAS_BUCKETS,
+            RELATIVE_BIAS_BIDIRECTIONAL,
+        )
         dq += tl.dot(ds, k, input_precision="ieee")
         if HAS_RELATIVE_BIAS:  # dtable[n, h] += Σ dZ over this tile's (i, j) of bucket n
             for n in tl.static_range(RELATIVE_BIAS_BUCKETS):
                 total = tl.sum(tl.sum(tl.where(bucket == n, dz, 0.0), 1), 0)
                 dtable = tl.where(buckets == n, dtable + total, dtable)
-    tl.store(dq_ptr + ((b * Hq + h) * Sq + rows[:, None]) * D + dcols[None, :], dq * scale,
-             mask=row_ok[:, None] & (dcols[None, :] < D))  # fmt: skip
+    tl.store(
+        dq_ptr + ((b * Hq + h) * Sq + rows[:, None]) * D + dcols[None, :],
+        dq * scale,
+        mask=row_ok[:, None] & (dcols[None, :] < D),
+    )
     if HAS_RELATIVE_BIAS:  # this program's share, summed over programs in a fixed order
-        tl.store(dtable_ptr + ((b * Hq + h) * tl.num_programs(0) + pid_m) * BLOCK_B + buckets,
-                 dtable)  # fmt: skip
+        tl.store(
+            dtable_ptr + ((b * Hq + h) * tl.num_programs(0) + pid_m) * BLOCK_B + buckets, dtable
+        )
 
 
 # (BLOCK_M, BLOCK_N, num_warps) of the dK/dV and the dQ kernel by head dim (64: D <= 64, 128,
@@ -235,10 +455,25 @@ def tiles(d: int, dv: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
 
 
 def attention_backward_triton(
-    q, k, v, out, lse, grad_out, grad_lse=None, *, scale, causal, bottom_right, mask=None,
-    key_lengths=None, alibi_slopes=None, relative_bias=None, window=None, softcap=None,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_out,
+    grad_lse=None,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
     sinks=None,
-):  # fmt: skip
+):
     """Gradients of ``attention_triton``'s call (q and k already rotated) from its out, lse and
     the gradients of its results, on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
     ``mask`` None or bool/float broadcast to [B, Hq, Sq, Sk]; ``alibi_slopes`` [B, Hq];
@@ -284,30 +519,83 @@ def attention_backward_triton(
     n_mblocks = triton.cdiv(sq, q_m)
     dtable_part = torch.zeros(
         (batch, hq, n_mblocks, block_b) if relative_bias is not None else (1,),
-        dtype=torch.float32, device=device,
-    )  # fmt: skip
+        dtype=torch.float32,
+        device=device,
+    )
     common = dict(
-        HAS_SOFTCAP=softcap is not None, HAS_MASK=mask is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_MASK=mask is not None,
         MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-        HAS_KEY_LEN=key_lengths is not None, BOTTOM_RIGHT=bottom_right,
-        HAS_ALIBI=alibi_slopes is not None, HAS_RELATIVE_BIAS=relative_bias is not None,
-        RELATIVE_BIAS_BUCKETS=num_buckets, RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
-        BLOCK_B=block_b, BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), num_stages=1,
-    )  # fmt: skip
-    sizes = (hq, hkv, sq, sk, d, dv, sk - sq if bottom_right else 0, win_left, win_right,
-             *mask_t.stride(), alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1),
-             table.stride(0), table.stride(1), max_exact,
-             math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
-             float(scale), 1.0 if softcap is None else float(softcap))  # fmt: skip
+        HAS_KEY_LEN=key_lengths is not None,
+        BOTTOM_RIGHT=bottom_right,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_RELATIVE_BIAS=relative_bias is not None,
+        RELATIVE_BIAS_BUCKETS=num_buckets,
+        RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
+        BLOCK_B=block_b,
+        BLOCK_D=next_pow2(d),
+        BLOCK_DV=next_pow2(dv),
+        num_stages=1,
+    )
+    sizes = (
+        hq,
+        hkv,
+        sq,
+        sk,
+        d,
+        dv,
+        sk - sq if bottom_right else 0,
+        win_left,
+        win_right,
+        *mask_t.stride(),
+        alibi.stride(0) if alibi.dim() == 2 else 0,
+        alibi.stride(-1),
+        table.stride(0),
+        table.stride(1),
+        max_exact,
+        math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
+        float(scale),
+        1.0 if softcap is None else float(softcap),
+    )
     if batch * hq * sq and sk:
         _attention_dkdv_kernel[(triton.cdiv(sk, kv_n), batch * hkv)](
-            q, k, v, do, lse, delta, dk, dv_, mask_t, key_len, alibi, table, *sizes, **common,
-            BLOCK_M=kv_m, BLOCK_N=kv_n, num_warps=kv_warps,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv_,
+            mask_t,
+            key_len,
+            alibi,
+            table,
+            *sizes,
+            **common,
+            BLOCK_M=kv_m,
+            BLOCK_N=kv_n,
+            num_warps=kv_warps,
+        )
         _attention_dq_kernel[(n_mblocks, batch * hq)](
-            q, k, v, do, lse, delta, dq, dtable_part, mask_t, key_len, alibi, table, *sizes,
-            **common, BLOCK_M=q_m, BLOCK_N=q_n, num_warps=q_warps,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            dtable_part,
+            mask_t,
+            key_len,
+            alibi,
+            table,
+            *sizes,
+            **common,
+            BLOCK_M=q_m,
+            BLOCK_N=q_n,
+            num_warps=q_warps,
+        )
     dtable = None
     if relative_bias is not None:
         dtable = dtable_part.sum((0, 2))[:, :num_buckets].T.contiguous()

@@ -25,21 +25,59 @@ from fastpe.kernels.triton.attention import SPLIT_GRANULE, _merge, _tanh
 
 @triton.jit
 def _attention_paged_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_start_ptr, q_len_ptr, k_len_ptr, page_ptr,
-    alibi_ptr, sinks_ptr,
-    Hq, group, D, Dv, page_size, keys_per_split, win_left, win_right,
-    stride_qt, stride_qh, stride_qd,
-    stride_kr, stride_kh, stride_kd,
-    stride_vr, stride_vh, stride_vd,
-    stride_osplit, stride_ot, stride_oh, stride_od,
-    stride_lsplit, stride_lt, stride_lh,
-    stride_pb, stride_pp, stride_ab, stride_ah,
-    scale, softcap,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    q_start_ptr,
+    q_len_ptr,
+    k_len_ptr,
+    page_ptr,
+    alibi_ptr,
+    sinks_ptr,
+    Hq,
+    group,
+    D,
+    Dv,
+    page_size,
+    keys_per_split,
+    win_left,
+    win_right,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kr,
+    stride_kh,
+    stride_kd,
+    stride_vr,
+    stride_vh,
+    stride_vd,
+    stride_osplit,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lsplit,
+    stride_lt,
+    stride_lh,
+    stride_pb,
+    stride_pp,
+    stride_ab,
+    stride_ah,
+    scale,
+    softcap,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -55,8 +93,11 @@ def _attention_paged_kernel(
     row_ok = rows < q_len
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + (q0 + rows)[:, None] * stride_qt + h * stride_qh + dcols[None, :] * stride_qd,
-                mask=row_ok[:, None] & (dcols[None, :] < D), other=0.0).to(tl.float32)  # fmt: skip
+    q = tl.load(
+        q_ptr + (q0 + rows)[:, None] * stride_qt + h * stride_qh + dcols[None, :] * stride_qd,
+        mask=row_ok[:, None] & (dcols[None, :] < D),
+        other=0.0,
+    ).to(tl.float32)
     q = q * scale
     if not DOT_FP32:
         q = q.to(k_ptr.dtype.element_ty)
@@ -89,8 +130,11 @@ def _attention_paged_kernel(
         page = cols // page_size
         prow = tl.load(page_ptr + b * stride_pb + page * stride_pp, mask=col_ok, other=0)
         prow = prow + cols - page * page_size
-        k = tl.load(k_ptr + prow[:, None] * stride_kr + hk * stride_kh + dcols[None, :] * stride_kd,
-                    mask=col_ok[:, None] & (dcols[None, :] < D), other=0.0)  # fmt: skip
+        k = tl.load(
+            k_ptr + prow[:, None] * stride_kr + hk * stride_kh + dcols[None, :] * stride_kd,
+            mask=col_ok[:, None] & (dcols[None, :] < D),
+            other=0.0,
+        )
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -111,8 +155,11 @@ def _attention_paged_kernel(
         alpha = tl.exp2((m_i - m_safe) * LOG2E)
         p = tl.exp2((s - m_safe[:, None]) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + prow[:, None] * stride_vr + hk * stride_vh + vcols[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (vcols[None, :] < Dv), other=0.0)  # fmt: skip
+        v = tl.load(
+            v_ptr + prow[:, None] * stride_vr + hk * stride_vh + vcols[None, :] * stride_vd,
+            mask=col_ok[:, None] & (vcols[None, :] < Dv),
+            other=0.0,
+        )
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -156,9 +203,24 @@ def block_sizes(max_q: int, d: int, fp32: bool) -> tuple[int, int]:
 
 
 def attention_paged_triton(
-    q, k, v, *, q_start, q_len, k_len, page_start, page_size, scale, causal, bottom_right,
-    alibi_slopes=None, window=None, softcap=None, sinks=None, num_sms=None,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    *,
+    q_start,
+    q_len,
+    k_len,
+    page_start,
+    page_size,
+    scale,
+    causal,
+    bottom_right,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    num_sms=None,
+):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). q_start, q_len, k_len
     int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` are read from
     the host copies the caller validated (``q_len.max()`` here would sync); ``alibi_slopes`` fp32
@@ -194,17 +256,48 @@ def attention_paged_triton(
     if total_q * hq and max_k:
         grid = (triton.cdiv(max_q, block_m), batch * hq, n_splits)
         _attention_paged_kernel[grid](
-            q, k, v, part_out, part_lse, q_start, q_len, k_len, page_start, alibi,
+            q,
+            k,
+            v,
+            part_out,
+            part_lse,
+            q_start,
+            q_len,
+            k_len,
+            page_start,
+            alibi,
             sinks if sinks is not None else dummy,
-            hq, hq // hkv, d, dv, page_size, keys_per_split, win_left, win_right,
-            *q.stride(), *k.stride(), *v.stride(), *part_out.stride(), *part_lse.stride(),
-            page_start.stride(0), page_start.stride(1), alibi.stride(0), alibi.stride(1),
-            scale, 1.0 if softcap is None else float(softcap),
-            CAUSAL=causal, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_SINKS=sinks is not None, BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi_slopes is not None,
-            DOT_FP32=dot_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(d),
+            hq,
+            hq // hkv,
+            d,
+            dv,
+            page_size,
+            keys_per_split,
+            win_left,
+            win_right,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *part_out.stride(),
+            *part_lse.stride(),
+            page_start.stride(0),
+            page_start.stride(1),
+            alibi.stride(0),
+            alibi.stride(1),
+            scale,
+            1.0 if softcap is None else float(softcap),
+            CAUSAL=causal,
+            HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
+            BOTTOM_RIGHT=bottom_right,
+            HAS_ALIBI=alibi_slopes is not None,
+            DOT_FP32=dot_fp32,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=next_pow2(d),
             BLOCK_DV=next_pow2(dv),
-        )  # fmt: skip
+        )
     elif sinks is not None:  # no key anywhere: lse is the sink
         part_lse[0] = sinks[None, :]
     if n_splits == 1:

@@ -18,12 +18,33 @@ PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
 
 @triton.jit
 def _embed_kernel(
-    ids_ptr, weight_ptr, out_ptr, pos_ptr, omega_ptr, pe_ptr, type_ids_ptr, type_weight_ptr,
-    tokens, seq, dim, half, pos_offset, scale,
-    stride_w, stride_out, stride_pe, stride_tw, stride_pos_b, stride_pos_s,
-    PE_KIND: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_TYPES: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    ids_ptr,
+    weight_ptr,
+    out_ptr,
+    pos_ptr,
+    omega_ptr,
+    pe_ptr,
+    type_ids_ptr,
+    type_weight_ptr,
+    tokens,
+    seq,
+    dim,
+    half,
+    pos_offset,
+    scale,
+    stride_w,
+    stride_out,
+    stride_pe,
+    stride_tw,
+    stride_pos_b,
+    stride_pos_s,
+    PE_KIND: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
+    HAS_TYPES: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     token_ok = t < tokens
@@ -66,9 +87,19 @@ def _embed_kernel(
 
 
 def embed_triton(
-    ids, weight, positions, pos_offset, *, scale, pe, pe_table=None, omega=None, interleaved=True,
-    token_type_ids=None, token_type_weight=None,
-):  # fmt: skip
+    ids,
+    weight,
+    positions,
+    pos_offset,
+    *,
+    scale,
+    pe,
+    pe_table=None,
+    omega=None,
+    interleaved=True,
+    token_type_ids=None,
+    token_type_weight=None,
+):
     """ids int [B, S]; positions int64 tensor [S] or [B, S] or None (pos_offset + s)."""
     batch, seq = ids.shape
     dim = weight.shape[1]
@@ -95,12 +126,32 @@ def embed_triton(
     block_t, block_d = 16, min(256, next_pow2(dim))
     if batch * seq:
         _embed_kernel[(triton.cdiv(batch * seq, block_t), triton.cdiv(dim, block_d))](
-            ids.reshape(-1).to(torch.int64), weight, out, pos, omega_t, table, types, type_weight,
-            batch * seq, seq, dim, dim // 2, pos_offset, float(scale),
-            weight.stride(0), out.stride(0), table.stride(0), type_weight.stride(0), *pos_strides,
-            PE_KIND=kind, HAS_POSITIONS=positions is not None, HAS_TYPES=has_types,
-            INTERLEAVED=interleaved, BLOCK_T=block_t, BLOCK_D=block_d,
-        )  # fmt: skip
+            ids.reshape(-1).to(torch.int64),
+            weight,
+            out,
+            pos,
+            omega_t,
+            table,
+            types,
+            type_weight,
+            batch * seq,
+            seq,
+            dim,
+            dim // 2,
+            pos_offset,
+            float(scale),
+            weight.stride(0),
+            out.stride(0),
+            table.stride(0),
+            type_weight.stride(0),
+            *pos_strides,
+            PE_KIND=kind,
+            HAS_POSITIONS=positions is not None,
+            HAS_TYPES=has_types,
+            INTERLEAVED=interleaved,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+        )
     return out.reshape(batch, seq, dim).to(weight.dtype)
 
 
@@ -112,9 +163,17 @@ def embed_triton(
 
 @triton.jit
 def _scatter_rows_kernel(
-    order_ptr, starts_ptr, rows_ptr, grad_ptr, out_ptr, dim, scale, stride_grad, stride_out,
+    order_ptr,
+    starts_ptr,
+    rows_ptr,
+    grad_ptr,
+    out_ptr,
+    dim,
+    scale,
+    stride_grad,
+    stride_out,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     g = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     keep = cols < dim
@@ -146,7 +205,15 @@ def scatter_rows_triton(index, grad, num_rows, scale=1.0):
     block_d = min(256, next_pow2(dim))
     if rows.numel():
         _scatter_rows_kernel[(rows.numel(), triton.cdiv(dim, block_d))](
-            order, starts, rows, grad, out, dim, float(scale), grad.stride(0), out.stride(0),
+            order,
+            starts,
+            rows,
+            grad,
+            out,
+            dim,
+            float(scale),
+            grad.stride(0),
+            out.stride(0),
             BLOCK_D=block_d,
-        )  # fmt: skip
+        )
     return out.to(grad.dtype)

@@ -13,11 +13,17 @@ from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2, sin
 
 @triton.jit
 def _rope_table_kernel(
-    cos_ptr, sin_ptr, inv_freq_ptr,
-    num_positions, offset, half,
-    stride_pos, factor,
-    BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
-):  # fmt: skip
+    cos_ptr,
+    sin_ptr,
+    inv_freq_ptr,
+    num_positions,
+    offset,
+    half,
+    stride_pos,
+    factor,
+    BLOCK_P: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     pid_p = tl.program_id(0).to(tl.int64)
     pid_f = tl.program_id(1).to(tl.int64)
     rows = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -40,8 +46,15 @@ def rope_table_triton(inv_freq, attention_factor, num_positions, offset, dtype, 
     block_p, block_f = 32, min(128, next_pow2(half))
     if num_positions:
         _rope_table_kernel[(triton.cdiv(num_positions, block_p), triton.cdiv(half, block_f))](
-            cos, sin, torch.as_tensor(inv_freq, dtype=torch.float64, device=device),
-            num_positions, offset, half, cos.stride(0), float(attention_factor),
-            BLOCK_P=block_p, BLOCK_F=block_f,
-        )  # fmt: skip
+            cos,
+            sin,
+            torch.as_tensor(inv_freq, dtype=torch.float64, device=device),
+            num_positions,
+            offset,
+            half,
+            cos.stride(0),
+            float(attention_factor),
+            BLOCK_P=block_p,
+            BLOCK_F=block_f,
+        )
     return cos.to(dtype), sin.to(dtype)

@@ -14,11 +14,16 @@ from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2, sin
 
 @triton.jit
 def _sinusoidal_table_kernel(
-    out_ptr, omega_ptr,
-    num_positions, offset, half,
+    out_ptr,
+    omega_ptr,
+    num_positions,
+    offset,
+    half,
     stride_out_pos,
-    INTERLEAVED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
-):  # fmt: skip
+    INTERLEAVED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
     pid_p = tl.program_id(0).to(tl.int64)
     pid_f = tl.program_id(1).to(tl.int64)
     rows = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -47,7 +52,14 @@ def sinusoidal_table_triton(omega, num_positions, offset, interleaved, dtype, de
     grid = (triton.cdiv(num_positions, block_p), triton.cdiv(half, block_f))
     if num_positions:
         _sinusoidal_table_kernel[grid](
-            out, omega_t, num_positions, offset, half, out.stride(0),
-            INTERLEAVED=interleaved, BLOCK_P=block_p, BLOCK_F=block_f,
-        )  # fmt: skip
+            out,
+            omega_t,
+            num_positions,
+            offset,
+            half,
+            out.stride(0),
+            INTERLEAVED=interleaved,
+            BLOCK_P=block_p,
+            BLOCK_F=block_f,
+        )
     return out.to(dtype)

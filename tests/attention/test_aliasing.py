@@ -93,8 +93,9 @@ def _expected_kvcache(a, *, interleaved):
         values = np.stack([v_cache[where(b, p)] for p in range(total)])
         q = f64["q"][b]
         if rotary:  # causal: query i at cache position cache_seqlens[b] + i
-            q = _rotate(q, f64["rotary_cos"], f64["rotary_sin"], lengths[b] + np.arange(sq),
-                        interleaved)  # fmt: skip
+            q = _rotate(
+                q, f64["rotary_cos"], f64["rotary_sin"], lengths[b] + np.arange(sq), interleaved
+            )
         out.append(_attend(q, keys, values, slopes=f64["alibi_slopes"], sinks=f64.get("sinks")))
     return np.stack(out)
 
@@ -241,8 +242,9 @@ def _call_kvcache(entry, args, backend):
     args = dict(args)
     if entry == "attention_kvcache":
         q, k_cache, v_cache, k, v = (args.pop(n) for n in ("q", "k_cache", "v_cache", "k", "v"))
-        return fastpe.attention_kvcache(q, k_cache, v_cache, k, v, causal=True, backend=backend,
-                                        **args)  # fmt: skip
+        return fastpe.attention_kvcache(
+            q, k_cache, v_cache, k, v, causal=True, backend=backend, **args
+        )
     with fastpe.use_backend(backend):
         return flash_attn_with_kvcache(causal=True, rotary_interleaved=True, **args)
 
@@ -291,9 +293,11 @@ def _failures(values, run, expected, *, framework="numpy"):
 def test_kvcache_every_aliased_pair(backend, framework, paged, rotary):
     values = _kvcache_values(paged, rotary)
     failures = _failures(
-        values, lambda args: _call_kvcache("attention_kvcache", args, backend),
-        lambda a: _expected_kvcache(a, interleaved=False), framework=framework,
-    )  # fmt: skip
+        values,
+        lambda args: _call_kvcache("attention_kvcache", args, backend),
+        lambda a: _expected_kvcache(a, interleaved=False),
+        framework=framework,
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -302,9 +306,10 @@ def test_kvcache_every_aliased_pair(backend, framework, paged, rotary):
 def test_flash_attn_with_kvcache_every_aliased_pair(backend, paged, rotary):
     values = _kvcache_values(paged, rotary, sinks=False)  # FlashAttention has no sinks
     failures = _failures(
-        values, lambda args: _call_kvcache("flash_attn_with_kvcache", args, backend),
+        values,
+        lambda args: _call_kvcache("flash_attn_with_kvcache", args, backend),
         lambda a: _expected_kvcache(a, interleaved=True),
-    )  # fmt: skip
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -319,8 +324,9 @@ def test_triton_interpreter_reads_q_before_the_append():
     views, _ = _arena(values, ("overlap", "q", "k_cache"))
     as_passed = {name: np.array(x) for name, x in views.items()}
     out = _call_kvcache("attention_kvcache", _to_torch(views), "triton")
-    np.testing.assert_allclose(out.numpy(), _expected_kvcache(as_passed, interleaved=False),
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        out.numpy(), _expected_kvcache(as_passed, interleaved=False), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -337,8 +343,15 @@ def test_caches_may_share_memory_when_nothing_is_appended(backend):
     for b in range(B):
         rows = [TABLE[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(lengths[b])]
         keys = np.asarray(cache, np.float64).reshape(-1, HKV, D)[rows]
-        expected.append(_attend(np.asarray(q[b], np.float64), keys, keys,
-                                slopes=values["alibi_slopes"], sinks=values["sinks"]))  # fmt: skip
+        expected.append(
+            _attend(
+                np.asarray(q[b], np.float64),
+                keys,
+                keys,
+                slopes=values["alibi_slopes"],
+                sinks=values["sinks"],
+            )
+        )
     np.testing.assert_allclose(out, np.stack(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -357,10 +370,18 @@ def test_interleaved_halves_of_one_buffer_are_separate_caches():
     values = _kvcache_values(paged=True, rotary=False)
     kv = np.stack([values["k_cache"], values["v_cache"]], axis=1)
     out = fastpe.attention_kvcache(
-        values["q"], kv[:, 0], kv[:, 1], values["k"], values["v"], causal=True,
-        cache_seqlens=values["cache_seqlens"], block_table=values["block_table"],
-        alibi_slopes=values["alibi_slopes"], sinks=values["sinks"], backend="numpy",
-    )  # fmt: skip
+        values["q"],
+        kv[:, 0],
+        kv[:, 1],
+        values["k"],
+        values["v"],
+        causal=True,
+        cache_seqlens=values["cache_seqlens"],
+        block_table=values["block_table"],
+        alibi_slopes=values["alibi_slopes"],
+        sinks=values["sinks"],
+        backend="numpy",
+    )
     np.testing.assert_allclose(out, _expected_kvcache(values, interleaved=False), atol=1e-5)
     np.testing.assert_array_equal(kv[4, 0, 3], values["k"][0, 0])  # the append landed
 
@@ -373,12 +394,24 @@ def test_interleaved_halves_of_one_buffer_are_separate_caches():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_varlen_every_aliased_pair(backend, framework):
     def run(a):
-        rope = {"cos": a["cos"], "sin": a["sin"], "q_positions": a["q_positions"],
-                "k_positions": a["k_positions"]}  # fmt: skip
+        rope = {
+            "cos": a["cos"],
+            "sin": a["sin"],
+            "q_positions": a["q_positions"],
+            "k_positions": a["k_positions"],
+        }
         return fastpe.attention_varlen(
-            a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], causal=True,
-            rope=rope, alibi_slopes=a["alibi_slopes"], sinks=a["sinks"], backend=backend,
-        )  # fmt: skip
+            a["q"],
+            a["k"],
+            a["v"],
+            a["cu_seqlens_q"],
+            a["cu_seqlens_k"],
+            causal=True,
+            rope=rope,
+            alibi_slopes=a["alibi_slopes"],
+            sinks=a["sinks"],
+            backend=backend,
+        )
 
     failures = _failures(_varlen_values(), run, _expected_varlen, framework=framework)
     assert not failures, "\n".join(failures)

@@ -22,9 +22,22 @@ from fastpe import reference  # noqa: E402
 O = {"backend": "numpy"}
 
 
-def eager_attention(q, k, v, *, scale, causal=False, bottom_right=True, mask=None,
-                    key_lengths=None, alibi_slopes=None, bias=None, window=None, softcap=None,
-                    sinks=None):  # fmt: skip
+def eager_attention(
+    q,
+    k,
+    v,
+    *,
+    scale,
+    causal=False,
+    bottom_right=True,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    bias=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+):
     """softmax(q·kᵀ·scale (soft-capped) + biases, masked) · v in plain torch, with the sink as
     one more logit of value 0; returns (out, lse). ``bias``: an additive [B, Hq, Sq, Sk]
     tensor (the T5 table already gathered, so autograd reaches the table through it)."""
@@ -69,8 +82,12 @@ def eager_attention(q, k, v, *, scale, causal=False, bottom_right=True, mask=Non
 
 
 # (B, Hq, Hkv, Sq, Sk, D, Dv)
-SHAPES = [(2, 4, 2, 5, 7, 6, 3), (1, 3, 1, 33, 300, 16, 8), (2, 2, 2, 40, 12, 8, 8),
-          (1, 3, 1, 20, 40, 16, 8)]  # fmt: skip
+SHAPES = [
+    (2, 4, 2, 5, 7, 6, 3),
+    (1, 3, 1, 33, 300, 16, 8),
+    (2, 2, 2, 40, 12, 8, 8),
+    (1, 3, 1, 20, 40, 16, 8),
+]
 # Triton's interpreter (16 x 16 tiles there) skips 33 x 300 (~80 s of its ~100 s here): 20 x 40
 # crosses ragged query and key tiles in both backward kernels the same way, on 6 tiles, not 57.
 SHAPES_GRID = grid(SHAPES, interpreter=[0, 2, 3])
@@ -88,10 +105,18 @@ FEATURES = {
     "window_softcap": {"window": (6, 2), "softcap": 1.5},
     "sinks": {"sinks": True, "causal": True, "key_lengths": True},
     "rope": {"rope": True, "causal": True},
-    "everything": {"causal": True, "mask": "bool", "key_lengths": True, "alibi_slopes": True,
-                   "relative_bias": True, "rope": True, "window": (9, -1), "softcap": 2.0,
-                   "sinks": True},
-}  # fmt: skip
+    "everything": {
+        "causal": True,
+        "mask": "bool",
+        "key_lengths": True,
+        "alibi_slopes": True,
+        "relative_bias": True,
+        "rope": True,
+        "window": (9, -1),
+        "softcap": 2.0,
+        "sinks": True,
+    },
+}
 
 
 def _case(rng, shape, features, dtype=torch.float32):
@@ -123,8 +148,11 @@ def _case(rng, shape, features, dtype=torch.float32):
             leaves["sinks"] = t(hq)
         elif name == "rope":
             cos, sin = fastpe.rope_table(max(sq, sk) + 4, d - d % 4, **O)
-            kw["rope"] = {"cos": torch.from_numpy(cos).to(dtype),
-                          "sin": torch.from_numpy(sin).to(dtype), "interleaved": True}  # fmt: skip
+            kw["rope"] = {
+                "cos": torch.from_numpy(cos).to(dtype),
+                "sin": torch.from_numpy(sin).to(dtype),
+                "interleaved": True,
+            }
         else:
             kw[name] = value
     return {"q": q, "k": k, "v": v, **leaves}, kw
@@ -135,14 +163,22 @@ def _call(leaves, kw, **extra):
     kw = dict(kw)
     if "table" in leaves:
         kw["relative_bias"] = {**kw["relative_bias"], "table": leaves["table"]}
-    return fastpe.attention(leaves["q"], leaves["k"], leaves["v"], sinks=leaves.get("sinks"),
-                            return_lse=True, **kw, **extra)  # fmt: skip
+    return fastpe.attention(
+        leaves["q"],
+        leaves["k"],
+        leaves["v"],
+        sinks=leaves.get("sinks"),
+        return_lse=True,
+        **kw,
+        **extra,
+    )
 
 
 def _grads(leaves, kw, grad_out, grad_lse, dtype, **extra):
     leaves = {n: x.detach().to(dtype).requires_grad_() for n, x in leaves.items()}
-    kw = {n: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
-          for n, x in kw.items()}  # fmt: skip
+    kw = {
+        n: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for n, x in kw.items()
+    }
     if "rope" in kw:
         kw["rope"] = {n: x.to(dtype) if torch.is_tensor(x) else x for n, x in kw["rope"].items()}
     out, lse = _call(leaves, kw, **extra)
@@ -204,11 +240,20 @@ def _eager_from_case(leaves, kw, shape):
         bias = leaves["table"][buckets].permute(0, 3, 1, 2)
     mask = kw.get("mask")
     return eager_attention(
-        q, k, leaves["v"], scale=d**-0.5, causal=kw.get("causal", False),
-        bottom_right=bottom_right, mask=None if mask is None else (mask if mask.dtype == torch.bool else mask.double()),
-        key_lengths=lengths, alibi_slopes=None if "alibi_slopes" not in kw else kw["alibi_slopes"].double(),
-        bias=bias, window=kw.get("window"), softcap=kw.get("softcap"), sinks=leaves.get("sinks"),
-    )  # fmt: skip
+        q,
+        k,
+        leaves["v"],
+        scale=d**-0.5,
+        causal=kw.get("causal", False),
+        bottom_right=bottom_right,
+        mask=None if mask is None else (mask if mask.dtype == torch.bool else mask.double()),
+        key_lengths=lengths,
+        alibi_slopes=None if "alibi_slopes" not in kw else kw["alibi_slopes"].double(),
+        bias=bias,
+        window=kw.get("window"),
+        softcap=kw.get("softcap"),
+        sinks=leaves.get("sinks"),
+    )
 
 
 @pytest.mark.parametrize("case", list(FEATURES))
@@ -256,10 +301,12 @@ def test_a_learned_table_alone_gets_its_gradient(backend):
 
 @pytest.mark.parametrize(
     "features",
-    [{"causal": True, "sinks": True, "softcap": 0.8, "window": (3, 1)},
-     {"relative_bias": True, "mask": "float", "causal_alignment": "top_left", "causal": True},
-     {"rope": True, "alibi_slopes": True, "key_lengths": True}],
-)  # fmt: skip
+    [
+        {"causal": True, "sinks": True, "softcap": 0.8, "window": (3, 1)},
+        {"relative_bias": True, "mask": "float", "causal_alignment": "top_left", "causal": True},
+        {"rope": True, "alibi_slopes": True, "key_lengths": True},
+    ],
+)
 def test_oracle_gradcheck(features):
     """Finite differences of the float64 forward against the registered backward."""
     rng = np.random.default_rng(3)
@@ -405,17 +452,50 @@ def test_opcheck_with_autograd():
     mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
     q, k, v, sinks = mk(2, 4, 5, 8), mk(2, 2, 7, 8), mk(2, 2, 7, 6), mk(4)
     table = mk(32, 4)
-    args = (q, k, v, True, "bottom_right", None, None, None, None, None, False, None, None, None,
-            None, None, table, 32, 20, True, 4, -1, 2.0, sinks, "")  # fmt: skip
+    args = (
+        q,
+        k,
+        v,
+        True,
+        "bottom_right",
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+        None,
+        None,
+        None,
+        None,
+        None,
+        table,
+        32,
+        20,
+        True,
+        4,
+        -1,
+        2.0,
+        sinks,
+        "",
+    )
     torch.library.opcheck(torch.ops.fastpe.attention.default, args)
     out, lse = torch.ops.fastpe.attention.default(*args)
-    backward_args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(),
-                     v.detach(), out.detach(), lse.detach(),
-                     *(a.detach() if torch.is_tensor(a) else a for a in args[3:]))  # fmt: skip
+    backward_args = (
+        torch.randn_like(out),
+        torch.randn_like(lse),
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        *(a.detach() if torch.is_tensor(a) else a for a in args[3:]),
+    )
     torch.library.opcheck(
-        torch.ops.fastpe.attention_backward.default, backward_args,
+        torch.ops.fastpe.attention_backward.default,
+        backward_args,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("name", ["mask", "alibi_slopes"])
@@ -440,24 +520,37 @@ def _llama(transformers):
 
 def _bert(transformers):
     config = transformers.BertConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, attention_probs_dropout_prob=0.0,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        attention_probs_dropout_prob=0.0,
         hidden_dropout_prob=0.0,
-    )  # fmt: skip
+    )
     return transformers.BertForMaskedLM(config)
 
 
 def _gemma2(transformers):  # soft-capping, a sliding window shorter than the batch
-    config = transformers.Gemma2Config(**_COMMON, sliding_window=5, attn_logit_softcapping=0.5,
-                                       layer_types=["sliding_attention", "full_attention"],
-                                       final_logit_softcapping=None)  # fmt: skip
+    config = transformers.Gemma2Config(
+        **_COMMON,
+        sliding_window=5,
+        attn_logit_softcapping=0.5,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=None,
+    )
     return transformers.Gemma2ForCausalLM(config)
 
 
 def _gpt_oss(transformers):  # learned sinks: their gradient too
-    config = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 64}, sliding_window=5,
-                                       layer_types=["sliding_attention", "full_attention"],
-                                       num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    config = transformers.GptOssConfig(
+        **{**_COMMON, "intermediate_size": 64},
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     model = transformers.GptOssForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -465,16 +558,28 @@ def _gpt_oss(transformers):  # learned sinks: their gradient too
     return model
 
 
-_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
-               initializer_range=0.2)  # fmt: skip
+_COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=0,
+    initializer_range=0.2,
+)
 
 
 @pytest.mark.parametrize(
     "family, want_implementation, padding",
-    [(_llama, "sdpa", "left"), (_bert, "sdpa", "right"), (_gemma2, "eager", "left"),
-     (_gpt_oss, "eager", "left")],
-)  # fmt: skip
+    [
+        (_llama, "sdpa", "left"),
+        (_bert, "sdpa", "right"),
+        (_gemma2, "eager", "left"),
+        (_gpt_oss, "eager", "left"),
+    ],
+)
 def test_training_step_matches_transformers(family, want_implementation, padding):
     """Random-weight tiny models (GQA where the family has it) on a padded batch: the loss and
     every parameter's gradient with fastpe's attention match transformers' own attention."""
@@ -504,8 +609,9 @@ def test_training_step_matches_transformers(family, want_implementation, padding
         model.zero_grad()
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                               if p.grad is not None}  # fmt: skip
+        return loss.detach(), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
 
     want_loss, want = step(want_implementation)
     loss, got = step(register())
@@ -537,8 +643,10 @@ def test_second_derivative_is_refused_by_name():
     """First-order gradients only: differentiating a gradient of attention raises a clear error
     instead of returning a wrong (zero or missing) second derivative."""
     rng = np.random.default_rng(5)
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 8))).float().requires_grad_()
-               for _ in range(3))  # fmt: skip
+    q, k, v = (
+        torch.from_numpy(rng.standard_normal((1, 2, 4, 8))).float().requires_grad_()
+        for _ in range(3)
+    )
     out = fastpe.attention(q, k, v, causal=True, **O)
     (dq,) = torch.autograd.grad(out.sum(), [q], create_graph=True)
     with pytest.raises(

@@ -40,8 +40,9 @@ def test_compiled_decode_step_appends_like_eager(paged):
     q, k_cache, v_cache, k_new, v_new, lengths, extra = _decode_inputs(paged)
 
     def step(q, k_cache, v_cache, k, v, lengths, extra):
-        return fastpe.attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-                                        causal=True, return_lse=True, **extra)  # fmt: skip
+        return fastpe.attention_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True, return_lse=True, **extra
+        )
 
     want_caches = (k_cache.clone(), v_cache.clone())
     want_out, want_lse = step(q, *want_caches, k_new, v_new, lengths, extra)
@@ -57,20 +58,41 @@ def test_opcheck_kvcache_op():
     from fastpe import torch_ops  # noqa: F401  (registers the ops)
 
     q, k_cache, v_cache, k_new, v_new, lengths, extra = _decode_inputs(False)
-    args = (q, k_cache, v_cache, k_new, v_new, lengths, 0, None, extra["cache_batch_idx"],
-            extra["rotary_cos"], extra["rotary_sin"], False, True, None, None, -1, -1, None,
-            None, "")  # fmt: skip
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        lengths,
+        0,
+        None,
+        extra["cache_batch_idx"],
+        extra["rotary_cos"],
+        extra["rotary_sin"],
+        False,
+        True,
+        None,
+        None,
+        -1,
+        -1,
+        None,
+        None,
+        "",
+    )
     torch.library.opcheck(torch.ops.fastpe.attention_kvcache.default, args)
 
 
 def test_int_cache_seqlens_compiles():
     q, k_cache, v_cache, k_new, v_new, _, _ = _decode_inputs(False)
-    want = fastpe.attention_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new,
-                                    cache_seqlens=3)  # fmt: skip
+    want = fastpe.attention_kvcache(
+        q, k_cache.clone(), v_cache.clone(), k_new, v_new, cache_seqlens=3
+    )
     compiled = torch.compile(
-        lambda *a: fastpe.attention_kvcache(*a, cache_seqlens=3), fullgraph=True,
+        lambda *a: fastpe.attention_kvcache(*a, cache_seqlens=3),
+        fullgraph=True,
         backend="aot_eager",
-    )  # fmt: skip
+    )
     torch.testing.assert_close(compiled(q, k_cache, v_cache, k_new, v_new), want)
 
 
@@ -79,10 +101,12 @@ def test_compiled_with_grad_raises_at_backward():
     q, k_cache, v_cache, k_new, v_new, lengths, _ = _decode_inputs(False)
     q.requires_grad_()
     compiled = torch.compile(
-        lambda q: fastpe.attention_kvcache(q, k_cache, v_cache, k_new, v_new,
-                                           cache_seqlens=lengths),
-        fullgraph=True, backend="aot_eager",
-    )  # fmt: skip
+        lambda q: fastpe.attention_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths
+        ),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     with pytest.raises(RuntimeError, match="attention_kvcache"):
         compiled(q).sum().backward()
 

@@ -108,8 +108,12 @@ def test_backend_gradients_match_plain_torch(backend, dtype):
     out_a, lse_a, out_b, lse_b, gen = _parts(3, shape=(2, 3, 7, 12))
     grad_out = torch.randn(out_a.shape, dtype=torch.float64, generator=gen)
     grad_lse = torch.randn(lse_a.shape, dtype=torch.float64, generator=gen)
-    want = _grads_of(plain_merge, [t.clone().requires_grad_() for t in (out_a, lse_a, out_b, lse_b)],
-                     grad_out, grad_lse)  # fmt: skip
+    want = _grads_of(
+        plain_merge,
+        [t.clone().requires_grad_() for t in (out_a, lse_a, out_b, lse_b)],
+        grad_out,
+        grad_lse,
+    )
     args = [
         t.to(dtype) if i % 2 == 0 else t.float() for i, t in enumerate((out_a, lse_a, out_b, lse_b))
     ]

@@ -36,8 +36,7 @@ class _SoftCap(torch.autograd.Function):
         return grad * (1.0 - capped * capped), None
 
 
-def _reference(q, k, v, *, dtype, causal=False, window=None, softcap=None, alibi=None,
-               sinks=None):  # fmt: skip
+def _reference(q, k, v, *, dtype, causal=False, window=None, softcap=None, alibi=None, sinks=None):
     """q [Hq, Sq, D], k/v [Hkv, Sk, D] -> [Hq, Sq, D] in ``dtype``; queries are the last Sq
     positions of the Sk keys (bottom-right alignment)."""
     hq, sq, d = q.shape
@@ -76,9 +75,11 @@ def _numba(op, q, k, v, **options):
         out = fastpe.attention_varlen(*seq_major, cu_q, cu_k, backend="numba", **options)
         return out.transpose(0, 1)
     out = fastpe.attention_kvcache(
-        *(t[None] for t in seq_major), cache_seqlens=torch.tensor([sk], dtype=torch.int32),
-        backend="numba", **options,
-    )  # fmt: skip
+        *(t[None] for t in seq_major),
+        cache_seqlens=torch.tensor([sk], dtype=torch.int32),
+        backend="numba",
+        **options,
+    )
     return out[0].transpose(0, 1)
 
 
@@ -95,8 +96,17 @@ def _inputs(hq, hkv, sq, sk, d, dtype, magnitude=1.0, seed=0):
 # caps whose c·log2 e or 1/c leaves the compute dtype's range (or lands in its subnormals),
 # and ordinary neighbours
 _CAPS = {
-    torch.float32: [1e-320, 1e-45, 1e-30, 1.0, 1e30, 3e38, 3.4028234663852886e38, 1.5e308,
-                    1.7976931348623157e308],  # fmt: skip
+    torch.float32: [
+        1e-320,
+        1e-45,
+        1e-30,
+        1.0,
+        1e30,
+        3e38,
+        3.4028234663852886e38,
+        1.5e308,
+        1.7976931348623157e308,
+    ],
     torch.float64: [1e-320, 1e-300, 1.0, 1e300, 1.5e308, 1.7976931348623157e308],
 }
 _CAP_CASES = [(dtype, cap) for dtype, caps in _CAPS.items() for cap in caps]
@@ -113,8 +123,9 @@ def test_softcap_any_finite_positive(op, dtype, cap, alibi):
     options = {"softcap": cap}
     if alibi:
         options.update(causal=True, alibi_slopes=torch.tensor([0.5, 0.1, 1e-3, 2.0]))
-    want = _reference(q, k, v, dtype=torch.float64, softcap=cap, causal=alibi,
-                      alibi=options.get("alibi_slopes"))  # fmt: skip
+    want = _reference(
+        q, k, v, dtype=torch.float64, softcap=cap, causal=alibi, alibi=options.get("alibi_slopes")
+    )
     got = _numba(op, q, k, v, **options).to(torch.float64)
     tol = 2e-6 if dtype == torch.float32 else 1e-13
     assert torch.isfinite(got).all()
@@ -130,8 +141,9 @@ def test_softcap_any_finite_positive_backward(cap):
     slopes = torch.tensor([0.5, 0.1, 1e-3, 2.0])
     grad_out = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(1))
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = fastpe.attention(*(t[None] for t in leaves), softcap=cap, causal=True,
-                           alibi_slopes=slopes, backend="numba")[0]  # fmt: skip
+    out = fastpe.attention(
+        *(t[None] for t in leaves), softcap=cap, causal=True, alibi_slopes=slopes, backend="numba"
+    )[0]
     got = torch.autograd.grad(out, leaves, grad_out)
     exact = [t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v)]
     want_out = _reference(*exact, dtype=torch.float64, softcap=cap, causal=True, alibi=slopes)
@@ -157,8 +169,12 @@ FEATURES = {
     "alibi": {"alibi_slopes": True},
     "sinks": {"sinks": True},
     "softcap-alibi": {"softcap": 30.0, "alibi_slopes": True},
-    "causal-softcap-alibi-sinks": {"causal": True, "softcap": 30.0, "alibi_slopes": True,
-                                   "sinks": True},  # fmt: skip
+    "causal-softcap-alibi-sinks": {
+        "causal": True,
+        "softcap": 30.0,
+        "alibi_slopes": True,
+        "sinks": True,
+    },
     "window-softcap": {"window": (100, 0), "softcap": 30.0},
 }
 # (Sq, Sk, D, Hq, Hkv): decode steps and prefills, head dims 64 and 128. Decode has more heads:
@@ -186,10 +202,12 @@ def test_float32_error_within_twice_torch(op, feature, shape, magnitude):
         options["sinks"] = torch.linspace(-1.0, 3.0, hq)
     q, k, v = _inputs(hq, hkv, sq, sk, d, torch.float32, magnitude=magnitude)
     reference_options = {
-        "causal": options.get("causal", False), "window": options.get("window"),
-        "softcap": options.get("softcap"), "alibi": options.get("alibi_slopes"),
+        "causal": options.get("causal", False),
+        "window": options.get("window"),
+        "softcap": options.get("softcap"),
+        "alibi": options.get("alibi_slopes"),
         "sinks": options.get("sinks"),
-    }  # fmt: skip
+    }
     exact = _reference(q, k, v, dtype=torch.float64, **reference_options)
     plain32 = _reference(q, k, v, dtype=torch.float32, **reference_options)
     got = _numba(op, q, k, v, **options)

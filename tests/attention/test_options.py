@@ -243,9 +243,8 @@ def test_sinks_equal_an_extra_key(backend, fw, rng):
     sinks = np.array([-2.0, 0.0, 1.0, 4.0], np.float32)
     q2, k2, v2, extra = _with_sink_key(q, k, v, sinks)
     got = fastpe.attention(
-        *(to_fw(a, fw) for a in (q, k, v)), sinks=to_fw(sinks, fw), return_lse=True,
-        backend=backend,
-    )  # fmt: skip
+        *(to_fw(a, fw) for a in (q, k, v)), sinks=to_fw(sinks, fw), return_lse=True, backend=backend
+    )
     want = fastpe.attention(q2, k2, v2, mask=extra.astype(np.float32), return_lse=True, **O)
     _close(got[0], want[0], 3e-5, "out")
     _close(got[1], want[1], 3e-5, "lse")
@@ -265,8 +264,9 @@ def test_split_keys_with_sinks_merge_exactly(backend, fw, window, rng):
     n = 170
     # part a holds keys 0 … n-1: the whole's window (query at 199) reaches down to 199 - 40
     visible = None if window is None else t(np.arange(n) >= 199 - window[0])
-    part_a = fastpe.attention(t(q), t(k[:, :, :n]), t(v[:, :, :n]), sinks=t(sinks), mask=visible,
-                              **kw)  # fmt: skip
+    part_a = fastpe.attention(
+        t(q), t(k[:, :, :n]), t(v[:, :, :n]), sinks=t(sinks), mask=visible, **kw
+    )
     part_b = fastpe.attention(t(q), t(k[:, :, n:]), t(v[:, :, n:]), window=window, **kw)
     out, lse = fastpe.merge_attention(*part_a, *part_b, backend=backend)
     _close(out, whole[0], 3e-5, "out")
@@ -282,8 +282,9 @@ def test_window_skips_tiles_it_never_reads(backend, fw, rng):
     want = fastpe.attention(q, k, v, window=(5, 0), causal=True, **O)
     k[:, :, :880] = np.nan  # bottom-right: the queries sit at 896 … 899 and see 891 … 899
     v[:, :, :880] = np.nan
-    got = fastpe.attention(to_fw(q, fw), to_fw(k, fw), to_fw(v, fw), window=(5, 0), causal=True,
-                           backend=backend)  # fmt: skip
+    got = fastpe.attention(
+        to_fw(q, fw), to_fw(k, fw), to_fw(v, fw), window=(5, 0), causal=True, backend=backend
+    )
     _close(got, want, 3e-5, "out")
 
 

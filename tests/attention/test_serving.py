@@ -132,9 +132,16 @@ def test_varlen_sinks_and_rope_per_sequence(backend):
     cos, sin = torch.cos(angles), torch.sin(angles)
     sinks = torch.tensor([0.5, -1.0])
     out = fastpe.attention_varlen(
-        q, k, v, cu_q, cu_k, causal=True, rope={"cos": cos, "sin": sin}, sinks=sinks,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        causal=True,
+        rope={"cos": cos, "sin": sin},
+        sinks=sinks,
         backend=backend,
-    )  # fmt: skip
+    )
 
     def rotate(x, pos):  # rotate_half convention, written out
         c, s = cos[pos][:, None], sin[pos][:, None]
@@ -172,9 +179,15 @@ def test_varlen_half_precision(backend):
 # FlashAttention's seqlen grid (test_flash_attn_varlen_output and friends), ported
 SEQLEN_PAIRS = [(113, 203), (1, 239), (97, 60)]
 SEQLEN_PAIRS_SLOW = [
-    (128, 217), (113, 211), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023),
+    (128, 217),
+    (113, 211),
+    (108, 256),
+    (256, 512),
+    (512, 256),
+    (1023, 1024),
+    (1024, 1023),
     (2048, 2048),
-]  # fmt: skip
+]
 
 
 def _padding_grid_case(backend, seqlen_q, seqlen_k, causal, hkv):
@@ -189,11 +202,13 @@ def _padding_grid_case(backend, seqlen_q, seqlen_k, causal, hkv):
     q_mask = torch.arange(seqlen_q)[None, :] < torch.as_tensor(lq)[:, None]
     k_mask = torch.arange(seqlen_k)[None, :] < torch.as_tensor(lk)[:, None]
     q, k, v = qp[q_mask], kp[k_mask], vp[k_mask]
-    out = flash_attn.flash_attn_varlen_func(
-        q, k, v, cu(lq), cu(lk), int(lq.max()), int(lk.max()), causal=causal
-    ) if backend is None else fastpe.attention_varlen(
-        q, k, v, cu(lq), cu(lk), causal=causal, backend=backend
-    )  # fmt: skip
+    out = (
+        flash_attn.flash_attn_varlen_func(
+            q, k, v, cu(lq), cu(lk), int(lq.max()), int(lk.max()), causal=causal
+        )
+        if backend is None
+        else fastpe.attention_varlen(q, k, v, cu(lq), cu(lk), causal=causal, backend=backend)
+    )
     for b in range(batch):
         want, _ = ref_attention(qp[b, : lq[b]], kp[b, : lk[b]], vp[b, : lk[b]], causal=causal)
         close(out[int(cu(lq)[b]) : int(cu(lq)[b + 1])], want, what=f"sequence {b}")
@@ -226,8 +241,12 @@ def test_flash_attn_func(seqlen_q, seqlen_k, opts, hkv):
     k, v = torch.randn(2, seqlen_k, hkv, 32), torch.randn(2, seqlen_k, hkv, 32)
     alibi = torch.rand(4)
     out = flash_attn.flash_attn_func(q, k, v, alibi_slopes=alibi, **opts)
-    kw = {"causal": opts.get("causal", False), "window": opts.get("window_size", (-1, -1)),
-          "softcap": opts.get("softcap", 0.0), "alibi": alibi}  # fmt: skip
+    kw = {
+        "causal": opts.get("causal", False),
+        "window": opts.get("window_size", (-1, -1)),
+        "softcap": opts.get("softcap", 0.0),
+        "alibi": alibi,
+    }
     assert out.shape == q.shape and out.is_contiguous()
     for b in range(2):
         close(out[b], ref_attention(q[b], k[b], v[b], **kw)[0])
@@ -237,15 +256,25 @@ def test_flash_attn_packed_variants():
     qkv = torch.randn(2, 30, 3, 4, 16)
     want = flash_attn.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
     close(flash_attn.flash_attn_qkvpacked_func(qkv, causal=True), want.double(), atol=0)
-    close(flash_attn.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True),
-          want.double(), atol=0)  # fmt: skip
+    close(
+        flash_attn.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True),
+        want.double(),
+        atol=0,
+    )
     packed = qkv.reshape(60, 3, 4, 16)
     cu_s = cu([30, 30])
-    close(flash_attn.flash_attn_varlen_qkvpacked_func(packed, cu_s, 30, causal=True),
-          want.reshape(60, 4, 16).double(), atol=1e-6)  # fmt: skip
-    close(flash_attn.flash_attn_varlen_kvpacked_func(packed[:, 0], packed[:, 1:], cu_s, cu_s, 30, 30,
-                                                     causal=True),
-          want.reshape(60, 4, 16).double(), atol=1e-6)  # fmt: skip
+    close(
+        flash_attn.flash_attn_varlen_qkvpacked_func(packed, cu_s, 30, causal=True),
+        want.reshape(60, 4, 16).double(),
+        atol=1e-6,
+    )
+    close(
+        flash_attn.flash_attn_varlen_kvpacked_func(
+            packed[:, 0], packed[:, 1:], cu_s, cu_s, 30, 30, causal=True
+        ),
+        want.reshape(60, 4, 16).double(),
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize(
@@ -261,8 +290,16 @@ def test_flash_attn_refusals(kwargs, match):
     with pytest.raises(ValueError, match=match):
         flash_attn.flash_attn_func(q, q, q, **kwargs)
     with pytest.raises(ValueError, match="block_table"):
-        flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu([4]), cu([4]), 4, 4,
-                                          block_table=torch.zeros(1, 1, dtype=torch.int32))  # fmt: skip
+        flash_attn.flash_attn_varlen_func(
+            q[0],
+            q[0],
+            q[0],
+            cu([4]),
+            cu([4]),
+            4,
+            4,
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="cache_leftpad"):
         flash_attn.flash_attn_with_kvcache(q, q, q, cache_seqlens=2, cache_leftpad=torch.zeros(1))
 
@@ -356,17 +393,52 @@ def test_kvcache_matches_reference(backend, paged, rotary, causal, window, new):
         angles = torch.arange(40.0)[:, None] * 10000.0 ** (-torch.arange(6.0) / 6)
         cos, sin = torch.cos(angles), torch.sin(angles)
     kc, vc = k_cache.clone(), v_cache.clone()
-    out = flash_attn.flash_attn_with_kvcache(
-        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens,
-        block_table=block_table, causal=causal, window_size=window,
-        rotary_interleaved=bool(rotary),
-    ) if backend is None else fastpe.attention_kvcache(
-        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens,
-        block_table=block_table, causal=causal, window=window, rotary_interleaved=bool(rotary),
-        backend=backend,
-    )  # fmt: skip
-    want, want_kc, want_vc = ref_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                         cos, sin, bool(rotary), causal, window)  # fmt: skip
+    out = (
+        flash_attn.flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k,
+            v,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=causal,
+            window_size=window,
+            rotary_interleaved=bool(rotary),
+        )
+        if backend is None
+        else fastpe.attention_kvcache(
+            q,
+            kc,
+            vc,
+            k,
+            v,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=causal,
+            window=window,
+            rotary_interleaved=bool(rotary),
+            backend=backend,
+        )
+    )
+    want, want_kc, want_vc = ref_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        block_table,
+        cos,
+        sin,
+        bool(rotary),
+        causal,
+        window,
+    )
     close(out, want, what="out")
     # the cache changed exactly at the appended positions, to the (rotated) new keys
     close(kc, want_kc.double(), atol=1e-6, what="k_cache")
@@ -379,9 +451,14 @@ def test_kvcache_flash_attn_entry_point_and_lse():
     k_cache, v_cache = torch.randn(6, 16, 2, 16), torch.randn(6, 16, 2, 16)
     table = torch.tensor([[1, 4], [3, 0]], dtype=torch.int32)
     out, lse = flash_attn.flash_attn_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=torch.tensor([20, 9], dtype=torch.int32),
-        block_table=table, causal=True, return_softmax_lse=True,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=torch.tensor([20, 9], dtype=torch.int32),
+        block_table=table,
+        causal=True,
+        return_softmax_lse=True,
+    )
     assert lse.shape == (2, 4, 1)
     for b, n in enumerate([20, 9]):
         keys = torch.cat([k_cache[int(table[b, 0])], k_cache[int(table[b, 1])]])[:n]
@@ -400,8 +477,9 @@ def test_kvcache_long_cache_splits_keys(monkeypatch):
     q = torch.randn(1, 1, 8, 64)
     k_cache, v_cache = torch.randn(40, 64, 2, 64), torch.randn(40, 64, 2, 64)
     table = torch.randperm(40)[None].to(torch.int32)
-    out = fastpe.attention_kvcache(q, k_cache, v_cache, cache_seqlens=2500, block_table=table,
-                                   backend="numba")  # fmt: skip
+    out = fastpe.attention_kvcache(
+        q, k_cache, v_cache, cache_seqlens=2500, block_table=table, backend="numba"
+    )
     keys = k_cache[table[0].long()].reshape(-1, 2, 64)[:2500]
     vals = v_cache[table[0].long()].reshape(-1, 2, 64)[:2500]
     close(out[0], ref_attention(q[0], keys, vals)[0])
@@ -468,24 +546,43 @@ def _kv_call(**over):
 @pytest.mark.parametrize(
     "over,error,match",
     [
-        ({"block_table": torch.tensor([[0, 1], [2, 4]], dtype=torch.int32),
-          "cache_seqlens": torch.tensor([3, 6], dtype=torch.int32)}, IndexError,
-         "block_table contains 4 at index \\[1, 1\\], outside \\[0, 4\\)"),
-        ({"block_table": torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)}, IndexError,
-         "block_table contains -1"),
-        ({"cache_seqlens": torch.tensor([8, 2], dtype=torch.int32)}, ValueError,
-         "plus 1 new tokens needs 9 cache positions; the cache holds 8"),
+        (
+            {
+                "block_table": torch.tensor([[0, 1], [2, 4]], dtype=torch.int32),
+                "cache_seqlens": torch.tensor([3, 6], dtype=torch.int32),
+            },
+            IndexError,
+            "block_table contains 4 at index \\[1, 1\\], outside \\[0, 4\\)",
+        ),
+        (
+            {"block_table": torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)},
+            IndexError,
+            "block_table contains -1",
+        ),
+        (
+            {"cache_seqlens": torch.tensor([8, 2], dtype=torch.int32)},
+            ValueError,
+            "plus 1 new tokens needs 9 cache positions; the cache holds 8",
+        ),
         ({"cache_seqlens": torch.tensor([-1, 2], dtype=torch.int32)}, ValueError, ">= 0"),
-        ({"block_table": torch.tensor([[0, 1], [0, 3]], dtype=torch.int32),
-          "cache_seqlens": torch.tensor([2, 3], dtype=torch.int32)}, ValueError,
-         "block_table block 0 receives new tokens"),
+        (
+            {
+                "block_table": torch.tensor([[0, 1], [0, 3]], dtype=torch.int32),
+                "cache_seqlens": torch.tensor([2, 3], dtype=torch.int32),
+            },
+            ValueError,
+            "block_table block 0 receives new tokens",
+        ),
         ({"k_cache": torch.zeros(4, 4, 2, 8, dtype=torch.float64)}, TypeError, "share one dtype"),
         ({"k": None}, ValueError, "k and v .* must be given together"),
-        ({"rotary_cos": torch.ones(3, 4), "rotary_sin": torch.ones(3, 4)}, IndexError,
-         "rotary_cos/rotary_sin have 3 rows; positions up to 3"),
+        (
+            {"rotary_cos": torch.ones(3, 4), "rotary_sin": torch.ones(3, 4)},
+            IndexError,
+            "rotary_cos/rotary_sin have 3 rows; positions up to 3",
+        ),
         ({"cache_batch_idx": torch.tensor([0, 1])}, ValueError, "cache_batch_idx selects rows"),
     ],
-)  # fmt: skip
+)
 def test_kvcache_bad_input(over, error, match):
     k_cache = over.get("k_cache", torch.zeros(4, 4, 2, 8))
     over.setdefault("k_cache", k_cache)
@@ -496,8 +593,12 @@ def test_kvcache_bad_input(over, error, match):
 
 def test_kvcache_contiguous_duplicate_rows_refused_when_appending():
     with pytest.raises(ValueError, match="cache row \\(cache_batch_idx\\) 1 receives new tokens"):
-        _kv_call(block_table=None, k_cache=torch.zeros(3, 8, 2, 8), v_cache=torch.zeros(3, 8, 2, 8),
-                 cache_batch_idx=torch.tensor([1, 1]))  # fmt: skip
+        _kv_call(
+            block_table=None,
+            k_cache=torch.zeros(3, 8, 2, 8),
+            v_cache=torch.zeros(3, 8, 2, 8),
+            cache_batch_idx=torch.tensor([1, 1]),
+        )
 
 
 def test_kvcache_read_only_numpy_cache_refused_when_appending():
@@ -505,10 +606,14 @@ def test_kvcache_read_only_numpy_cache_refused_when_appending():
     cache.flags.writeable = False
     with pytest.raises(ValueError, match="writes into k_cache; got a read-only array"):
         fastpe.attention_kvcache(
-            np.zeros((2, 1, 4, 8), np.float32), cache, np.zeros_like(cache),
-            np.zeros((2, 1, 2, 8), np.float32), np.zeros((2, 1, 2, 8), np.float32),
-            cache_seqlens=1, block_table=np.array([[0, 1], [2, 3]]),
-        )  # fmt: skip
+            np.zeros((2, 1, 4, 8), np.float32),
+            cache,
+            np.zeros_like(cache),
+            np.zeros((2, 1, 2, 8), np.float32),
+            np.zeros((2, 1, 2, 8), np.float32),
+            cache_seqlens=1,
+            block_table=np.array([[0, 1], [2, 3]]),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -531,11 +636,22 @@ def test_varlen_long_keys_with_every_option(backend, lq, lk, hq, hkv, monkeypatc
     k, v = torch.randn(int(cu_k[-1]), hkv, 32), torch.randn(int(cu_k[-1]), hkv, 32)
     alibi, sinks = torch.rand(len(lq), hq) * 0.1, torch.randn(hq)
     out, lse = fastpe.attention_varlen(
-        q, k, v, cu_q, cu_k, causal=True, window=(600, 0), softcap=6.0, alibi_slopes=alibi,
-        sinks=sinks, return_lse=True, backend=backend,
-    )  # fmt: skip
-    want, want_lse = ref_varlen(q, k, v, cu_q, cu_k, causal=True, window=(600, 0), softcap=6.0,
-                                alibi=alibi)  # fmt: skip
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        causal=True,
+        window=(600, 0),
+        softcap=6.0,
+        alibi_slopes=alibi,
+        sinks=sinks,
+        return_lse=True,
+        backend=backend,
+    )
+    want, want_lse = ref_varlen(
+        q, k, v, cu_q, cu_k, causal=True, window=(600, 0), softcap=6.0, alibi=alibi
+    )
     total = torch.logaddexp(want_lse, sinks.double()[:, None])
     close(out, want * torch.exp(want_lse - total).T[..., None], what="out")
     close(lse, total, what="lse")
@@ -555,10 +671,22 @@ def test_kvcache_bfloat16_stores_rounded_rotated_keys(backend):
     angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(8.0) / 8)
     cos, sin = torch.cos(angles), torch.sin(angles)
     kc, vc = k_cache.clone(), v_cache.clone()
-    out = fastpe.attention_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table,
-                                   rotary_cos=cos, rotary_sin=sin, causal=True, backend=backend)  # fmt: skip
-    want, want_kc, want_vc = ref_kvcache(q, k_cache, v_cache, k, v, lengths, table, cos, sin,
-                                         False, True, (-1, -1))  # fmt: skip
+    out = fastpe.attention_kvcache(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=lengths,
+        block_table=table,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        causal=True,
+        backend=backend,
+    )
+    want, want_kc, want_vc = ref_kvcache(
+        q, k_cache, v_cache, k, v, lengths, table, cos, sin, False, True, (-1, -1)
+    )
     assert out.dtype == torch.bfloat16
     close(out, want, atol=2e-2)
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
@@ -600,9 +728,17 @@ def test_kvcache_decode_tiles_read_pages_in_place(hq, hkv, sq, page, dtype, seri
     alibi, sinks = torch.rand(3, hq, generator=gen) * 0.05, torch.randn(hq, generator=gen)
     kw = {"causal": True, "window": (200, 0), "softcap": 5.0}
     out, lse = fastpe.attention_kvcache(
-        q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
-        block_table=table, alibi_slopes=alibi, sinks=sinks, return_lse=True, backend="numba", **kw,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        block_table=table,
+        alibi_slopes=alibi,
+        sinks=sinks,
+        return_lse=True,
+        backend="numba",
+        **kw,
+    )
     assert calls if serial else not calls
     for b, n in enumerate(lengths):
         keys = k_cache[table[b, : pages[b]].long()].reshape(-1, hkv, 32)[:n]

@@ -57,18 +57,27 @@ def close(out, expected):
 
 
 def dense_reference(q, k, v, s_aux, causal):
-    return np.stack([
-        softmax_with_sink(f64(q[b]), f64(k[b]), f64(v[b]), f64(s_aux), causal)
-        for b in range(q.shape[0])
-    ])  # fmt: skip
+    return np.stack(
+        [
+            softmax_with_sink(f64(q[b]), f64(k[b]), f64(v[b]), f64(s_aux), causal)
+            for b in range(q.shape[0])
+        ]
+    )
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, s_aux, causal):
-    return np.concatenate([
-        softmax_with_sink(f64(q[cu_q[b]:cu_q[b + 1]]), f64(k[cu_k[b]:cu_k[b + 1]]),
-                          f64(v[cu_k[b]:cu_k[b + 1]]), f64(s_aux), causal)
-        for b in range(len(cu_q) - 1)
-    ])  # fmt: skip
+    return np.concatenate(
+        [
+            softmax_with_sink(
+                f64(q[cu_q[b] : cu_q[b + 1]]),
+                f64(k[cu_k[b] : cu_k[b + 1]]),
+                f64(v[cu_k[b] : cu_k[b + 1]]),
+                f64(s_aux),
+                causal,
+            )
+            for b in range(len(cu_q) - 1)
+        ]
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -104,12 +113,13 @@ def test_flash_attn_varlen_funcs_s_aux(backend, causal, rng):
     s_aux = sinks(rng, 4)
     tq, tk = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
     with fastpe.use_backend(backend):
-        out = flash_attn.flash_attn_varlen_func(q, k, v, tq, tk, 4, 5, causal=causal,
-                                                s_aux=s_aux)  # fmt: skip
-        out_kv = flash_attn.flash_attn_varlen_kvpacked_func(q, kv, tq, tk, 4, 5, causal=causal,
-                                                            s_aux=s_aux)  # fmt: skip
-        out_qkv = flash_attn.flash_attn_varlen_qkvpacked_func(qkv, tq, 4, causal=causal,
-                                                              s_aux=s_aux)  # fmt: skip
+        out = flash_attn.flash_attn_varlen_func(q, k, v, tq, tk, 4, 5, causal=causal, s_aux=s_aux)
+        out_kv = flash_attn.flash_attn_varlen_kvpacked_func(
+            q, kv, tq, tk, 4, 5, causal=causal, s_aux=s_aux
+        )
+        out_qkv = flash_attn.flash_attn_varlen_qkvpacked_func(
+            qkv, tq, 4, causal=causal, s_aux=s_aux
+        )
     expected = varlen_reference(q, k, v, cu_q, cu_k, s_aux, causal)
     close(out, expected)
     close(out_kv, expected)
@@ -140,10 +150,16 @@ def test_flash_attn_with_kvcache_s_aux(backend, paged, rng):
     old = [(sequence(k_cache, b), sequence(v_cache, b)) for b in range(batch)]
     with fastpe.use_backend(backend):
         out = flash_attn.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=torch.from_numpy(lengths.astype(np.int32)),
-            block_table=None if table is None else torch.from_numpy(table), causal=True,
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=torch.from_numpy(lengths.astype(np.int32)),
+            block_table=None if table is None else torch.from_numpy(table),
+            causal=True,
             s_aux=s_aux,
-        )  # fmt: skip
+        )
     for b, n in enumerate(lengths):
         keys = np.concatenate([old[b][0][:n], f64(k[b])])
         values = np.concatenate([old[b][1][:n], f64(v[b])])
@@ -165,8 +181,9 @@ def test_s_aux_gradient_matches_sinks(rng):
     s_aux = sinks(rng, 2).requires_grad_()
     flash_attn.flash_attn_func(q, k, v, causal=True, s_aux=s_aux).sum().backward()
     sinks_too = s_aux.detach().clone().requires_grad_()
-    fastpe.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                     sinks=sinks_too).sum().backward()  # fmt: skip
+    fastpe.attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, sinks=sinks_too
+    ).sum().backward()
     torch.testing.assert_close(s_aux.grad, sinks_too.grad)
 
 
@@ -223,10 +240,13 @@ def test_transformers_adapters_wrap_flash_attn(rng):
     q, k, v = tensors(rng, 2, 5, 4, 8), tensors(rng, 2, 7, 2, 8), tensors(rng, 2, 7, 2, 8)
     torch.testing.assert_close(
         adapters._flash_func(q, k, v, causal=True, s_aux=s_aux),
-        flash_attn.flash_attn_func(q, k, v, causal=True, s_aux=s_aux), rtol=0, atol=0,
-    )  # fmt: skip
+        flash_attn.flash_attn_func(q, k, v, causal=True, s_aux=s_aux),
+        rtol=0,
+        atol=0,
+    )
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     q, k, v = tensors(rng, 8, 4, 8), tensors(rng, 8, 2, 8), tensors(rng, 8, 2, 8)
-    out = adapters._flash_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
-                                      s_aux=s_aux)  # fmt: skip
+    out = adapters._flash_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, s_aux=s_aux
+    )
     close(out, varlen_reference(q, k, v, cu.numpy(), cu.numpy(), s_aux, True))

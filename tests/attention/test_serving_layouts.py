@@ -100,8 +100,9 @@ def _varlen_sweep():
 @pytest.mark.parametrize("arg,kind", list(_varlen_sweep()))
 def test_varlen_argument_layouts(backend, causal, arg, kind):
     args = _varlen_case()
-    want, want_lse = ref_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], causal=causal)  # fmt: skip
+    want, want_lse = ref_varlen(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], causal=causal
+    )
     given = dict(args)
     for name in arg.split(","):
         variant = CU_VARIANTS[kind] if name.startswith("cu_") else VARLEN_VARIANTS[kind]
@@ -116,12 +117,22 @@ def test_varlen_argument_layouts(backend, causal, arg, kind):
 
 
 def _empty_varlen(case, hq=4, hkv=2, d=8):
-    lengths = {"B=0": ([], []), "all-empty": ([0, 0], [0, 0]), "no-queries": ([0, 0], [3, 2]),
-               "no-keys": ([2, 1], [0, 0])}[case]  # fmt: skip
-    cu_q, cu_k = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32)
-                  for n in lengths)  # fmt: skip
-    return dict(q=torch.randn(int(cu_q[-1]), hq, d), k=torch.randn(int(cu_k[-1]), hkv, d),
-                v=torch.randn(int(cu_k[-1]), hkv, d), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)  # fmt: skip
+    lengths = {
+        "B=0": ([], []),
+        "all-empty": ([0, 0], [0, 0]),
+        "no-queries": ([0, 0], [3, 2]),
+        "no-keys": ([2, 1], [0, 0]),
+    }[case]
+    cu_q, cu_k = (
+        torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in lengths
+    )
+    return dict(
+        q=torch.randn(int(cu_q[-1]), hq, d),
+        k=torch.randn(int(cu_k[-1]), hkv, d),
+        v=torch.randn(int(cu_k[-1]), hkv, d),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -172,12 +183,14 @@ def _kvcache_case(paged, *, seed=0, batch=2, sq=2, hq=4, hkv=2, d=8, new=2, rota
         k_cache = torch.randn(3, 12, hkv, d, generator=gen)
         extra = dict(cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)[:batch])
     args = dict(
-        q=torch.randn(batch, sq, hq, d, generator=gen), k_cache=k_cache,
+        q=torch.randn(batch, sq, hq, d, generator=gen),
+        k_cache=k_cache,
         v_cache=torch.randn(k_cache.shape, generator=gen),
         k=torch.randn(batch, new, hkv, d, generator=gen),
         v=torch.randn(batch, new, hkv, d, generator=gen),
-        cache_seqlens=torch.tensor([5, 2], dtype=torch.int32)[:batch], **extra,
-    )  # fmt: skip
+        cache_seqlens=torch.tensor([5, 2], dtype=torch.int32)[:batch],
+        **extra,
+    )
     if rotary:
         angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(d // 2) / (d // 2))
         args.update(rotary_cos=torch.cos(angles), rotary_sin=torch.sin(angles))
@@ -196,9 +209,19 @@ def _kvcache_want(args, causal=True):
     else:
         kc, vc = args["k_cache"], args["v_cache"]
     out, want_kc, want_vc = ref_kvcache(
-        args["q"], kc, vc, args.get("k"), args.get("v"), args["cache_seqlens"], table,
-        args.get("rotary_cos"), args.get("rotary_sin"), False, causal, (-1, -1),
-    )  # fmt: skip
+        args["q"],
+        kc,
+        vc,
+        args.get("k"),
+        args.get("v"),
+        args["cache_seqlens"],
+        table,
+        args.get("rotary_cos"),
+        args.get("rotary_sin"),
+        False,
+        causal,
+        (-1, -1),
+    )
     if table is None:  # back into the cache's own rows
         kc, vc = args["k_cache"].clone(), args["v_cache"].clone()
         kc[index], vc[index] = want_kc, want_vc
@@ -282,14 +305,19 @@ def _check_kvcache(args, given, bases, out, want):
         mask = torch.ones(base.shape, dtype=torch.bool)
         view = torch.as_tensor(given[name])
         flat = torch.zeros(base.numel(), dtype=torch.bool)
-        offsets = torch.as_strided(torch.arange(base.numel()), view.shape, view.stride(),
-                                   view.storage_offset())  # fmt: skip
+        offsets = torch.as_strided(
+            torch.arange(base.numel()), view.shape, view.stride(), view.storage_offset()
+        )
         flat[offsets.reshape(-1)] = True
         mask = ~flat.reshape(base.shape)
         other = [n for n in ("k_cache", "v_cache") if n != name][0]
         if _base(torch.as_tensor(given[other])) is base:  # kv halves: the other half is written
-            offsets = torch.as_strided(torch.arange(base.numel()), given[other].shape,
-                                       given[other].stride(), given[other].storage_offset())  # fmt: skip
+            offsets = torch.as_strided(
+                torch.arange(base.numel()),
+                given[other].shape,
+                given[other].stride(),
+                given[other].storage_offset(),
+            )
             mask.view(-1)[offsets.reshape(-1)] = False
         assert torch.equal(base[mask], bases[name][mask]), f"{name}'s buffer written outside it"
 
@@ -326,10 +354,18 @@ def test_flash_attn_with_kvcache_on_cache_halves(backend, paged):
     extra = {n: args[n] for n in ("block_table", "cache_batch_idx") if n in args}
     with fastpe.use_backend(backend) if backend else _nothing():
         out = flash_attn.flash_attn_with_kvcache(
-            args["q"], kc, vc, args["k"], args["v"], rotary_cos=args["rotary_cos"],
-            rotary_sin=args["rotary_sin"], cache_seqlens=args["cache_seqlens"], causal=True,
-            rotary_interleaved=False, **extra,
-        )  # fmt: skip
+            args["q"],
+            kc,
+            vc,
+            args["k"],
+            args["v"],
+            rotary_cos=args["rotary_cos"],
+            rotary_sin=args["rotary_sin"],
+            cache_seqlens=args["cache_seqlens"],
+            causal=True,
+            rotary_interleaved=False,
+            **extra,
+        )
     close(out, want[0], what="out")
     close(kc, want[1], atol=1e-6, what="k_cache")
     assert torch.equal(vc, want[2])
@@ -337,9 +373,12 @@ def test_flash_attn_with_kvcache_on_cache_halves(backend, paged):
 
 @pytest.mark.parametrize(
     "paged,arg,kind",
-    [(True, "k_cache,v_cache", "kv-halves"), (False, "k_cache,v_cache", "sliced-positions"),
-     (True, "k", "strided-heads")],
-)  # fmt: skip
+    [
+        (True, "k_cache,v_cache", "kv-halves"),
+        (False, "k_cache,v_cache", "sliced-positions"),
+        (True, "k", "strided-heads"),
+    ],
+)
 def test_kvcache_argument_layouts_triton(paged, arg, kind):
     """A few of the sweep's cases under the Triton interpreter (each costs seconds)."""
     pytest.importorskip("triton")
@@ -351,14 +390,20 @@ def test_kvcache_argument_layouts_triton(paged, arg, kind):
 
 @pytest.mark.parametrize(
     "arg,kind",
-    [("q", "transposed"), ("k", "strided-dim"), ("k,v", "strided-heads"), ("cu_seqlens_k", "strided")],
-)  # fmt: skip
+    [
+        ("q", "transposed"),
+        ("k", "strided-dim"),
+        ("k,v", "strided-heads"),
+        ("cu_seqlens_k", "strided"),
+    ],
+)
 def test_varlen_argument_layouts_triton(arg, kind):
     """A few of the varlen sweep's cases under the Triton interpreter (tiny shapes)."""
     pytest.importorskip("triton")
     args = _varlen_case(hq=2, hkv=1, d=16)
-    want, _ = ref_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
-                         args["cu_seqlens_k"], causal=True)  # fmt: skip
+    want, _ = ref_varlen(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True
+    )
     given = dict(args)
     for name in arg.split(","):
         variant = CU_VARIANTS[kind] if name.startswith("cu_") else VARLEN_VARIANTS[kind]
@@ -403,16 +448,19 @@ def test_kvcache_numba_reads_strided_cache_in_place(monkeypatch, paged, kind):
     want = _kvcache_want(args)
     given, bases, out = _call_variant(args, "k_cache,v_cache", kind, "numba")
     _check_kvcache(args, given, bases, out, want)
-    (k_rows, v_rows), = seen
+    ((k_rows, v_rows),) = seen
     assert _shares(k_rows, given["k_cache"]) and _shares(v_rows, given["v_cache"])
 
 
 @pytest.mark.parametrize("serial", [True, False], ids=["serial", "parallel"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("layout", ["kv-halves", "heads-major"])
-@pytest.mark.parametrize("hq,hkv,sq", [(16, 1, 1), (8, 2, 12)], ids=["decode-tiles", "gathered-tiles"])
-def test_kvcache_numba_strided_cache_every_kernel_path(hq, hkv, sq, layout, dtype, serial,
-                                                       monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    "hq,hkv,sq", [(16, 1, 1), (8, 2, 12)], ids=["decode-tiles", "gathered-tiles"]
+)
+def test_kvcache_numba_strided_cache_every_kernel_path(
+    hq, hkv, sq, layout, dtype, serial, monkeypatch
+):
     """Strided caches through both Numba tile paths (decode tiles of at most 16 rows read in
     place or copied per run; larger tiles gathered), run serially and in parallel with split
     keys, in every dtype: the answer of the same values in contiguous caches, by hand."""
@@ -434,8 +482,15 @@ def test_kvcache_numba_strided_cache_every_kernel_path(hq, hkv, sq, layout, dtyp
     else:  # [blocks, H, block_size, D] memory seen as [blocks, block_size, H, D]
         kc, vc = transposed(k_cache, 1, 2), transposed(v_cache, 1, 2)
     q = torch.randn(3, sq, hq, d, generator=gen).to(dt)
-    out = fastpe.attention_kvcache(q, kc, vc, cache_seqlens=torch.tensor(lengths), causal=True,
-                                   block_table=table, backend="numba")  # fmt: skip
+    out = fastpe.attention_kvcache(
+        q,
+        kc,
+        vc,
+        cache_seqlens=torch.tensor(lengths),
+        causal=True,
+        block_table=table,
+        backend="numba",
+    )
     for b, n in enumerate(lengths):
         keys = k_cache[table[b, : pages[b]].long()].reshape(-1, hkv, d)[:n]
         vals = v_cache[table[b, : pages[b]].long()].reshape(-1, hkv, d)[:n]
@@ -452,7 +507,7 @@ def test_kvcache_triton_reads_strided_cache_in_place(monkeypatch):
     want = _kvcache_want(args)
     given, bases, out = _call_variant(args, "k_cache,v_cache", "kv-halves", "triton")
     _check_kvcache(args, given, bases, out, want)
-    (k_rows, v_rows), = seen
+    ((k_rows, v_rows),) = seen
     assert _shares(k_rows, given["k_cache"]) and _shares(v_rows, given["v_cache"])
 
 
@@ -467,12 +522,14 @@ def test_kvcache_strided_numpy_cache_allocates_no_cache_copy(backend):
     table = np.array([[7, 100, 3], [250, 0, 9]], np.int32)
     q = rng.standard_normal((2, 1, 8, d), dtype=np.float32)
     lengths = np.array([40, 17], np.int32)
-    fastpe.attention_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
-                             backend=backend)  # compile / warm  # fmt: skip
+    fastpe.attention_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, backend=backend
+    )  # compile / warm
     tracemalloc.start()
     try:
-        out = fastpe.attention_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
-                                       block_table=table, backend=backend)  # fmt: skip
+        out = fastpe.attention_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, backend=backend
+        )
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -502,8 +559,11 @@ def _refusal_cases():
         args["rotary_cos"], args["rotary_sin"] = args["rotary_cos"][:3], args["rotary_sin"][:3]
         return "rotary_cos", "rows"
 
-    return {"swapped-block-dims": swapped, "kv-mismatched": mismatched,
-            "short-rotary": short_rotary}  # fmt: skip
+    return {
+        "swapped-block-dims": swapped,
+        "kv-mismatched": mismatched,
+        "short-rotary": short_rotary,
+    }
 
 
 @pytest.mark.parametrize("backend", [*CPU_BACKENDS, "triton"])
@@ -575,9 +635,14 @@ def test_kvcache_empty_cache_and_table(backend):
     q = torch.randn(2, 1, 4, 8)
     cache = torch.zeros(0, 4, 2, 8)
     out, lse = fastpe.attention_kvcache(
-        q, cache, cache.clone(), cache_seqlens=0, block_table=torch.zeros(2, 0, dtype=torch.int32),
-        return_lse=True, backend=backend,
-    )  # fmt: skip
+        q,
+        cache,
+        cache.clone(),
+        cache_seqlens=0,
+        block_table=torch.zeros(2, 0, dtype=torch.int32),
+        return_lse=True,
+        backend=backend,
+    )
     assert torch.equal(out, torch.zeros(2, 1, 4, 8)) and torch.isinf(lse).all()
 
 
@@ -590,13 +655,20 @@ def test_transformers_packed_short_sequences():
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     seqs = [torch.randint(1, 96, (n,)).tolist() for n in (3, 1, 5, 2)]
-    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True,
-                                                       return_tensors="pt")  # fmt: skip
+    collator = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True, return_tensors="pt"
+    )
     batch = {k: v for k, v in collator([{"input_ids": s} for s in seqs]).items() if k != "labels"}
     with torch.no_grad():
         model.set_attn_implementation("sdpa")

@@ -35,9 +35,22 @@ def _rotate(x, cos, sin, positions):
     return torch.cat([a * c - b * s, b * c + a * s, x[..., 2 * half :]], -1)
 
 
-def eager_varlen(q, k, v, cu_q, cu_k, *, causal=False, causal_alignment="bottom_right",
-                 scale=None, alibi_slopes=None, window=None, softcap=None, sinks=None,
-                 rope=None):  # fmt: skip
+def eager_varlen(
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    *,
+    causal=False,
+    causal_alignment="bottom_right",
+    scale=None,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    rope=None,
+):
     """Each sequence alone: softmax(q·kᵀ·scale (soft-capped) + ALiBi, masked) · v, the sink one
     more logit with no value; returns out [Tq, Hq, Dv] and lse [Hq, Tq]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -101,8 +114,11 @@ def _inputs(dtype, options, seed=0):
     q = torch.randn(tq, HQ, D, generator=g, dtype=torch.float64)
     k = torch.randn(tk, HKV, D, generator=g, dtype=torch.float64)
     v = torch.randn(tk, HKV, DV, generator=g, dtype=torch.float64)
-    kwargs = {key: options[key] for key in ("causal", "causal_alignment", "window", "softcap")
-              if key in options}  # fmt: skip
+    kwargs = {
+        key: options[key]
+        for key in ("causal", "causal_alignment", "window", "softcap")
+        if key in options
+    }
     if options.get("sinks"):
         kwargs["sinks"] = torch.linspace(-1.0, 2.0, HQ, dtype=torch.float64)
     if options.get("alibi"):
@@ -146,14 +162,17 @@ def test_gradients_match_eager_autograd(backend, feature):
     want_out, want = _grads(
         lambda q, k, v, **kw: eager_varlen(q, k, v, cu_q, cu_k, **kw), tensors, kwargs, weights
     )
-    cast = {key: value.to(dtype) if torch.is_tensor(value) else value
-            for key, value in kwargs.items()}  # fmt: skip
+    cast = {
+        key: value.to(dtype) if torch.is_tensor(value) else value for key, value in kwargs.items()
+    }
     got_out, got = _grads(
         lambda q, k, v, **kw: fastpe.attention_varlen(
             q, k, v, cu_q, cu_k, return_lse=True, backend=backend, **kw
         ),
-        [t.to(dtype) for t in tensors], cast, weights,
-    )  # fmt: skip
+        [t.to(dtype) for t in tensors],
+        cast,
+        weights,
+    )
     torch.testing.assert_close(got_out, want_out, atol=atol, rtol=atol)
     assert len(got) == len(want)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want, strict=False):
@@ -173,15 +192,21 @@ def test_rope_positions_and_tables_without_gradient():
         return eager_varlen(
             _rotate(q.transpose(0, 1), rope["cos"], rope["sin"], q_pos).transpose(0, 1),
             _rotate(k.transpose(0, 1), rope["cos"], rope["sin"], k_pos).transpose(0, 1),
-            v, cu_q, cu_k, causal=True,
-        )  # fmt: skip
+            v,
+            cu_q,
+            cu_k,
+            causal=True,
+        )
 
     _, want = _grads(eager, tensors, {}, weights)
     _, got = _grads(
-        lambda q, k, v: fastpe.attention_varlen(q, k, v, cu_q, cu_k, causal=True, rope=rope,
-                                                return_lse=True, backend="numpy"),
-        tensors, {}, weights,
-    )  # fmt: skip
+        lambda q, k, v: fastpe.attention_varlen(
+            q, k, v, cu_q, cu_k, causal=True, rope=rope, return_lse=True, backend="numpy"
+        ),
+        tensors,
+        {},
+        weights,
+    )
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
     q = tensors[0].clone().requires_grad_()
@@ -204,8 +229,14 @@ def test_bad_arguments_refused_under_autograd():
         fastpe.attention_varlen(q, q, q, _cu([3]), _cu([4]))
     angle = torch.arange(8.0)[:, None] * torch.ones(2)
     with pytest.raises(TypeError, match=r"rope\['q_positions'\] must be None"):
-        fastpe.attention_varlen(q, q, q, _cu([4]), _cu([4]),
-                                rope={"cos": angle.cos(), "sin": angle.sin(), "q_positions": 2})  # fmt: skip
+        fastpe.attention_varlen(
+            q,
+            q,
+            q,
+            _cu([4]),
+            _cu([4]),
+            rope={"cos": angle.cos(), "sin": angle.sin(), "q_positions": 2},
+        )
 
 
 def test_opcheck_with_autograd():
@@ -215,17 +246,46 @@ def test_opcheck_with_autograd():
     mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
     q, k, v, sinks = mk(7, 4, 8), mk(9, 2, 8), mk(9, 2, 6), mk(4)
     cu_q, cu_k = _cu([3, 0, 4]), _cu([5, 2, 2])
-    args = (q, k, v, cu_q, cu_k, None, None, True, "bottom_right", None, None, None, False,
-            None, None, None, 3, -1, 2.0, sinks, "")  # fmt: skip
+    args = (
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        None,
+        None,
+        True,
+        "bottom_right",
+        None,
+        None,
+        None,
+        False,
+        None,
+        None,
+        None,
+        3,
+        -1,
+        2.0,
+        sinks,
+        "",
+    )
     torch.library.opcheck(torch.ops.fastpe.attention_varlen.default, args)
     out, lse = torch.ops.fastpe.attention_varlen.default(*args)
-    backward_args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(),
-                     v.detach(), out.detach(), lse.detach(),
-                     *(a.detach() if torch.is_tensor(a) else a for a in args[3:]))  # fmt: skip
+    backward_args = (
+        torch.randn_like(out),
+        torch.randn_like(lse),
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        *(a.detach() if torch.is_tensor(a) else a for a in args[3:]),
+    )
     torch.library.opcheck(
-        torch.ops.fastpe.attention_varlen_backward.default, backward_args,
+        torch.ops.fastpe.attention_varlen_backward.default,
+        backward_args,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
-    )  # fmt: skip
+    )
 
 
 def test_compiled_backward_matches_eager_autograd():
@@ -240,10 +300,12 @@ def test_compiled_backward_matches_eager_autograd():
         lambda q, k, v, cu_q, cu_k, **kw: fastpe.attention_varlen(
             q, k, v, cu_q, cu_k, return_lse=True, backend="numpy", **kw
         ),
-        fullgraph=True, backend="aot_eager",
-    )  # fmt: skip
-    _, got = _grads(lambda q, k, v, **kw: compiled(q, k, v, cu_q, cu_k, **kw), tensors, kwargs,
-                    weights)  # fmt: skip
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    _, got = _grads(
+        lambda q, k, v, **kw: compiled(q, k, v, cu_q, cu_k, **kw), tensors, kwargs, weights
+    )
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
 
@@ -261,14 +323,21 @@ def test_packed_training_step_matches_sdpa_per_sequence():
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
         initializer_range=0.2,
-    )  # fmt: skip
+    )
     model = transformers.LlamaForCausalLM(config).train()
     seqs = [torch.randint(1, 96, (n,)).tolist() for n in (7, 13, 2, 9)]
-    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True,
-                                                       return_tensors="pt")  # fmt: skip
+    collator = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True, return_tensors="pt"
+    )
     batch = collator([{"input_ids": s} for s in seqs])
     total = sum(len(s) - 1 for s in seqs)  # predicted tokens (the collator masks each first label)
 
@@ -332,8 +401,9 @@ def test_half_gradients_keep_their_dtype(backend, dtype):
     )
     leaves = [t.to(dtype).requires_grad_() for t in tensors]
     sinks = kwargs["sinks"].float().requires_grad_()
-    out, lse = fastpe.attention_varlen(*leaves, cu_q, cu_k, causal=True, sinks=sinks,
-                                       return_lse=True, backend=backend)  # fmt: skip
+    out, lse = fastpe.attention_varlen(
+        *leaves, cu_q, cu_k, causal=True, sinks=sinks, return_lse=True, backend=backend
+    )
     _loss(out.double(), lse.double(), weights).backward()
     eps = torch.finfo(dtype).eps
     for leaf, w in zip([*leaves, sinks], want, strict=True):

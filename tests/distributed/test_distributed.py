@@ -38,9 +38,29 @@ GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 
 
 def _case(name, **spec):
-    base = dict(fn="ring", b=2, hq=4, hkv=4, s=24, d=8, dv=8, causal=False, layout="contiguous",
-                seqs=None, key_lengths=None, rope=False, rope_rows=None, alibi=False, error=None, subgroups=False,
-                dtype="float32", grad=False, window=None, softcap=None, sinks=False)  # fmt: skip
+    base = dict(
+        fn="ring",
+        b=2,
+        hq=4,
+        hkv=4,
+        s=24,
+        d=8,
+        dv=8,
+        causal=False,
+        layout="contiguous",
+        seqs=None,
+        key_lengths=None,
+        rope=False,
+        rope_rows=None,
+        alibi=False,
+        error=None,
+        subgroups=False,
+        dtype="float32",
+        grad=False,
+        window=None,
+        softcap=None,
+        sinks=False,
+    )
     base.update(spec)
     base["name"] = name
     return base
@@ -101,8 +121,9 @@ def _run_case(case, rank, world):
             out = fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths)
             out.sum().backward()
         extra = {key: opts[key] for key in ("softcap", "sinks") if key in opts}
-        return fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths,
-                                              return_lse=True, **extra)  # fmt: skip
+        return fd.sharded_kv_decode_attention(
+            q, ks, vs, cache_lengths=cache_lengths, return_lse=True, **extra
+        )
     group = None
     if case["subgroups"]:  # two groups {0, 2} and {1, 3}: group ranks differ from global ranks
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
@@ -236,10 +257,20 @@ def _warm_numba():
     """Compile (or load) the Numba kernels the workers use once, here, so that N workers load
     them from the disk cache instead of all compiling at once."""
     q = torch.randn(1, 2, 4, 8)
-    for opts in ({}, {"causal": True, "key_lengths": torch.tensor([3]),
-                      "mask": torch.zeros(1, 2, 4, 4),
-                      "rope": {"cos": torch.ones(8, 4), "sin": torch.zeros(8, 4),
-                               "q_positions": torch.arange(4), "k_positions": torch.arange(4)}}):  # fmt: skip
+    for opts in (
+        {},
+        {
+            "causal": True,
+            "key_lengths": torch.tensor([3]),
+            "mask": torch.zeros(1, 2, 4, 4),
+            "rope": {
+                "cos": torch.ones(8, 4),
+                "sin": torch.zeros(8, 4),
+                "q_positions": torch.arange(4),
+                "k_positions": torch.arange(4),
+            },
+        },
+    ):
         fastpe.attention(q, q, q, return_lse=True, **opts)
 
 
@@ -275,8 +306,9 @@ def _assert_close(case, out, lse, ref_out, ref_lse):
     # bfloat16: each block's output is rounded to bfloat16 (2^-9 relative) before the float32
     # merge, and the result once more
     atol, rtol = (2e-6, 1e-5) if case["dtype"] == "float32" else (2e-2, 1e-2)
-    np.testing.assert_allclose(out.double().numpy(), ref_out.double().numpy(), rtol=rtol,
-                               atol=atol, err_msg=name)  # fmt: skip
+    np.testing.assert_allclose(
+        out.double().numpy(), ref_out.double().numpy(), rtol=rtol, atol=atol, err_msg=name
+    )
     ref_lse = ref_lse.double().numpy()
     lse = lse.double().numpy()
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), name
@@ -290,8 +322,9 @@ def _assert_grad_close(case, name, grad, ref):
     # the float32 kernels against float64; bfloat16 as _assert_close, plus the inputs' rounding
     # of each block's gradient before the float32 sums
     atol, rtol = (2e-5, 1e-4) if case["dtype"] == "float32" else (5e-2, 2e-2)
-    np.testing.assert_allclose(grad.double().numpy(), ref.double().numpy(), rtol=rtol,
-                               atol=atol, err_msg=what)  # fmt: skip
+    np.testing.assert_allclose(
+        grad.double().numpy(), ref.double().numpy(), rtol=rtol, atol=atol, err_msg=what
+    )
 
 
 def _errors(results, case):
@@ -316,7 +349,7 @@ CASES_2 = [
         rope=True,
         alibi=True,
         key_lengths=[19, 0],
-    ),  # fmt: skip
+    ),
     _case("causal_padding_rope", causal=True, key_lengths=[10, 24], rope=True, seqs=[9, 15]),
     _case("alibi_noncausal", alibi=True, seqs=[13, 11]),
     _case(
@@ -328,7 +361,7 @@ CASES_2 = [
         alibi=True,
         key_lengths=[22, 5],
         dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     _case("zigzag_noncausal", layout="zigzag", alibi=True, rope=True, key_lengths=[20, 9]),
     _case(
         "all_gather_zigzag",
@@ -339,7 +372,7 @@ CASES_2 = [
         rope=True,
         alibi=True,
         key_lengths=[21, 4],
-    ),  # fmt: skip
+    ),
     _case("all_gather_uneven", fn="all_gather", causal=True, seqs=[15, 9], hkv=2, alibi=True),
     _case("all_gather_noncausal", fn="all_gather", seqs=[3, 21], key_lengths=[24, 2], rope=True),
     _case("decode", fn="decode", hq=8, hkv=2, seqs=[30, 11], s=41, key_lengths=[35, 20]),
@@ -351,7 +384,7 @@ CASES_2 = [
         key_lengths=[24, 0],
         sinks=True,
         softcap=2.5,
-    ),  # fmt: skip
+    ),
     # sliding windows (global distances) and soft-capping
     _case("window_causal_uneven", causal=True, seqs=[15, 9], window=(5, 0), alibi=True),
     _case(
@@ -363,7 +396,7 @@ CASES_2 = [
         rope=True,
         key_lengths=[20, 7],
         softcap=3.0,
-    ),  # fmt: skip
+    ),
     _case("window_both_sides", seqs=[7, 17], window=(3, 6), softcap=2.0, hkv=1),
     # a window wider than rank 0's shard but not than the sequence
     _case("window_wider_than_a_shard", causal=True, seqs=[4, 20], window=(9, 0)),
@@ -374,7 +407,7 @@ CASES_2 = [
         layout="zigzag",
         window=(6, 0),
         alibi=True,
-    ),  # fmt: skip
+    ),
     _case("window_all_gather_right", fn="all_gather", seqs=[11, 13], window=(-1, 2)),
     # attention sinks (gpt-oss): one extra logit per head, joined once per query row
     _case(
@@ -385,7 +418,7 @@ CASES_2 = [
         sinks=True,
         window=(5, 0),
         key_lengths=[24, 0],
-    ),  # fmt: skip
+    ),
     _case("sinks_all_gather", fn="all_gather", seqs=[10, 14], sinks=True, key_lengths=[3, 24]),
     # error cases
     _case("heads_differ", error="heads_differ"),
@@ -416,7 +449,7 @@ CASES_4 = [
         rope=True,
         alibi=True,
         key_lengths=[29, 6],
-    ),  # fmt: skip
+    ),
     _case("noncausal4", s=23, rope=True, key_lengths=[23, 12]),
     _case("all_gather4", fn="all_gather", causal=True, layout="zigzag", s=32, hkv=1),
     _case("subgroups4", causal=True, layout="zigzag", subgroups=True, hkv=2),
@@ -424,7 +457,7 @@ CASES_4 = [
     _case("window4", causal=True, seqs=[6, 6, 7, 5], window=(4, 0), rope=True),
     _case(
         "window_zigzag4", causal=True, layout="zigzag", s=32, window=(9, 0), softcap=5.0, sinks=True
-    ),  # fmt: skip
+    ),
     _case("heads_differ4", error="heads_differ"),
 ]
 
@@ -437,12 +470,26 @@ def _with_grad(cases, names):
     return [{**c, "grad": True, "name": f"grad_{c['name']}"} for c in picked]
 
 
-CASES_2 += _with_grad(CASES_2, ["causal_uneven", "uneven_noncausal_gqa", "zigzag_everything",
-                                "causal_padding_rope", "bf16_zigzag", "all_gather_zigzag",
-                                "all_gather_uneven", "window_zigzag", "window_both_sides",
-                                "window_all_gather", "sinks_zigzag", "sinks_all_gather"])  # fmt: skip
-CASES_4 += _with_grad(CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4",
-                                "window4", "window_zigzag4"])  # fmt: skip
+CASES_2 += _with_grad(
+    CASES_2,
+    [
+        "causal_uneven",
+        "uneven_noncausal_gqa",
+        "zigzag_everything",
+        "causal_padding_rope",
+        "bf16_zigzag",
+        "all_gather_zigzag",
+        "all_gather_uneven",
+        "window_zigzag",
+        "window_both_sides",
+        "window_all_gather",
+        "sinks_zigzag",
+        "sinks_all_gather",
+    ],
+)
+CASES_4 += _with_grad(
+    CASES_4, ["causal_uneven4", "zigzag4", "noncausal4", "all_gather4", "window4", "window_zigzag4"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -458,8 +505,10 @@ def group4(tmp_path_factory):
 
 
 def test_a_group_of_one_rank_is_plain_attention(tmp_path):
-    cases = [_case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
-             _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True)]  # fmt: skip
+    cases = [
+        _case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
+        _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True),
+    ]
     _check(spawn_group(1, cases, tmp_path), cases, 1)
 
 
@@ -555,16 +604,21 @@ def _ring_steps(seqs, *, causal=True, layout="contiguous", window=None, key_leng
 
     world = len(seqs)
     if layout == "zigzag":
-        positions = [fd.shard_positions(sum(seqs), r, world, layout="zigzag").numpy()
-                     for r in range(world)]  # fmt: skip
+        positions = [
+            fd.shard_positions(sum(seqs), r, world, layout="zigzag").numpy() for r in range(world)
+        ]
     else:
         starts = np.cumsum([0, *seqs])
         positions = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
     plan = types.SimpleNamespace(
-        g=types.SimpleNamespace(size=world), seqs=list(seqs), causal=causal, layout=layout,
-        window=window, longest_key=None if key_lengths is None else max(key_lengths),
+        g=types.SimpleNamespace(size=world),
+        seqs=list(seqs),
+        causal=causal,
+        layout=layout,
+        window=window,
+        longest_key=None if key_lengths is None else max(key_lengths),
         positions=[fd._Span(p, None) for p in positions],
-    )  # fmt: skip
+    )
     return fd._Plan.ring_steps.func(plan)
 
 
@@ -613,12 +667,30 @@ def test_overlap_benchmark_runs_under_torchrun():
     """bench/distributed_overlap.py (the measurements in docs/distributed.md) at a tiny size."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), os.path.join(root, "bench", "distributed_overlap.py"),
-         "--seq", "64", "--heads", "2", "--dim", "16", "--causal", "--repeats", "2"],
-        capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            os.path.join(root, "bench", "distributed_overlap.py"),
+            "--seq",
+            "64",
+            "--heads",
+            "2",
+            "--dim",
+            "16",
+            "--causal",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SPAWN_TIMEOUT_S,
         env={**os.environ, "NUMBA_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "zigzag: ring_attention" in result.stdout and "balance slowest/mean" in result.stdout
 

@@ -89,8 +89,13 @@ def _run(case, rank, world):
 
 def _worker(rank, world, init_method, cases, outdir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
     results = {}
     for case in cases:
         try:
@@ -104,8 +109,9 @@ def _worker(rank, world, init_method, cases, outdir):
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     _warm_numba()
-    results = spawn_group(2, CASES, tmp_path_factory.mktemp("errors"), timeout=SPAWN_TIMEOUT_S,
-                          worker=_worker)  # fmt: skip
+    results = spawn_group(
+        2, CASES, tmp_path_factory.mktemp("errors"), timeout=SPAWN_TIMEOUT_S, worker=_worker
+    )
     return {case["name"]: [r[case["name"]] for r in results] for case in CASES}
 
 

@@ -21,8 +21,11 @@ O = {"backend": "numpy"}
 @pytest.fixture
 def qkv():
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(2, 4, 9, 16, generator=g), torch.randn(2, 2, 11, 16, generator=g),
-            torch.randn(2, 2, 11, 16, generator=g))  # fmt: skip
+    return (
+        torch.randn(2, 4, 9, 16, generator=g),
+        torch.randn(2, 2, 11, 16, generator=g),
+        torch.randn(2, 2, 11, 16, generator=g),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,13 +40,57 @@ def test_opcheck_every_tensor_op(qkv):
     lse = torch.randn(2, 4, 9)
     ops = torch.ops.fastpe
     cases = [
-        (ops.attention.default, (q, k, v, True, "bottom_right", mask, torch.tensor([11, 7]), None, cos, sin, True,
-                                 None, None, None, 0, torch.ones(4), None, 32, 128, True, 3, 0, 5.0,
-                                 torch.linspace(-1, 1, 4), "")),
+        (
+            ops.attention.default,
+            (
+                q,
+                k,
+                v,
+                True,
+                "bottom_right",
+                mask,
+                torch.tensor([11, 7]),
+                None,
+                cos,
+                sin,
+                True,
+                None,
+                None,
+                None,
+                0,
+                torch.ones(4),
+                None,
+                32,
+                128,
+                True,
+                3,
+                0,
+                5.0,
+                torch.linspace(-1, 1, 4),
+                "",
+            ),
+        ),
         (ops.apply_rope.default, (q, cos, sin, torch.arange(9), 0, False, "bhsd", "")),
-        (ops.embed.default, (ids, weight, None, 3, "sinusoidal", None, 4.0, 10000.0, "concat", "paper", None, None, "")),
+        (
+            ops.embed.default,
+            (
+                ids,
+                weight,
+                None,
+                3,
+                "sinusoidal",
+                None,
+                4.0,
+                10000.0,
+                "concat",
+                "paper",
+                None,
+                None,
+                "",
+            ),
+        ),
         (ops.merge_attention.default, (q, lse, q, lse, "")),
-    ]  # fmt: skip
+    ]
     for op, args in cases:
         torch.library.opcheck(op, args)
 
@@ -58,8 +105,9 @@ def test_compile_fullgraph_attention_rope_embed(qkv, backend):
     def block(q, k, v, ids, weight, cos, sin, mask):
         x = fastpe.embed(ids, weight, scale=4.0, positions=2)  # [2, 9, 16]
         q = fastpe.apply_rope(q + x[:, None], cos, sin, positions=2)
-        out, lse = fastpe.attention(q, k, v, causal=True, mask=mask, rope={"cos": cos, "sin": sin},
-                                    return_lse=True)  # fmt: skip
+        out, lse = fastpe.attention(
+            q, k, v, causal=True, mask=mask, rope={"cos": cos, "sin": sin}, return_lse=True
+        )
         return out * 2, lse
 
     args = (q, k, v, ids, weight, cos, sin, mask)
@@ -76,12 +124,18 @@ def test_compile_fullgraph_attention_rope_embed(qkv, backend):
 
 
 def test_compile_tables():
-    table = torch.compile(lambda: fastpe.sinusoidal_table(12, 8, offset=5, device="cpu") + 0, fullgraph=True,
-                          backend="aot_eager")()  # fmt: skip
+    table = torch.compile(
+        lambda: fastpe.sinusoidal_table(12, 8, offset=5, device="cpu") + 0,
+        fullgraph=True,
+        backend="aot_eager",
+    )()
     torch.testing.assert_close(table, fastpe.sinusoidal_table(12, 8, offset=5, device="cpu"))
     scaling = {"rope_type": "linear", "factor": 2.0}
-    cos, _ = torch.compile(lambda: fastpe.rope_table(12, 8, scaling=scaling, device="cpu"), fullgraph=True,
-                           backend="aot_eager")()  # fmt: skip
+    cos, _ = torch.compile(
+        lambda: fastpe.rope_table(12, 8, scaling=scaling, device="cpu"),
+        fullgraph=True,
+        backend="aot_eager",
+    )()
     torch.testing.assert_close(cos, fastpe.rope_table(12, 8, scaling=scaling, device="cpu")[0])
 
 
@@ -96,8 +150,10 @@ def test_grad_inputs_run_forward_and_merge_has_backward(qkv):
     # call over all of them, lse included
     k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
     n = k.shape[2] // 2
-    parts = [fastpe.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
-             for s in (slice(None, n), slice(n, None))]  # fmt: skip
+    parts = [
+        fastpe.attention(q, k[:, :, s], v[:, :, s], return_lse=True)
+        for s in (slice(None, n), slice(n, None))
+    ]
     merged = fastpe.merge_attention(*parts[0], *parts[1])
     whole = fastpe.attention(q, k, v, return_lse=True)
     gen = torch.Generator().manual_seed(0)
@@ -111,8 +167,9 @@ def test_grad_inputs_run_forward_and_merge_has_backward(qkv):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_cpu_tensors_through_the_op(qkv, dtype):
     q, k, v = (t.to(dtype) for t in qkv)
-    got = torch.compile(lambda q, k, v: fastpe.attention(q, k, v, causal=True), fullgraph=True,
-                        backend="aot_eager")(q, k, v)  # fmt: skip
+    got = torch.compile(
+        lambda q, k, v: fastpe.attention(q, k, v, causal=True), fullgraph=True, backend="aot_eager"
+    )(q, k, v)
     assert got.dtype == dtype
     want = fastpe.attention(q.double(), k.double(), v.double(), causal=True, **O)
     plain = torch.nn.functional.scaled_dot_product_attention(
@@ -143,11 +200,16 @@ def test_sinusoidal_module():
 ROPE_CONFIGS = [
     {"rope_type": "default"},
     {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     {"rope_type": "dynamic", "factor": 2.0},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("params", ROPE_CONFIGS, ids=lambda p: p["rope_type"])
@@ -156,8 +218,13 @@ def test_rotary_module_matches_transformers(params, length):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=128,
-                         rope_parameters={**params, "rope_theta": 1000.0})  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        rope_parameters={**params, "rope_theta": 1000.0},
+    )
     theirs = LlamaRotaryEmbedding(config)
     ours = fastpe.nn.RotaryEmbedding.from_config(config)
     x = torch.randn(2, 4, length, 32)
@@ -175,8 +242,15 @@ def test_rotary_module_matches_transformers(params, length):
 def test_fused_embedding_in_bert():
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=40, type_vocab_size=2)  # fmt: skip
+    config = BertConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        type_vocab_size=2,
+    )
     model = BertModel(config).eval()
     ids, types = torch.randint(0, 60, (2, 7)), torch.randint(0, 2, (2, 7))
     emb = model.embeddings
@@ -199,18 +273,38 @@ def test_fused_embedding_in_sinusoidal_encoders(family):
         from transformers import MarianConfig
         from transformers import MarianModel as Model
 
-        config = MarianConfig(vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                              max_position_embeddings=64, pad_token_id=0, scale_embedding=True)  # fmt: skip
+        config = MarianConfig(
+            vocab_size=50,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            scale_embedding=True,
+        )
         options = {"layout": "concat", "freq": "paper"}
         tol = 1e-5  # Marian's table is float64 NumPy rounded to float32
     else:
         from transformers import M2M100Config
         from transformers import M2M100Model as Model
 
-        config = M2M100Config(vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                              max_position_embeddings=64, pad_token_id=1, scale_embedding=True)  # fmt: skip
+        config = M2M100Config(
+            vocab_size=50,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=1,
+            scale_embedding=True,
+        )
         # fairseq's positions start after the padding index; its table is computed in float32
         options = {
             "layout": "concat",
@@ -239,8 +333,16 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 

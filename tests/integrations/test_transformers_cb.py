@@ -30,9 +30,16 @@ def model_and_prompts():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=256)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
@@ -43,14 +50,17 @@ def _generate_batch(model, prompts, implementation):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation(implementation)
-    generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
-                                  pad_token_id=0)  # fmt: skip
+    generation = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     # a fixed cache: sizing it from free memory takes seconds on a CPU
-    batching = ContinuousBatchingConfig(page_size=16, num_blocks=32,
-                                        max_batch_tokens=MAX_BATCH_TOKENS, return_logprobs=True)  # fmt: skip
+    batching = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32, max_batch_tokens=MAX_BATCH_TOKENS, return_logprobs=True
+    )
     with torch.no_grad():
-        outputs = model.generate_batch(prompts, generation_config=generation,
-                                       continuous_batching_config=batching)  # fmt: skip
+        outputs = model.generate_batch(
+            prompts, generation_config=generation, continuous_batching_config=batching
+        )
     assert len(outputs) == len(prompts)
     ordered = [outputs[f"req_{i}"] for i in range(len(prompts))]
     assert [o.error for o in ordered] == [None] * len(prompts)
@@ -64,8 +74,9 @@ def reference_runs(model_and_prompts):
     return {impl: _generate_batch(model, prompts, impl) for impl in ("paged|eager", "sdpa")}
 
 
-def test_generate_batch_runs_fastpe_and_matches_builtin(model_and_prompts, reference_runs,
-                                                        monkeypatch):  # fmt: skip
+def test_generate_batch_runs_fastpe_and_matches_builtin(
+    model_and_prompts, reference_runs, monkeypatch
+):
     model, prompts = model_and_prompts
     calls = []
     original = fastpe.attention_varlen
@@ -78,8 +89,9 @@ def test_generate_batch_runs_fastpe_and_matches_builtin(model_and_prompts, refer
     tokens, logprobs = _generate_batch(model, prompts, fastpe_hf.register_flash())
     for impl, (ref_tokens, ref_logprobs) in reference_runs.items():
         assert tokens == ref_tokens, impl
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs),
-                                   atol=1e-5, rtol=1e-5, msg=impl)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-5, rtol=1e-5, msg=impl
+        )
     # every step went through fastpe: (prefill chunks + decode steps) x layers
     layers = model.config.num_hidden_layers
     assert calls and len(calls) % layers == 0
@@ -95,8 +107,13 @@ def _generate_alone(model, prompts, implementation):
     alone = []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             alone.append(out[0, len(prompt) :].tolist())
     return alone
 

@@ -20,9 +20,18 @@ from fastpe.integrations.transformers import register  # noqa: E402
 
 WINDOW = 5
 VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=128, pad_token_id=0, initializer_range=0.2)  # fmt: skip
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    initializer_range=0.2,
+)
 ALTERNATING = ["sliding_attention", "full_attention"]
 
 
@@ -36,8 +45,13 @@ def _gemma2():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     # a cap small enough to bite on these random scores
-    config = Gemma2Config(**COMMON, sliding_window=WINDOW, layer_types=ALTERNATING,
-                          attn_logit_softcapping=0.5, final_logit_softcapping=None)  # fmt: skip
+    config = Gemma2Config(
+        **COMMON,
+        sliding_window=WINDOW,
+        layer_types=ALTERNATING,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=None,
+    )
     return Gemma2ForCausalLM(config)
 
 
@@ -52,8 +66,13 @@ def _gemma3():
 def _gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    config = GptOssConfig(**{**COMMON, "intermediate_size": 64}, sliding_window=WINDOW,
-                          layer_types=ALTERNATING, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    config = GptOssConfig(
+        **{**COMMON, "intermediate_size": 64},
+        sliding_window=WINDOW,
+        layer_types=ALTERNATING,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     model = GptOssForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:  # sinks of either sign, large enough to matter

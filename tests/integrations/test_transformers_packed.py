@@ -25,9 +25,16 @@ def model_and_batch():
     from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=128)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(config).eval()
     seqs = [torch.randint(1, 96, (n,)).tolist() for n in LENGTHS]
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")

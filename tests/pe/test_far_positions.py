@@ -41,7 +41,7 @@ def max_error(got, want):
         if torch is not None and isinstance(got, torch.Tensor)
         else got
     )
-    return float(np.max(np.abs(np.asarray(got, dtype=np.float64) - want)))  # fmt: skip
+    return float(np.max(np.abs(np.asarray(got, dtype=np.float64) - want)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,10 +85,16 @@ def test_check_position_rejects(value, kwargs, match):
 
 @pytest.mark.parametrize(
     "value,kwargs",
-    [(0, {}), (2**32 - 1, {}), (np.int64(5), {}), (2**32 - 10, {"count": 10}),
-     (np.array([[0, 2**32 - 1]]), {}), (np.zeros((0, 3), np.int64), {}),
-     (np.array([1, 2], dtype=np.uint64), {})],
-)  # fmt: skip
+    [
+        (0, {}),
+        (2**32 - 1, {}),
+        (np.int64(5), {}),
+        (2**32 - 10, {"count": 10}),
+        (np.array([[0, 2**32 - 1]]), {}),
+        (np.zeros((0, 3), np.int64), {}),
+        (np.array([1, 2], dtype=np.uint64), {}),
+    ],
+)
 def test_check_position_accepts(value, kwargs):
     from fastpe._validate import check_position
 
@@ -218,8 +224,19 @@ def test_embed_numba_far_span_matches_exact_and_oracle(far, dtype, tol):
     got = embed_numba(ids, weight, positions, scale=1.0, pe="sinusoidal", omega=OMEGA)
     pe = interleaved(exact_sincos(positions.reshape(-1).tolist(), OMEGA)).reshape(2, 2, D)
     assert max_error(got, weight[ids] + pe) <= tol + 4e-16 * (dtype == np.float64)
-    oracle = reference.embed(ids, weight.astype(np.float64), positions, "sinusoidal", None, 1.0,
-                             10000.0, "interleaved", "paper", None, None)  # fmt: skip
+    oracle = reference.embed(
+        ids,
+        weight.astype(np.float64),
+        positions,
+        "sinusoidal",
+        None,
+        1.0,
+        10000.0,
+        "interleaved",
+        "paper",
+        None,
+        None,
+    )
     assert max_error(got, oracle) <= tol
 
 

@@ -26,8 +26,12 @@ import fastpe.torch_ops  # noqa: E402, F401  (registers torch.ops.fastpe)
 
 F = torch.nn.functional
 O = {"backend": "numpy"}
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16}  # fmt: skip
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def _gen(seed=0):
@@ -107,20 +111,25 @@ def _close(got, want, tol, what):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_oracle_rope_gradcheck(interleaved, layout):
     gen = _gen(1)
-    q = torch.randn(2, 3, 5, 10, dtype=torch.float64, generator=gen) if layout == "bhsd" else \
-        torch.randn(2, 5, 3, 10, dtype=torch.float64, generator=gen)  # fmt: skip
+    q = (
+        torch.randn(2, 3, 5, 10, dtype=torch.float64, generator=gen)
+        if layout == "bhsd"
+        else torch.randn(2, 5, 3, 10, dtype=torch.float64, generator=gen)
+    )
     k = q[:, :1] if layout == "bhsd" else q[:, :, :1]
     k = k.clone()
     cos, sin = fastpe.rope_table(9, 6, dtype="float64", device="cpu", **O)  # partial rotary
     positions = torch.tensor([[0, 8, 3, 3, 1], [2, 2, 7, 0, 5]])
 
     def single(x):
-        return fastpe.apply_rope(x, cos, sin, positions=positions, interleaved=interleaved,
-                                 layout=layout, **O)  # fmt: skip
+        return fastpe.apply_rope(
+            x, cos, sin, positions=positions, interleaved=interleaved, layout=layout, **O
+        )
 
     def group(q, k):
-        return fastpe.apply_rope((q, k), cos, sin, positions=positions, interleaved=interleaved,
-                                 layout=layout, **O)  # fmt: skip
+        return fastpe.apply_rope(
+            (q, k), cos, sin, positions=positions, interleaved=interleaved, layout=layout, **O
+        )
 
     assert torch.autograd.gradcheck(single, (q.requires_grad_(),))
     assert torch.autograd.gradgradcheck(single, (q,))  # the backward's backward: the rotation
@@ -139,8 +148,17 @@ def test_oracle_embed_gradcheck():
     tt = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 0]])
 
     def fn(w, pt, tw):
-        return fastpe.embed(ids, w, pe="table", pe_table=pt, positions=pos, scale=1.7,
-                            token_type_ids=tt, token_type_weight=tw, **O)  # fmt: skip
+        return fastpe.embed(
+            ids,
+            w,
+            pe="table",
+            pe_table=pt,
+            positions=pos,
+            scale=1.7,
+            token_type_ids=tt,
+            token_type_weight=tw,
+            **O,
+        )
 
     args = [t.requires_grad_() for t in (w, pt, tw)]
     assert torch.autograd.gradcheck(fn, args)
@@ -177,13 +195,19 @@ def test_rope_backward_grid(backend, shape, interleaved, layout, pos_kind):
     gq, gk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
     kw = {"positions": given, "interleaved": interleaved, "layout": layout}
     before = (gq.clone(), gk.clone())
-    got = _grads(lambda q, k: fastpe.apply_rope((q, k), cos, sin, **kw, backend=backend), [q, k],
-                 (gq, gk))  # fmt: skip
+    got = _grads(
+        lambda q, k: fastpe.apply_rope((q, k), cos, sin, **kw, backend=backend), [q, k], (gq, gk)
+    )
     assert torch.equal(gq, before[0]) and torch.equal(gk, before[1])  # gradients untouched
     c64, s64 = cos.double(), sin.double()
-    want = _grads(lambda q, k: (eager_rope(q, c64, s64, positions, interleaved, layout),
-                                eager_rope(k, c64, s64, positions, interleaved, layout)),
-                  [q.double(), k.double()], (gq.double(), gk.double()))  # fmt: skip
+    want = _grads(
+        lambda q, k: (
+            eager_rope(q, c64, s64, positions, interleaved, layout),
+            eager_rope(k, c64, s64, positions, interleaved, layout),
+        ),
+        [q.double(), k.double()],
+        (gq.double(), gk.double()),
+    )
     for g, w, name in zip(got, want, ("dq", "dk"), strict=True):
         assert g.dtype == torch.float32
         _close(g, w, 2e-6, name)
@@ -199,11 +223,15 @@ def test_rope_backward_dtypes(backend, dtype):
     cos, sin = (t.to(DTYPES[dtype]) for t in fastpe.rope_table(40, 24, device="cpu", **O))
     grad = torch.randn(q.shape, generator=gen).to(DTYPES[dtype])
     positions = torch.randint(0, 40, (2, 37), generator=gen)
-    (got,) = _grads(lambda x: fastpe.apply_rope(x, cos, sin, positions=positions, backend=backend),
-                    [q], grad)  # fmt: skip
+    (got,) = _grads(
+        lambda x: fastpe.apply_rope(x, cos, sin, positions=positions, backend=backend), [q], grad
+    )
     assert got.dtype == q.dtype
-    (truth,) = _grads(lambda x: eager_rope(x, cos.double(), sin.double(), positions, False, "bhsd"),
-                      [q.double()], grad.double())  # fmt: skip
+    (truth,) = _grads(
+        lambda x: eager_rope(x, cos.double(), sin.double(), positions, False, "bhsd"),
+        [q.double()],
+        grad.double(),
+    )
     if dtype == "float64":
         _close(got, truth, 1e-13, "float64 dq")
         return
@@ -235,8 +263,17 @@ def test_embed_backward_grid(backend, pe, types, pos_kind):
 
     def ours(*args):
         w, pt, tw = split(args)
-        return fastpe.embed(ids, w, positions=given, pe=pe, pe_table=pt, scale=math.sqrt(d),
-                            token_type_ids=tt_ids, token_type_weight=tw, backend=backend)  # fmt: skip
+        return fastpe.embed(
+            ids,
+            w,
+            positions=given,
+            pe=pe,
+            pe_table=pt,
+            scale=math.sqrt(d),
+            token_type_ids=tt_ids,
+            token_type_weight=tw,
+            backend=backend,
+        )
 
     def eager(*args):
         w, pt, tw = split(args)
@@ -298,12 +335,15 @@ def test_embed_backward_is_deterministic(backend):
     parallel Numba kernel, with a few hot rows taking most tokens."""
     gen = _gen(7)
     weight = torch.randn(300, 64, requires_grad=True)
-    ids = torch.where(torch.rand(8, 256, generator=gen) < 0.5,
-                      torch.randint(0, 3, (8, 256), generator=gen),
-                      torch.randint(0, 300, (8, 256), generator=gen))  # fmt: skip
+    ids = torch.where(
+        torch.rand(8, 256, generator=gen) < 0.5,
+        torch.randint(0, 3, (8, 256), generator=gen),
+        torch.randint(0, 300, (8, 256), generator=gen),
+    )
     grad = torch.randn(8, 256, 64, generator=gen)
-    runs = [_grads(lambda w: fastpe.embed(ids, w, backend=backend), [weight], grad)[0]
-            for _ in range(3)]  # fmt: skip
+    runs = [
+        _grads(lambda w: fastpe.embed(ids, w, backend=backend), [weight], grad)[0] for _ in range(3)
+    ]
     if backend == "numba":
         import numba
 
@@ -362,11 +402,34 @@ def test_opcheck_with_autograd():
         (ops.apply_rope.default, (q.transpose(1, 2), cos, sin, None, 3, True, "bshd", "")),
         (ops.apply_rope_group.default, ([q, k], cos, sin, None, 2, False, "bhsd", "")),
         (ops.apply_rope_backward.default, ([q, k], cos, sin, None, 2, True, "bhsd", "")),
-        (ops.embed.default, (ids, w, pos, 0, "table", pt, 4.0, 10000.0, "interleaved", "paper", tt, tw, "")),
-        (ops.embed.default, (ids, w, None, 3, "sinusoidal", None, 4.0, 10000.0, "concat", "paper", None, None, "")),
-        (ops.embed_backward.default, (torch.randn(2, 5, 16, generator=gen), ids, w.detach(), pos, 0, "table",
-                                      pt.detach(), 4.0, tt, tw.detach(), True, True, True, "")),
-    ]  # fmt: skip
+        (
+            ops.embed.default,
+            (ids, w, pos, 0, "table", pt, 4.0, 10000.0, "interleaved", "paper", tt, tw, ""),
+        ),
+        (
+            ops.embed.default,
+            (ids, w, None, 3, "sinusoidal", None, 4.0, 10000.0, "concat", "paper", None, None, ""),
+        ),
+        (
+            ops.embed_backward.default,
+            (
+                torch.randn(2, 5, 16, generator=gen),
+                ids,
+                w.detach(),
+                pos,
+                0,
+                "table",
+                pt.detach(),
+                4.0,
+                tt,
+                tw.detach(),
+                True,
+                True,
+                True,
+                "",
+            ),
+        ),
+    ]
     for op, args in cases:
         torch.library.opcheck(op, args)
 
@@ -415,8 +478,9 @@ def test_fused_embedding_trains_like_nn_embedding():
     head = torch.nn.Linear(16, 3)
     ours = torch.nn.ModuleList([word, position, types, head])
     theirs = copy.deepcopy(ours)
-    fused = fastpe.nn.FusedEmbedding.from_embedding(word, position_embedding=position,
-                                                    token_type_embedding=types, scale="sqrt")  # fmt: skip
+    fused = fastpe.nn.FusedEmbedding.from_embedding(
+        word, position_embedding=position, token_type_embedding=types, scale="sqrt"
+    )
     ids = torch.randint(0, 30, (3, 10))
     ids[:, :4] = 7  # a repeated id
     tt = torch.randint(0, 2, (3, 10))
@@ -450,8 +514,10 @@ def test_sinusoidal_fused_embedding_trains():
     ids = torch.randint(0, 25, (2, 6))
     target = torch.randn(2, 6, 12)
     table = torch.from_numpy(fastpe.sinusoidal_table(6, 12, layout="concat", **O))
-    for module, embed in ((word, lambda: fused(ids)),
-                          (theirs, lambda: theirs(ids) * math.sqrt(12) + table)):  # fmt: skip
+    for module, embed in (
+        (word, lambda: fused(ids)),
+        (theirs, lambda: theirs(ids) * math.sqrt(12) + table),
+    ):
         optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
         F.mse_loss(embed(), target).backward()
         optimizer.step()
@@ -462,8 +528,13 @@ def test_rope_attention_block_trains_like_transformers():
     """q/k projections rotated by fastpe.apply_rope((q, k)) in a tiny GQA attention block vs the
     same block with transformers' apply_rotary_pos_emb: same loss, gradients and updated weights."""
     torch.manual_seed(2)
-    proj = torch.nn.ModuleDict({"q": torch.nn.Linear(32, 4 * 8), "k": torch.nn.Linear(32, 2 * 8),
-                                "v": torch.nn.Linear(32, 2 * 8)})  # fmt: skip
+    proj = torch.nn.ModuleDict(
+        {
+            "q": torch.nn.Linear(32, 4 * 8),
+            "k": torch.nn.Linear(32, 2 * 8),
+            "v": torch.nn.Linear(32, 2 * 8),
+        }
+    )
     theirs = copy.deepcopy(proj)
     rotary = fastpe.nn.RotaryEmbedding(8, base=500.0, max_position_embeddings=32)
     x = torch.randn(2, 11, 32)
@@ -480,8 +551,10 @@ def test_rope_attention_block_trains_like_transformers():
         return out.square().mean()
 
     results = []
-    for p, rotate in ((proj, lambda q, k: fastpe.apply_rope((q, k), cos, sin, positions=position_ids)),
-                      (theirs, lambda q, k: apply_rotary_pos_emb(q, k, hf_cos, hf_sin))):  # fmt: skip
+    for p, rotate in (
+        (proj, lambda q, k: fastpe.apply_rope((q, k), cos, sin, positions=position_ids)),
+        (theirs, lambda q, k: apply_rotary_pos_emb(q, k, hf_cos, hf_sin)),
+    ):
         optimizer = torch.optim.SGD(p.parameters(), lr=1.0)
         loss = block(p, rotate)
         loss.backward()
@@ -511,8 +584,11 @@ def test_embed_backward_few_hot_rows_in_parallel(backend):
         )
 
     got = _grads(ours, [weight, types], grad)
-    want = _grads(lambda w, tw: eager_embed(ids, w, None, None, None, 1.0, tt, tw),
-                  [weight.double(), types.double()], grad.double())  # fmt: skip
+    want = _grads(
+        lambda w, tw: eager_embed(ids, w, None, None, None, 1.0, tt, tw),
+        [weight.double(), types.double()],
+        grad.double(),
+    )
     for g, w in zip(got, want, strict=True):
         _close(g, w, 2e-6, "embed gradient")
 
@@ -543,6 +619,9 @@ def test_rope_group_with_a_frozen_tensor(backend):
     rq, rk = fastpe.apply_rope((q, k), cos, sin, backend=backend)
     (dq,) = torch.autograd.grad((rq * rq.detach()).sum() + rk.sum(), [q])
     assert k.grad is None
-    want = _grads(lambda x: eager_rope(x, cos, sin, torch.arange(6).expand(2, 6), False, "bhsd"),
-                  [q], rq.detach())  # fmt: skip
+    want = _grads(
+        lambda x: eager_rope(x, cos, sin, torch.arange(6).expand(2, 6), False, "bhsd"),
+        [q],
+        rq.detach(),
+    )
     _close(dq, want[0], 2e-6, "dq")
