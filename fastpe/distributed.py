@@ -307,7 +307,8 @@ class _Plan:
     ):
         import torch
 
-        from fastpe._inputs import AttentionInputs, _check_key_lengths, check_window
+        from fastpe._inputs import AttentionInputs, _check_key_lengths
+        from fastpe._options import check_window
 
         self.g = g
 
@@ -377,7 +378,7 @@ class _Plan:
                 kl = _check_key_lengths(key_lengths, q.shape[0], 2**62).tolist()
             slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).tolist()
             sink_values = None if sinks is None else torch.as_tensor(sinks).tolist()
-            table = None if rope is None else tuple(inputs.rope.cos.shape)
+            table = None if rope is None else tuple(inputs.options.rope.cos.shape)
             return {
                 "shape": (
                     tuple(q.shape[:2]) + tuple(q.shape[3:]),
@@ -393,16 +394,16 @@ class _Plan:
                 "options": (
                     bool(causal),
                     layout,
-                    inputs.scale,
+                    inputs.options.scale,
                     table,
                     kl,
                     slopes,
                     # the global window: inputs.window is cut to this shard's length (a side
                     # wider than the shard is unbounded there, not across the whole sequence)
                     check_window(window),
-                    inputs.softcap,
+                    inputs.options.softcap,
                     sink_values,
-                    None if rope is None else inputs.rope.interleaved,
+                    None if rope is None else inputs.options.rope.interleaved,
                 ),
             }
 
@@ -1045,8 +1046,8 @@ def sharded_kv_decode_attention(
             ),
             "dtype": str(q.dtype),
             "options": (
-                inputs.scale,
-                inputs.softcap,
+                inputs.options.scale,
+                inputs.options.softcap,
                 None if sinks is None else torch.as_tensor(sinks).tolist(),
             ),
         }

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from fastpe import dispatch
-from fastpe._inputs import check_window
+from fastpe._options import check_window
 from fastpe._validate import check_float, check_int, check_position
 
 _SECOND_DERIVATIVE = (
