@@ -73,6 +73,32 @@ class Positions(NamedTuple):
             array = _arrays.broadcast_to(array, (batch, seq))
         return cls(array=array)
 
+    @staticmethod
+    def flatten(name: str, value, device) -> tuple:
+        """The public value as the torch op schema's (tensor or None, offset or None), the same
+        values the eager path accepts (a list becomes a tensor on ``device``)."""
+        if isinstance(value, np.generic) or isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value.item()  # the schema takes a Python int, not np.int64
+        if value is None or isinstance(value, int):
+            if value is not None:  # the eager check, before int64 must hold it
+                check_position(name, value)
+            return None, value
+        if isinstance(value, (list, tuple)):  # as eagerly: a list takes the tensors' device
+            import torch
+
+            value = torch.as_tensor(value, device=device)
+        if not _arrays.is_tensor(value):
+            raise TypeError(
+                f"all arrays must be NumPy arrays or all torch tensors on one device; got {name}: "
+                f"{type(value).__name__} with torch tensors"
+            )
+        return value, None
+
+    @staticmethod
+    def unflatten(tensor, offset):
+        """The schema's (tensor or None, offset or None) -> the public value."""
+        return offset if tensor is None else tensor
+
     def as_int64(self, batch: int, seq: int) -> np.ndarray:
         """[B, S] int64 NumPy array of the positions (for the oracle and the CPU kernels)."""
         if self.array is None:
@@ -190,6 +216,42 @@ class Rope(NamedTuple):
             check_range(name, pos, 0, rows, what=f"(rope cos/sin have {rows} rows)")
             positions.append(Positions(pos))
         return cls(cos, sin, interleaved, *positions)
+
+    # the torch op schema's arguments for the public ``rope=`` dict (fastpe.torch_ops)
+    SCHEMA = (
+        "Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, "
+        "Tensor? rope_q_positions, int? rope_q_positions_offset, "
+        "Tensor? rope_k_positions, int? rope_k_positions_offset"
+    )
+
+    @classmethod
+    def flatten(cls, value, device) -> tuple:
+        """The public ``rope=`` dict (or None) as ``SCHEMA``'s values."""
+        if value is None:
+            return None, None, False, None, None, None, None
+        cls.check_keys(value)
+        return (
+            value["cos"],
+            value["sin"],
+            check_bool("rope['interleaved']", value.get("interleaved", False)),
+            *Positions.flatten("rope['q_positions']", value.get("q_positions"), device),
+            *Positions.flatten("rope['k_positions']", value.get("k_positions"), device),
+        )
+
+    @classmethod
+    def unflatten(cls, values) -> dict | None:
+        """``SCHEMA``'s values -> the public ``rope=`` dict (or None)."""
+        cos, sin, interleaved, q_tensor, q_offset, k_tensor, k_offset = values
+        if cos is None and sin is None:
+            return None
+        rope = {"cos": cos, "sin": sin, "interleaved": interleaved}
+        for key, tensor, offset in (
+            ("q_positions", q_tensor, q_offset),
+            ("k_positions", k_tensor, k_offset),
+        ):
+            if tensor is not None or offset is not None:  # absent: the op's default positions
+                rope[key] = Positions.unflatten(tensor, offset)
+        return rope
 
     def arrays(self) -> dict:
         """The arrays it holds, by the name users know them by (for placement checks)."""
@@ -350,6 +412,60 @@ class AttentionOptions(NamedTuple):
     # not launcher arguments: each backend applies fused RoPE itself (rotating q and k first, or
     # handing the Triton forward its tables), and the kernels always compute the lse
     _NOT_LAUNCHED = ("rope", "return_lse")
+
+    # The torch custom ops' schema arguments for the public options (fastpe.torch_ops): the
+    # record itself is built inside each op, where the shapes and values are known. return_lse
+    # is not among them: the ops always return the lse (the backward needs it).
+    SCHEMA = (
+        "bool causal, str causal_alignment, float? scale, int window_left, int window_right, "
+        f"float? softcap, Tensor? sinks, Tensor? alibi_slopes, {Rope.SCHEMA}"
+    )
+    SCHEMA_NAMES = tuple(argument.split()[-1] for argument in SCHEMA.split(", "))
+
+    @classmethod
+    def flatten(
+        cls,
+        device,
+        *,
+        causal=False,
+        causal_alignment="bottom_right",
+        scale=None,
+        window=None,
+        softcap=None,
+        sinks=None,
+        alibi_slopes=None,
+        rope=None,
+    ) -> tuple:
+        """The public keyword options as ``SCHEMA``'s values. Checked here: what the schema's
+        types would otherwise refuse with torch's errors, which name the schema's argument and
+        not the caller's; the rest is validated once, by ``build`` inside the op."""
+        left, right = check_window(window) or (-1, -1)
+        return (
+            check_bool("causal", causal),
+            check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS),
+            None if scale is None else float(scale),
+            left,
+            right,
+            check_softcap(softcap),
+            sinks,
+            alibi_slopes,
+            *Rope.flatten(rope, device),
+        )
+
+    @classmethod
+    def unflatten(cls, values) -> dict:
+        """``SCHEMA``'s values -> the public keyword options ``build`` takes."""
+        causal, causal_alignment, scale, left, right, softcap, sinks, alibi_slopes, *rope = values
+        return dict(
+            causal=causal,
+            causal_alignment=causal_alignment,
+            scale=scale,
+            window=(left, right),
+            softcap=softcap,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
+            rope=Rope.unflatten(rope),
+        )
 
     @classmethod
     def build(
