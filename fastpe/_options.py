@@ -353,6 +353,7 @@ def check_window(window, *, span: int | None = None, name: str = "window"):
 
 
 def check_softcap(softcap):
+    """None, or a positive finite float (scores become ``c·tanh(score / c)``)."""
     return None if softcap is None else check_float("softcap", softcap, positive=True)
 
 
@@ -382,10 +383,11 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 class AttentionOptions(NamedTuple):
     """The options of every attention op (dense, packed, KV cache) and of their backward,
-    validated once. A new option is one field here (with its check in ``build``, a line in
-    ``FEATURES`` and, for an array, in ``ARRAYS``) and its use in the kernels: the records, the
-    backends' launcher calls (``launcher_kwargs``) and the torch op schemas (``SCHEMA``) carry
-    the record whole."""
+    validated once. The records hold it whole, the backends hand it to the launchers through
+    ``launcher_kwargs`` and the torch ops carry it as ``SCHEMA``, so a new option is: a field
+    here, its check in ``build``, its schema argument (``SCHEMA``, ``flatten``, ``unflatten``),
+    its entry in ``FEATURES`` (and ``ARRAYS`` for an array), and its use in the launchers,
+    kernels and the oracle — plus the public keyword (docs/extending.md)."""
 
     scale: float
     causal: bool = False
