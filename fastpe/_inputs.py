@@ -55,6 +55,13 @@ def _check_offset(offset, num_positions: int) -> int:
     return offset
 
 
+def _table_record(cls, device, dtype, **fields):
+    """A table op's record: its checked fields, then the placement ``device`` names and the
+    dtype normalised for it."""
+    placement = _arrays.resolve_device(device)
+    return cls(**fields, dtype=_arrays.normalize_dtype(dtype, placement), placement=placement)
+
+
 def _features(**flags: bool) -> frozenset[str]:
     return frozenset(name for name, on in flags.items() if on)
 
@@ -90,16 +97,16 @@ class SinusoidalTableInputs(_Inputs):
         layout = check_choice("layout", layout, LAYOUTS)
         freq = check_choice("freq", freq, FREQS)
         _check_sinusoidal_dim("dim", dim, freq)
-        placement = _arrays.resolve_device(device)
-        return cls(
+        return _table_record(
+            cls,
+            device,
+            dtype,
             num_positions=num_positions,
             dim=dim,
             base=check_float("base", base, positive=True),
             layout=layout,
             freq=freq,
             offset=_check_offset(offset, num_positions),
-            dtype=_arrays.normalize_dtype(dtype, placement),
-            placement=placement,
         )
 
 
@@ -123,14 +130,14 @@ class RopeTableInputs(_Inputs):
         inv_freq, attention_factor = rope_inv_freq(
             rotary_dim, base=base, scaling=scaling, seq_len=offset + num_positions
         )
-        placement = _arrays.resolve_device(device)
-        return cls(
+        return _table_record(
+            cls,
+            device,
+            dtype,
             num_positions=num_positions,
             inv_freq=inv_freq,
             attention_factor=attention_factor,
             offset=offset,
-            dtype=_arrays.normalize_dtype(dtype, placement),
-            placement=placement,
         )
 
 

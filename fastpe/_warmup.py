@@ -26,19 +26,11 @@ import time
 
 import numpy as np
 
+from fastpe import api
 from fastpe._options import AttentionOptions
 
-# the ops whose CPU kernels warmup knows how to call, and what each does with the features
-OPS = (
-    "sinusoidal_table",
-    "rope_table",
-    "apply_rope",
-    "embed",
-    "attention",
-    "attention_varlen",
-    "attention_kvcache",
-    "merge_attention",
-)
+# the ops whose CPU kernels warmup knows how to call (every public op)
+OPS = api.OPS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 # the attention options a workload's calls may use: the options record's features (the lse
 # changes no kernel), then what else decides which kernels run
