@@ -597,10 +597,11 @@ def test_missing_process_group_is_a_clear_error():
 
 
 def _ring_steps(seqs, *, causal=True, layout="contiguous", window=None, key_lengths=None):
-    """_Plan.ring_steps on a plan built from its fields alone (no process group needed)."""
+    """Plan.ring_steps on a plan built from its fields alone (no process group needed)."""
     import types
 
-    import numpy as np
+    from fastpe.distributed._api import BlockOptions
+    from fastpe.distributed._plan import Plan, Span
 
     world = len(seqs)
     if layout == "zigzag":
@@ -610,16 +611,13 @@ def _ring_steps(seqs, *, causal=True, layout="contiguous", window=None, key_leng
     else:
         starts = np.cumsum([0, *seqs])
         positions = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    plan = types.SimpleNamespace(
-        g=types.SimpleNamespace(size=world),
-        seqs=list(seqs),
-        causal=causal,
-        layout=layout,
-        window=window,
-        longest_key=None if key_lengths is None else max(key_lengths),
-        positions=[fd._Span(p, None) for p in positions],
+    plan = Plan.__new__(Plan)  # its fields alone, without the agreement round
+    plan.g, plan.seqs, plan.layout = types.SimpleNamespace(size=world), list(seqs), layout
+    plan.options = BlockOptions(
+        causal=causal, window=window, longest_key=None if key_lengths is None else max(key_lengths)
     )
-    return fd._Plan.ring_steps.func(plan)
+    plan.positions = [Span(p, None) for p in positions]
+    return plan.ring_steps
 
 
 def test_the_ring_stops_once_every_window_is_covered():
