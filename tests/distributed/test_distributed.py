@@ -1,14 +1,18 @@
-"""fastpe.distributed on real gloo process groups of 2 and 4 ranks (torch.multiprocessing spawn).
+"""fastpe.distributed on real gloo process groups of 1, 2 and 4 ranks (torch.multiprocessing spawn).
 
-Each group is spawned once and runs a list of cases; every rank writes its output shards (or the
-error it raised) to a file, and the test process compares the unsharded result with
-``fastpe.attention`` on the unsharded inputs computed by the float64 oracle. A hang fails: the
-process group has a timeout and the spawn helper kills its workers after its own.
+Four processes are spawned once for every test of this folder (conftest.py: starting one costs
+seconds of torch, torch._dynamo and Numba's kernels) and run phases of cases, each phase on its
+own group of some of them (``Phase``); every rank writes its output shards (or the error it
+raised) to a file, and the test process compares the unsharded result with ``fastpe.attention``
+on the unsharded inputs computed by the float64 oracle. A hang fails: each group has a timeout
+and the spawn helper kills its workers after its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import multiprocessing.forkserver
 import os
 import socket
 import subprocess
@@ -29,7 +33,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 from fastpe import distributed as fd  # noqa: E402
 
-SPAWN_TIMEOUT_S = 240  # the whole group, start-up included; a hang fails here
+SPAWN_TIMEOUT_S = 240  # every phase, start-up included; a hang fails here
 GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
 
 
@@ -106,8 +110,12 @@ def _unsplit(shards, case):
     return fd.unshard_sequence(shards, layout=case["layout"])
 
 
-def _run_case(case, rank, world):
+def _run_case(case, rank, world, group):
+    """This rank's outputs for ``case`` on ``group`` (None: the default group), of which it is
+    rank ``rank`` of ``world``."""
     q, k, v, opts = _full_inputs(case)
+    if group is not None:
+        opts["group"] = group
     if case["fn"] == "decode":
         q = q[:, :, -1:]  # the same query on every rank, the cache sharded unevenly
         if case["error"] == "decode_q_differs" and rank == 1:
@@ -118,13 +126,14 @@ def _run_case(case, rank, world):
         cache_lengths = None if lengths is None else (lengths - start).clamp(0, case["seqs"][rank])
         if case["error"] == "grad":
             q.requires_grad_(True)
-            out = fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths)
+            out = fd.sharded_kv_decode_attention(
+                q, ks, vs, cache_lengths=cache_lengths, group=group
+            )
             out.sum().backward()
-        extra = {key: opts[key] for key in ("softcap", "sinks") if key in opts}
+        extra = {key: opts[key] for key in ("softcap", "sinks", "group") if key in opts}
         return fd.sharded_kv_decode_attention(
             q, ks, vs, cache_lengths=cache_lengths, return_lse=True, **extra
         )
-    group = None
     if case["subgroups"]:  # two groups {0, 2} and {1, 3}: group ranks differ from global ranks
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
         group, rank, world = groups[rank % 2], rank // 2, 2
@@ -188,10 +197,37 @@ def _reference(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# Spawning a group
+# Spawning the processes
 
 
-def _worker(rank, world, init_method, cases, outdir):
+# The workers are forked by a server that imported these once (seconds each: torch, fastpe's Numba
+# kernels, torch._dynamo, which a custom op's first autograd call imports) instead of each
+# importing them anew; the server runs nothing else, so no thread of its dies in the fork.
+PRELOAD = [
+    "test_distributed",
+    "test_distributed_errors",
+    "fastpe.torch_ops",
+    "fastpe.kernels.numba.attention",
+    "fastpe.kernels.numba.attention_backward",
+    "fastpe.kernels.numba.apply_rope",
+    "torch._dynamo",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Cases that the spawned processes of ``ranks`` run on a group of their own (the default
+    group when they are all of them), with ``run(case, rank, world, group) -> tensors``, where
+    ``rank`` is the process's rank in the group. Every process creates every phase's group and
+    runs the phases it belongs to in their order, so phases of disjoint ranks run at once."""
+
+    ranks: tuple
+    cases: list
+    run: object = None  # default: _run_case
+    timeout_s: float = GROUP_TIMEOUT_S
+
+
+def _worker(rank, world, init_method, phases, outdir):
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -200,12 +236,23 @@ def _worker(rank, world, init_method, cases, outdir):
         world_size=world,
         timeout=timedelta(seconds=GROUP_TIMEOUT_S),
     )
+    groups = [  # new_group is collective: every process creates every group, in the same order
+        None
+        if phase.ranks == tuple(range(world))
+        else dist.new_group(list(phase.ranks), timeout=timedelta(seconds=phase.timeout_s))
+        for phase in phases
+    ]
     results = {}
-    for case in cases:
-        try:
-            results[case["name"]] = ("ok", *(x.detach() for x in _run_case(case, rank, world)))
-        except Exception as exc:  # the test process judges every outcome
-            results[case["name"]] = ("error", type(exc).__name__, str(exc))
+    for phase, group in zip(phases, groups, strict=True):
+        if rank not in phase.ranks:
+            continue
+        run = phase.run or _run_case
+        for case in phase.cases:
+            try:
+                outputs = run(case, phase.ranks.index(rank), len(phase.ranks), group)
+                results[case["name"]] = ("ok", *(x.detach() for x in outputs))
+            except Exception as exc:  # the test process judges every outcome
+                results[case["name"]] = ("error", type(exc).__name__, str(exc))
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -216,30 +263,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_group(world, cases, tmp_path, timeout=SPAWN_TIMEOUT_S, worker=None):
-    """Run ``cases`` on a fresh gloo group of ``world`` processes; returns per-rank results.
-    Workers still running after ``timeout`` seconds are killed and the test fails. ``worker``
-    (default ``_worker``): another module's worker with the same arguments and result file."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+def spawn_group(world, phases, tmp_path, timeout=SPAWN_TIMEOUT_S):
+    """Run ``phases`` on a fresh gloo group of ``world`` processes; returns per-rank results
+    (case name -> outcome). Workers still running after ``timeout`` seconds are killed and the
+    test fails."""
+    names = [case["name"] for phase in phases for case in phase.cases]
+    assert len(set(names)) == len(names), "case names must be unique across the phases"
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     env = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # N processes share the cores
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    try:
-        procs = [
-            ctx.Process(
-                target=worker or _worker, args=(r, world, init_method, cases, str(tmp_path))
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
+    try:  # the server (and every worker it forks) keeps the environment it starts with
+        multiprocessing.forkserver.ensure_running()
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key)
             else:
                 os.environ[key] = value
+    warm_numba()  # while the server imports
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, init_method, phases, str(tmp_path)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(deadline - time.monotonic(), 0))
@@ -253,10 +303,16 @@ def spawn_group(world, cases, tmp_path, timeout=SPAWN_TIMEOUT_S, worker=None):
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-def _warm_numba():
+def members(results, phase) -> list:
+    """The results of ``phase``'s processes, in the order of their ranks in its group."""
+    return [results[r] for r in phase.ranks]
+
+
+def warm_numba():
     """Compile (or load) the Numba kernels the workers use once, here, so that N workers load
-    them from the disk cache instead of all compiling at once."""
-    q = torch.randn(1, 2, 4, 8)
+    them from the disk cache instead of all compiling at once (the backward's too: every worker
+    runs a backward in the first phase)."""
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
     for opts in (
         {},
         {
@@ -271,7 +327,8 @@ def _warm_numba():
             },
         },
     ):
-        fastpe.attention(q, q, q, return_lse=True, **opts)
+        out, lse = fastpe.attention(q, q, q, return_lse=True, **opts)
+        torch.autograd.backward([out, lse], [torch.ones_like(out), torch.ones_like(lse)])
 
 
 def _check(results, cases, world):
@@ -492,24 +549,32 @@ CASES_4 += _with_grad(
 )
 
 
-@pytest.fixture(scope="module")
-def group2(tmp_path_factory):
-    _warm_numba()
-    return spawn_group(2, CASES_2, tmp_path_factory.mktemp("group2"))
+CASES_1 = [
+    _case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
+    _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True),
+]
+
+# This file's phases of the spawned run (conftest.py), which has 4 processes: CASES_4 on all of
+# them, then CASES_2 on ranks 0 and 1 (while test_distributed_errors.py's run on ranks 2 and 3),
+# then CASES_1 on rank 0 alone.
+GROUP4 = Phase((0, 1, 2, 3), CASES_4)
+GROUP2 = Phase((0, 1), CASES_2)
+GROUP1 = Phase((0,), CASES_1)
+PHASES = [GROUP4, GROUP2, GROUP1]
 
 
 @pytest.fixture(scope="module")
-def group4(tmp_path_factory):
-    _warm_numba()
-    return spawn_group(4, CASES_4, tmp_path_factory.mktemp("group4"))
+def group2(spawned):
+    return members(spawned, GROUP2)
 
 
-def test_a_group_of_one_rank_is_plain_attention(tmp_path):
-    cases = [
-        _case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
-        _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True),
-    ]
-    _check(spawn_group(1, cases, tmp_path), cases, 1)
+@pytest.fixture(scope="module")
+def group4(spawned):
+    return members(spawned, GROUP4)
+
+
+def test_a_group_of_one_rank_is_plain_attention(spawned):
+    _check(members(spawned, GROUP1), CASES_1, 1)
 
 
 def test_two_ranks_equal_single_process(group2):
