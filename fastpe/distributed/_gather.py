@@ -72,28 +72,21 @@ def decode(g, q, k_cache_shard, v_cache_shard, options, backend):
     """``sharded_kv_decode_attention``'s (out, lse), the same on every rank of ``g``."""
     import torch
 
-    def local():
+    def local():  # keyed by the words of the error if ranks differ
         summary = options.check_decode(q, k_cache_shard, v_cache_shard, backend=backend)
         return {
-            "q": tuple(q.shape),
-            "kv": (
+            "q shape": tuple(q.shape),
+            "cache shape (B, Hkv, D, Dv)": (
                 k_cache_shard.shape[0],
                 k_cache_shard.shape[1],
                 k_cache_shard.shape[3],
                 v_cache_shard.shape[3],
             ),
             "dtype": str(q.dtype),
-            "options": summary,
+            options.DECODE_AGREED: summary,
         }
 
-    reports = g.agree(local)
-    fields = {
-        "q": "q shape",
-        "kv": "cache shape (B, Hkv, D, Dv)",
-        "dtype": "dtype",
-        "options": options.DECODE_AGREED,
-    }
-    g.require_same(reports, options.name, fields)
+    g.require_same(g.agree(local), options.name)
 
     def compute():
         import fastpe

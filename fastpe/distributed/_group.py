@@ -69,15 +69,16 @@ class Group:
         return [r for r, _ in reports]
 
     @staticmethod
-    def require_same(reports, name, fields, *, but=""):
-        """Raise where a field of the agreed ``reports`` differs between ranks (on every rank: all
-        hold the same reports); ``fields`` maps each key to the words the error uses for it."""
-        for key, what in fields.items():
+    def require_same(reports, name, *, but=""):
+        """Raise where an entry of the agreed ``reports`` (dicts keyed by the words the error
+        uses for each entry) differs between ranks: on every rank, as all hold the same
+        reports."""
+        for what in reports[0]:
             for rank, report in enumerate(reports):
-                if report[key] != reports[0][key]:
+                if report[what] != reports[0][what]:
                     raise ValueError(
                         f"{name}: every rank must pass the same {what}{but}; rank 0 has "
-                        f"{reports[0][key]}, rank {rank} has {report[key]}"
+                        f"{reports[0][what]}, rank {rank} has {report[what]}"
                     )
 
 

@@ -11,6 +11,11 @@ import numpy as np
 from fastpe.distributed._group import records_gradients
 from fastpe.distributed._layout import layout_positions
 
+_GRAD = (
+    "gradient recording (whether autograd records q, k, v or sinks: the backward is collective, "
+    "every rank must run it)"
+)
+
 
 class Span:
     """Global positions of some tokens (increasing): on the host, where the blocks are planned
@@ -46,32 +51,27 @@ class Plan:
                 )
             if q.shape[2] == 0:
                 raise ValueError(f"{name}: every rank must hold at least one token; got 0")
-            return {
-                "shape": (
-                    tuple(q.shape[:2]) + tuple(q.shape[3:]),
-                    tuple(k.shape[:2]) + tuple(k.shape[3:]),
-                    tuple(v.shape[3:]),
-                ),
-                "seq": q.shape[2],
-                "dtype": str(q.dtype),
-                "device": q.device.type,
-                # a rank that records gradients runs the collective backward; one that does not
-                # never joins it, and the others would wait for it
-                "grad": records_gradients(q, k, v, options.sinks),
-                "options": summary,
-            }
+            return (
+                q.shape[2],
+                {  # keyed by the words of the error if ranks differ
+                    "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)": (
+                        tuple(q.shape[:2]) + tuple(q.shape[3:]),
+                        tuple(k.shape[:2]) + tuple(k.shape[3:]),
+                        tuple(v.shape[3:]),
+                    ),
+                    "dtype": str(q.dtype),
+                    "device": q.device.type,
+                    # a rank that records gradients runs the collective backward; one that
+                    # does not never joins it, and the others would wait for it
+                    _GRAD: records_gradients(q, k, v, options.sinks),
+                    options.AGREED: summary,
+                },
+            )
 
         reports = g.agree(local)
-        fields = {
-            "shape": "shapes (B, H, D of q; B, Hkv, D of k; Dv of v)",
-            "dtype": "dtype",
-            "device": "device",
-            "grad": "gradient recording (whether autograd records q, k, v or sinks: the "
-            "backward is collective, every rank must run it)",
-            "options": options.AGREED,
-        }
-        g.require_same(reports, name, fields, but=" except the sequence length")
-        self.seqs = [r["seq"] for r in reports]
+        same = [report for _, report in reports]
+        g.require_same(same, name, but=" except the sequence length")
+        self.seqs = [seq for seq, _ in reports]
         if layout == "zigzag" and (len(set(self.seqs)) != 1 or self.seqs[0] % 2):
             raise ValueError(
                 f"{name} with layout='zigzag' needs one even shard length on every rank (a "
@@ -80,7 +80,7 @@ class Plan:
             )
         self.total = total = sum(self.seqs)
         self.layout = layout
-        self.options = options.agreed(reports[0]["options"], self.seqs, q.device)
+        self.options = options.agreed(same[0][options.AGREED], self.seqs, q.device)
         host = layout_positions(layout, self.seqs)
         self.positions = [Span(h, torch.as_tensor(h, device=q.device)) for h in host]
         self.everything = Span(np.arange(total), torch.arange(total, device=q.device))
