@@ -46,7 +46,7 @@ def _check_backend(inputs, backend) -> None:
     dispatch.select(inputs, backend)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Options:
     """The attention keywords of one distributed call as passed (all but the tensors, the group,
     the layout and the backend); ``name`` is the public function's, for errors."""
@@ -211,7 +211,7 @@ class Options:
         return dict(key_lengths=self.key_lengths, scale=self.scale, softcap=self.softcap)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BlockOptions:
     """The options every rank agreed on, with their global meaning: which blocks of queries and
     keys (at global positions) have anything to compute, and each block's keywords."""

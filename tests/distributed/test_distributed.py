@@ -1,4 +1,4 @@
-"""fastpe.distributed on real gloo process groups of 1, 2 and 4 ranks (torch.multiprocessing spawn).
+"""fastpe.distributed on real gloo process groups of 1, 2 and 4 ranks (torch.multiprocessing).
 
 Four processes are spawned once for every test of this folder (conftest.py: starting one costs
 seconds of torch, torch._dynamo and Numba's kernels) and run phases of cases, each phase on its
