@@ -19,7 +19,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from test_distributed import Phase, _case, _full_inputs, _split, members  # noqa: E402
+from _spawn import Phase, members  # noqa: E402
+from test_distributed import _case, _full_inputs, _split  # noqa: E402
 
 from fastpe import distributed as fd  # noqa: E402
 
