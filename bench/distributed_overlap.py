@@ -26,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 from fastpe import distributed as fd
+from fastpe.distributed import _ring
+from fastpe.distributed._api import Options
+from fastpe.distributed._group import Group, ring_exchange, wait
+from fastpe.distributed._plan import Plan
 
 
 def _median_times(fns: dict, repeats: int) -> dict:
@@ -68,24 +72,14 @@ def main():
     lines = []
     for layout in fd.LAYOUTS:
         qs, ks, vs = (fd.shard_sequence(x, rank, world, layout=layout) for x in (q, k, v))
-        plan = fd._Plan(
-            fd._Group(None),
+        plan = Plan(
+            Group(None),
             qs,
             ks,
             vs,
-            causal=args.causal,
-            key_lengths=None,
-            scale=None,
-            rope=None,
-            alibi_slopes=None,
-            mask=None,
-            relative_bias=None,
-            window=None,
-            softcap=None,
-            sinks=None,
+            Options("bench", causal=args.causal),
             layout=layout,
             backend=None,
-            name="bench",
         )
         # every rank's K/V shard already here: the same blocks with no transfer at all
         shards = [
@@ -96,7 +90,7 @@ def main():
             fd.ring_attention(qs, ks, vs, causal=args.causal, layout=layout)
 
         def ring(qs=qs, ks=ks, vs=vs, plan=plan, overlap=True):
-            fd._ring_loop(plan.g, plan, qs, ks, vs, None, overlap=overlap)
+            _ring.ring_loop(plan.g, plan, qs, ks, vs, None, overlap=overlap)
 
         def compute(qs=qs, plan=plan, shards=shards):
             b, h, n = qs.shape[:3]
@@ -105,21 +99,21 @@ def main():
             for step in range(world):
                 source = (rank - step) % world
                 kk, vv = shards[2 * source], shards[2 * source + 1]
-                fd._ring_compute(plan, qs, kk, vv, acc_out, acc_lse, source, None)
+                _ring.ring_compute(plan, qs, kk, vv, acc_out, acc_lse, source, None)
 
         def transfer(ks=ks, vs=vs, plan=plan):
             kv = (ks.contiguous(), vs.contiguous())
             coming = tuple(torch.empty_like(t) for t in kv)
-            fd._wait(fd._ring_exchange(plan.g, send=kv, receive=coming, tag=fd._KV_TAG))
+            wait(ring_exchange(plan.g, send=kv, receive=coming, tag=_ring.KV_TAG))
 
         # the backward: the ring pass (K/V and the dK/dV accumulators travelling), and the same
         # blocks' backward with every shard present
-        out, lse = fd._ring_loop(plan.g, plan, qs, ks, vs, None)
+        out, lse = _ring.ring_loop(plan.g, plan, qs, ks, vs, None)
         grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
         saved = (qs, ks, vs, out, lse, grad_out, grad_lse)
 
         def ring_backward(plan=plan, saved=saved):
-            fd._ring_backward(plan.g, plan, *saved, None)
+            _ring.ring_backward(plan.g, plan, *saved, None)
 
         def compute_backward(plan=plan, saved=saved, shards=shards):
             dq = torch.zeros(saved[0].shape)
@@ -127,7 +121,7 @@ def main():
                 source = (rank - step) % world
                 kv = (shards[2 * source], shards[2 * source + 1])
                 grads = tuple(torch.zeros_like(t) for t in kv)
-                fd._ring_backward_compute(plan, source, saved[0], kv, *saved[3:], dq, grads, None)
+                _ring.ring_backward_compute(plan, source, saved[0], kv, *saved[3:], dq, grads, None)
 
         call()  # warm-up: Numba loads its kernels
         ring_backward()

@@ -1,21 +1,20 @@
-"""fastpe.distributed on real gloo process groups of 2 and 4 ranks (torch.multiprocessing spawn).
+"""fastpe.distributed on real gloo process groups of 1, 2 and 4 ranks (torch.multiprocessing).
 
-Each group is spawned once and runs a list of cases; every rank writes its output shards (or the
-error it raised) to a file, and the test process compares the unsharded result with
-``fastpe.attention`` on the unsharded inputs computed by the float64 oracle. A hang fails: the
-process group has a timeout and the spawn helper kills its workers after its own.
+Four processes are spawned once for every test of this folder (_spawn.py: starting one costs
+seconds of torch, torch._dynamo and Numba's kernels) and run phases of cases, each phase on its
+own group of some of them (``Phase``); every rank writes its output shards (or the error it
+raised) to a file, and the test process compares the unsharded result with ``fastpe.attention``
+on the unsharded inputs computed by the float64 oracle. A hang fails: each group has a timeout
+and the spawn helper kills its workers after its own.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 import zlib
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -27,11 +26,9 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from _spawn import SPAWN_TIMEOUT_S, Phase, free_port, members  # noqa: E402
+
 from fastpe import distributed as fd  # noqa: E402
-
-SPAWN_TIMEOUT_S = 240  # the whole group, start-up included; a hang fails here
-GROUP_TIMEOUT_S = 60  # any single collective or point-to-point op
-
 
 # ---------------------------------------------------------------------------------------------
 # Cases: one dict each; the same function builds the full inputs in the workers and here.
@@ -106,8 +103,12 @@ def _unsplit(shards, case):
     return fd.unshard_sequence(shards, layout=case["layout"])
 
 
-def _run_case(case, rank, world):
+def _run_case(case, rank, world, group):
+    """This rank's outputs for ``case`` on ``group`` (None: the default group), of which it is
+    rank ``rank`` of ``world``."""
     q, k, v, opts = _full_inputs(case)
+    if group is not None:
+        opts["group"] = group
     if case["fn"] == "decode":
         q = q[:, :, -1:]  # the same query on every rank, the cache sharded unevenly
         if case["error"] == "decode_q_differs" and rank == 1:
@@ -118,13 +119,14 @@ def _run_case(case, rank, world):
         cache_lengths = None if lengths is None else (lengths - start).clamp(0, case["seqs"][rank])
         if case["error"] == "grad":
             q.requires_grad_(True)
-            out = fd.sharded_kv_decode_attention(q, ks, vs, cache_lengths=cache_lengths)
+            out = fd.sharded_kv_decode_attention(
+                q, ks, vs, cache_lengths=cache_lengths, group=group
+            )
             out.sum().backward()
-        extra = {key: opts[key] for key in ("softcap", "sinks") if key in opts}
+        extra = {key: opts[key] for key in ("softcap", "sinks", "group") if key in opts}
         return fd.sharded_kv_decode_attention(
             q, ks, vs, cache_lengths=cache_lengths, return_lse=True, **extra
         )
-    group = None
     if case["subgroups"]:  # two groups {0, 2} and {1, 3}: group ranks differ from global ranks
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
         group, rank, world = groups[rank % 2], rank // 2, 2
@@ -185,93 +187,6 @@ def _reference(case):
     grad_out, grad_lse = _output_grads(case)
     torch.autograd.backward([out, lse], [grad_out.double(), grad_lse[..., 0].double()])
     return out.detach(), lse.detach(), *(x.grad for x in leaves)
-
-
-# ---------------------------------------------------------------------------------------------
-# Spawning a group
-
-
-def _worker(rank, world, init_method, cases, outdir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-    )
-    results = {}
-    for case in cases:
-        try:
-            results[case["name"]] = ("ok", *(x.detach() for x in _run_case(case, rank, world)))
-        except Exception as exc:  # the test process judges every outcome
-            results[case["name"]] = ("error", type(exc).__name__, str(exc))
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_group(world, cases, tmp_path, timeout=SPAWN_TIMEOUT_S, worker=None):
-    """Run ``cases`` on a fresh gloo group of ``world`` processes; returns per-rank results.
-    Workers still running after ``timeout`` seconds are killed and the test fails. ``worker``
-    (default ``_worker``): another module's worker with the same arguments and result file."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    env = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # N processes share the cores
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        procs = [
-            ctx.Process(
-                target=worker or _worker, args=(r, world, init_method, cases, str(tmp_path))
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} of {world} did not finish within {timeout} s"
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world, f"worker exit codes {codes}"
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-
-
-def _warm_numba():
-    """Compile (or load) the Numba kernels the workers use once, here, so that N workers load
-    them from the disk cache instead of all compiling at once."""
-    q = torch.randn(1, 2, 4, 8)
-    for opts in (
-        {},
-        {
-            "causal": True,
-            "key_lengths": torch.tensor([3]),
-            "mask": torch.zeros(1, 2, 4, 4),
-            "rope": {
-                "cos": torch.ones(8, 4),
-                "sin": torch.zeros(8, 4),
-                "q_positions": torch.arange(4),
-                "k_positions": torch.arange(4),
-            },
-        },
-    ):
-        fastpe.attention(q, q, q, return_lse=True, **opts)
 
 
 def _check(results, cases, world):
@@ -492,24 +407,32 @@ CASES_4 += _with_grad(
 )
 
 
-@pytest.fixture(scope="module")
-def group2(tmp_path_factory):
-    _warm_numba()
-    return spawn_group(2, CASES_2, tmp_path_factory.mktemp("group2"))
+CASES_1 = [
+    _case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
+    _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True),
+]
+
+# This file's phases of the spawned run (conftest.py), which has 4 processes: CASES_4 on all of
+# them, then CASES_2 on ranks 0 and 1 (while test_distributed_errors.py's run on ranks 2 and 3),
+# then CASES_1 on rank 0 alone.
+GROUP4 = Phase((0, 1, 2, 3), CASES_4, _run_case)
+GROUP2 = Phase((0, 1), CASES_2, _run_case)
+GROUP1 = Phase((0,), CASES_1, _run_case)
+PHASES = [GROUP4, GROUP2, GROUP1]
 
 
 @pytest.fixture(scope="module")
-def group4(tmp_path_factory):
-    _warm_numba()
-    return spawn_group(4, CASES_4, tmp_path_factory.mktemp("group4"))
+def group2(spawned):
+    return members(spawned, GROUP2)
 
 
-def test_a_group_of_one_rank_is_plain_attention(tmp_path):
-    cases = [
-        _case("one_rank_zigzag", causal=True, layout="zigzag", rope=True, grad=True),
-        _case("one_rank_all_gather", fn="all_gather", hkv=2, alibi=True, grad=True),
-    ]
-    _check(spawn_group(1, cases, tmp_path), cases, 1)
+@pytest.fixture(scope="module")
+def group4(spawned):
+    return members(spawned, GROUP4)
+
+
+def test_a_group_of_one_rank_is_plain_attention(spawned):
+    _check(members(spawned, GROUP1), CASES_1, 1)
 
 
 def test_two_ranks_equal_single_process(group2):
@@ -597,10 +520,11 @@ def test_missing_process_group_is_a_clear_error():
 
 
 def _ring_steps(seqs, *, causal=True, layout="contiguous", window=None, key_lengths=None):
-    """_Plan.ring_steps on a plan built from its fields alone (no process group needed)."""
+    """Plan.ring_steps on a plan built from its fields alone (no process group needed)."""
     import types
 
-    import numpy as np
+    from fastpe.distributed._api import BlockOptions
+    from fastpe.distributed._plan import Plan, Span
 
     world = len(seqs)
     if layout == "zigzag":
@@ -610,16 +534,13 @@ def _ring_steps(seqs, *, causal=True, layout="contiguous", window=None, key_leng
     else:
         starts = np.cumsum([0, *seqs])
         positions = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    plan = types.SimpleNamespace(
-        g=types.SimpleNamespace(size=world),
-        seqs=list(seqs),
-        causal=causal,
-        layout=layout,
-        window=window,
-        longest_key=None if key_lengths is None else max(key_lengths),
-        positions=[fd._Span(p, None) for p in positions],
+    plan = Plan.__new__(Plan)  # its fields alone, without the agreement round
+    plan.g, plan.seqs, plan.layout = types.SimpleNamespace(size=world), list(seqs), layout
+    plan.options = BlockOptions(
+        causal=causal, window=window, longest_key=None if key_lengths is None else max(key_lengths)
     )
-    return fd._Plan.ring_steps.func(plan)
+    plan.positions = [Span(p, None) for p in positions]
+    return plan.ring_steps
 
 
 def test_the_ring_stops_once_every_window_is_covered():
@@ -674,7 +595,7 @@ def test_overlap_benchmark_runs_under_torchrun():
             "--nproc-per-node",
             "2",
             "--master-port",
-            str(_free_port()),
+            str(free_port()),
             os.path.join(root, "bench", "distributed_overlap.py"),
             "--seq",
             "64",

@@ -3,14 +3,14 @@ in ``backend=`` or ``$FASTPE_BACKEND``, or a backend that cannot run its inputs)
 gradient recording that differ between ranks. Every rank must raise, naming the rank and the
 value; none may wait for the others.
 
-The group's timeout is a few seconds (far below test_distributed.py's), so a rank left waiting
-raises a timeout error here instead of the agreed one: the test fails without hanging.
+The cases run on ranks 2 and 3 of the spawned run (conftest.py), on a group whose timeout is a
+few seconds (far below test_distributed.py's), so a rank left waiting raises a timeout error
+here instead of the agreed one: the test fails without hanging.
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 
@@ -19,12 +19,12 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from test_distributed import _case, _full_inputs, _split, _warm_numba, spawn_group  # noqa: E402
+from _spawn import Phase, members  # noqa: E402
+from test_distributed import _case, _full_inputs, _split  # noqa: E402
 
 from fastpe import distributed as fd  # noqa: E402
 
 GROUP_TIMEOUT_S = 5  # a rank left waiting times out long before the spawn's deadline
-SPAWN_TIMEOUT_S = 180
 BAD_RANK = 1
 
 CASES = [
@@ -50,8 +50,9 @@ CASES = [
 ]
 
 
-def _run(case, rank, world):
+def _run(case, rank, world, group):
     q, k, v, opts = _full_inputs(case)
+    opts["group"] = group
     mine = rank == BAD_RANK
     backend = None
     if mine and case.get("bad"):
@@ -73,7 +74,9 @@ def _run(case, rank, world):
         if case["fn"] == "decode":
             ks, vs = (x.split(case["seqs"], dim=2)[rank] for x in (k, v))
             extra = {key: opts[key] for key in ("softcap",) if key in opts}
-            out = fd.sharded_kv_decode_attention(q[:, :, -1:], ks, vs, backend=backend, **extra)
+            out = fd.sharded_kv_decode_attention(
+                q[:, :, -1:], ks, vs, backend=backend, group=group, **extra
+            )
             return (out,)
         qs, ks, vs = (_split(x, case, rank, world) for x in (q, k, v))
         fn = {"ring": fd.ring_attention, "all_gather": fd.all_gather_attention}[case["fn"]]
@@ -87,31 +90,13 @@ def _run(case, rank, world):
         os.environ.pop("FASTPE_BACKEND", None)
 
 
-def _worker(rank, world, init_method, cases, outdir):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-    )
-    results = {}
-    for case in cases:
-        try:
-            results[case["name"]] = ("ok", *(x.detach() for x in _run(case, rank, world)))
-        except Exception as exc:  # the test process judges every outcome
-            results[case["name"]] = ("error", type(exc).__name__, str(exc))
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+ERRORS = Phase((2, 3), CASES, run=_run, timeout_s=GROUP_TIMEOUT_S)
+PHASES = [ERRORS]  # this file's phase of the spawned run (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    _warm_numba()
-    results = spawn_group(
-        2, CASES, tmp_path_factory.mktemp("errors"), timeout=SPAWN_TIMEOUT_S, worker=_worker
-    )
+def outcomes(spawned):
+    results = members(spawned, ERRORS)
     return {case["name"]: [r[case["name"]] for r in results] for case in CASES}
 
 
