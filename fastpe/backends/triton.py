@@ -216,8 +216,11 @@ class Attention(_Triton):
 
 
 def _fp32(x):
-    """An option array as the kernels read it: fp32, contiguous."""
-    return x.float().contiguous()
+    """An option array as the kernels read it: fp32, its last dim at unit stride (the kernels
+    read ``sinks[h]`` by index; a broadcast [B, Hq] ALiBi view keeps its zero batch stride,
+    which they step through, instead of being copied)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class AttentionBackward(_Triton):
