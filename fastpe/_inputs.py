@@ -15,14 +15,13 @@ import numpy as np
 
 from fastpe import _arrays
 from fastpe._arrays import Placement
-from fastpe._options import Positions, RelativeBias, Rope, check_rope_tables
+from fastpe._options import AttentionOptions, Positions, RelativeBias, Rope, check_rope_tables
 from fastpe._validate import (
     MAX_DIM,
     MAX_POSITION,
     check_bool,
     check_choice,
     check_device_data,
-    check_finite,
     check_float,
     check_float_array,
     check_int,
@@ -36,7 +35,6 @@ LAYOUTS = ("interleaved", "concat")
 FREQS = ("paper", "tensor2tensor")
 ROPE_LAYOUTS = ("bhsd", "bshd")
 PE_KINDS = ("sinusoidal", "table", None)
-CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 
 
 def _check_sinusoidal_dim(name: str, dim: int, freq: str) -> None:
@@ -55,6 +53,13 @@ def _check_offset(offset, num_positions: int) -> int:
     # the last position, offset + num_positions - 1, must be supported too: named by the count
     check_int("num_positions", num_positions, maximum=MAX_POSITION - offset)
     return offset
+
+
+def _table_record(cls, device, dtype, **fields):
+    """A table op's record: its checked fields, then the placement ``device`` names and the
+    dtype normalised for it."""
+    placement = _arrays.resolve_device(device)
+    return cls(**fields, dtype=_arrays.normalize_dtype(dtype, placement), placement=placement)
 
 
 def _features(**flags: bool) -> frozenset[str]:
@@ -92,16 +97,16 @@ class SinusoidalTableInputs(_Inputs):
         layout = check_choice("layout", layout, LAYOUTS)
         freq = check_choice("freq", freq, FREQS)
         _check_sinusoidal_dim("dim", dim, freq)
-        placement = _arrays.resolve_device(device)
-        return cls(
+        return _table_record(
+            cls,
+            device,
+            dtype,
             num_positions=num_positions,
             dim=dim,
             base=check_float("base", base, positive=True),
             layout=layout,
             freq=freq,
             offset=_check_offset(offset, num_positions),
-            dtype=_arrays.normalize_dtype(dtype, placement),
-            placement=placement,
         )
 
 
@@ -125,14 +130,14 @@ class RopeTableInputs(_Inputs):
         inv_freq, attention_factor = rope_inv_freq(
             rotary_dim, base=base, scaling=scaling, seq_len=offset + num_positions
         )
-        placement = _arrays.resolve_device(device)
-        return cls(
+        return _table_record(
+            cls,
+            device,
+            dtype,
             num_positions=num_positions,
             inv_freq=inv_freq,
             attention_factor=attention_factor,
             offset=offset,
-            dtype=_arrays.normalize_dtype(dtype, placement),
-            placement=placement,
         )
 
 
@@ -397,18 +402,10 @@ class AttentionInputs(_Inputs):
     q: Any  # [B, Hq, Sq, D]
     k: Any  # [B, Hkv, Sk, D]
     v: Any  # [B, Hkv, Sk, Dv]
-    scale: float
-    causal: bool
-    bottom_right: bool  # query i sits at key position i + Sk - Sq (else at i): docs/math.md
     mask: Any  # None, or bool (True = attend) / float (added) broadcast to [B, Hq, Sq, Sk]
     key_lengths: Any  # int [B] or None
-    rope: Rope | None
-    alibi_slopes: Any  # float broadcast to [B, Hq], or None
     relative_bias: RelativeBias | None
-    window: tuple[int, int] | None  # (left, right), -1 = unbounded; None when both are
-    softcap: float | None
-    sinks: Any  # float [Hq] or None
-    return_lse: bool
+    options: AttentionOptions
     dtype: str
     placement: Placement
 
@@ -425,58 +422,40 @@ class AttentionInputs(_Inputs):
     @property
     def features(self) -> frozenset[str]:
         b, hq, hkv, sq, sk, d, dv = self.shape
-        return _features(
-            causal=self.causal,
+        return self.options.features() | _features(
             bool_mask=self.mask_is_bool,
             additive_mask=self.mask is not None and not self.mask_is_bool,
             key_lengths=self.key_lengths is not None,
             gqa=hq != hkv,
-            rope=self.rope is not None,
-            alibi=self.alibi_slopes is not None,
             relative_bias=self.relative_bias is not None,
-            window=self.window is not None,
-            softcap=self.softcap is not None,
-            sinks=self.sinks is not None,
-            lse=self.return_lse,
             value_dim_differs=d != dv,
         )
 
     @classmethod
-    def build(
-        cls,
-        q,
-        k,
-        v,
-        *,
-        causal,
-        causal_alignment,
-        mask,
-        key_lengths,
-        scale,
-        rope,
-        alibi_slopes,
-        relative_bias,
-        return_lse,
-        window=None,
-        softcap=None,
-        sinks=None,
-    ):
+    def build(cls, q, k, v, *, mask, key_lengths, relative_bias, **options):
+        """``options``: the public keywords of ``AttentionOptions.build``."""
         q, k, v = _check_qkv(q, k, v)
         b, hq, sq, d = q.shape
         sk = k.shape[2]
-        bottom_right = (
-            check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS) == "bottom_right"
-        )
         key_lengths = None if key_lengths is None else _check_key_lengths(key_lengths, b, sk)
-        if rope is not None:
-            default = _default_query_positions(bottom_right, key_lengths, sq, sk)
-            rope = Rope.build(rope, head_dim=d, batch=b, sq=sq, sk=sk, q_positions=default)
+
+        def build_rope(value, options):
+            default = _default_query_positions(options.bottom_right, key_lengths, sq, sk)
+            return Rope.build(value, head_dim=d, batch=b, sq=sq, sk=sk, q_positions=default)
+
+        options = AttentionOptions.build(
+            **options,
+            head_dim=d,
+            heads=hq,
+            batch=b,
+            # query positions lie in [-Sq, Sk) (bottom-right with key_lengths), keys in [0, Sk)
+            span=sq + sk,
+            build_rope=build_rope,
+        )
         relative_bias = (
             None if relative_bias is None else RelativeBias.build(relative_bias, heads=hq)
         )
         mask = None if mask is None else _check_mask(mask, (b, hq, sq, sk))
-        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, b, hq)
-        sinks = None if sinks is None else _check_sinks(sinks, hq)
         placement = check_same_placement(
             {
                 "q": q,
@@ -484,29 +463,19 @@ class AttentionInputs(_Inputs):
                 "v": v,
                 "mask": mask,
                 "key_lengths": key_lengths,
-                **(rope.arrays() if rope else {}),
-                "alibi_slopes": alibi_slopes,
+                **(options.rope.arrays() if options.rope else {}),
+                **options.arrays(),
                 "relative_bias['table']": None if relative_bias is None else relative_bias.table,
-                "sinks": sinks,
             }
         )
         return cls(
             q=q,
             k=k,
             v=v,
-            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
-            causal=check_bool("causal", causal),
-            bottom_right=bottom_right,
             mask=mask,
             key_lengths=key_lengths,
-            rope=rope,
-            alibi_slopes=alibi_slopes,
             relative_bias=relative_bias,
-            # query positions lie in [-Sq, Sk) (bottom-right with key_lengths), keys in [0, Sk)
-            window=check_window(window, span=sq + sk),
-            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
-            sinks=sinks,
-            return_lse=check_bool("return_lse", return_lse),
+            options=options,
             dtype=_arrays.dtype_name(q),
             placement=placement,
         )
@@ -590,56 +559,6 @@ def _check_key_lengths(key_lengths, batch: int, sk: int):
         )
     check_range("key_lengths", key_lengths, 0, sk + 1, what=f"(Sk = {sk})")
     return key_lengths
-
-
-# A window side at least this wide reaches every key of any sequence that can exist: it is
-# unbounded, and the op schema of fastpe.torch_ops (int64) can carry every window after this.
-UNBOUNDED_WINDOW = 2**62
-
-
-def check_window(window, *, span: int | None = None, name: str = "window"):
-    """None or (left, right) of integers >= -1 (-1 = unbounded); None when both are unbounded.
-
-    A side that reaches every key is unbounded as well, so kernels never compute with huge
-    values (``query position ± window`` overflowed int64 and masked every key): a side >=
-    ``span``, the op's largest distance between a query and a key plus one, or >=
-    ``UNBOUNDED_WINDOW`` when the shapes are not known yet (fastpe.torch_ops checks the window
-    before it enters the op schema). ``name`` is the argument's public name."""
-    if window is None:
-        return None
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
-        raise TypeError(
-            f"{name} must be None or a pair (left, right) of integers >= -1; got {window!r}"
-        )
-    limit = UNBOUNDED_WINDOW if span is None else min(span, UNBOUNDED_WINDOW)
-    left, right = (
-        -1 if side >= limit else side
-        for side in (
-            check_int(f"{name}[{index}]", value, minimum=-1) for index, value in enumerate(window)
-        )
-    )
-    return None if (left, right) == (-1, -1) else (left, right)
-
-
-def _check_sinks(sinks, heads: int, name: str = "sinks"):
-    """[Hq] float, finite; errors name ``name`` (fastpe.flash_attn's ``s_aux``)."""
-    sinks = check_float_array(name, sinks)
-    if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"{name} must have shape [Hq] = [{heads}]; got {tuple(sinks.shape)}")
-    check_finite(name, sinks)
-    return sinks
-
-
-def _check_alibi(alibi_slopes, batch: int, heads: int):
-    """[Hq] or [B, Hq], finite; returned broadcast to [B, Hq] (a view)."""
-    alibi_slopes = check_float_array("alibi_slopes", alibi_slopes)
-    if tuple(alibi_slopes.shape) not in [(heads,), (batch, heads)]:
-        raise ValueError(
-            f"alibi_slopes must have shape [Hq] = [{heads}] or [B, Hq] = [{batch}, {heads}]; "
-            f"got {tuple(alibi_slopes.shape)}"
-        )
-    check_finite("alibi_slopes", alibi_slopes)
-    return _arrays.broadcast_to(alibi_slopes, (batch, heads))
 
 
 @dataclass(frozen=True, eq=False)

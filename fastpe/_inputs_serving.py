@@ -9,28 +9,17 @@ the caller instead; we check the values because a wrong boundary is an out-of-bo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from fastpe import _arrays
 from fastpe._arrays import Placement
-from fastpe._inputs import (
-    CAUSAL_ALIGNMENTS,
-    _AttentionGradients,
-    _check_alibi,
-    _check_sinks,
-    _features,
-    _Inputs,
-    check_window,
-)
-from fastpe._options import Rope, check_rope_tables
+from fastpe._inputs import _AttentionGradients, _features, _Inputs
+from fastpe._options import AttentionOptions, Positions, Rope, check_rope_tables
 from fastpe._validate import (
     check_bool,
-    check_choice,
-    check_float,
     check_float_array,
     check_int,
     check_int_array,
@@ -87,46 +76,6 @@ def _check_max_seqlen(name: str, value, lengths: np.ndarray) -> int:
     return min(value, int(lengths.sum()))
 
 
-class PackedRope(NamedTuple):
-    """Fused RoPE of a packed batch: tables and one host position per packed token."""
-
-    cos: Any  # [P, R/2]
-    sin: Any
-    interleaved: bool
-    q_positions: np.ndarray  # int64 [Tq]
-    k_positions: np.ndarray  # int64 [Tk]
-
-    @classmethod
-    def build(cls, value, *, head_dim, q_default, k_default):
-        Rope.check_keys(value)
-        cos, sin = check_rope_tables("rope['", value["cos"], value["sin"], head_dim)
-        rows = cos.shape[0]
-        positions = []
-        for key, default in (("q_positions", q_default), ("k_positions", k_default)):
-            given = value.get(key)
-            name = f"rope[{key!r}]"
-            if given is None:
-                pos = default
-            else:
-                if is_int_scalar(given):
-                    raise TypeError(
-                        f"{name} must be None (positions restart at each sequence) or an int "
-                        f"array [{default.shape[0]}] of one position per packed token; got {given}"
-                    )
-                array = check_int_array(name, given, ndim=(1, 2))
-                pos = _arrays.to_int64(array).reshape(-1)
-                if array.ndim == 2 and array.shape[0] != 1 or pos.shape != default.shape:
-                    raise ValueError(
-                        f"{name} must have shape [{default.shape[0]}] (one per packed token); "
-                        f"got {tuple(array.shape)}"
-                    )
-            check_range(name, pos, 0, rows, what=f"(rope cos/sin have {rows} rows)")
-            positions.append(pos)
-        return cls(
-            cos, sin, check_bool("rope['interleaved']", value.get("interleaved", False)), *positions
-        )
-
-
 def _default_positions(cu: np.ndarray, shift: np.ndarray) -> np.ndarray:
     """Per packed token: its index within its sequence plus that sequence's shift, clamped at 0."""
     lengths = np.diff(cu)
@@ -142,12 +91,14 @@ def _check_dtype_and_dims(named: dict) -> str:
     return next(iter(dtypes.values()))
 
 
-def _check_heads(q_name, hq, k_name, hkv):
+def _check_heads_and_dim(q, hq, k_name, hkv, d):
     if hkv == 0 or hq % hkv:
         raise ValueError(
-            f"{q_name} heads ({hq}) must be a multiple of {k_name} heads ({hkv}) for "
+            f"q heads ({hq}) must be a multiple of {k_name} heads ({hkv}) for "
             "grouped-query attention"
         )
+    if d == 0:
+        raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,15 +111,7 @@ class AttentionVarlenInputs(_Inputs):
     cu_k: np.ndarray
     max_seqlen_q: int
     max_seqlen_k: int
-    scale: float
-    causal: bool
-    bottom_right: bool
-    rope: PackedRope | None
-    alibi_slopes: Any  # [B, Hq] or None
-    window: tuple[int, int] | None
-    softcap: float | None
-    sinks: Any
-    return_lse: bool
+    options: AttentionOptions  # fused RoPE's positions: host int64, one per packed token
     dtype: str
     placement: Placement
 
@@ -186,39 +129,14 @@ class AttentionVarlenInputs(_Inputs):
 
     @property
     def features(self) -> frozenset[str]:
-        return _features(
-            causal=self.causal,
+        return self.options.features() | _features(
             gqa=self.q.shape[1] != self.k.shape[1],
-            rope=self.rope is not None,
-            alibi=self.alibi_slopes is not None,
-            window=self.window is not None,
-            softcap=self.softcap is not None,
-            sinks=self.sinks is not None,
-            lse=self.return_lse,
             value_dim_differs=self.q.shape[2] != self.v.shape[2],
         )
 
     @classmethod
-    def build(
-        cls,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        *,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        causal_alignment,
-        scale,
-        rope,
-        alibi_slopes,
-        window,
-        softcap,
-        sinks,
-        return_lse,
-    ):
+    def build(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, **options):
+        """``options``: the public keywords of ``AttentionOptions.build``."""
         q = check_float_array("q", q, ndim=3)
         k = check_float_array("k", k, ndim=3)
         v = check_float_array("v", v, ndim=3)
@@ -232,9 +150,7 @@ class AttentionVarlenInputs(_Inputs):
                 f"v must be [total_k, Hkv, Dv] matching k's {tuple(k.shape[:2])}; "
                 f"got {tuple(v.shape)}"
             )
-        _check_heads("q", hq, "k/v", hkv)
-        if d == 0:
-            raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
+        _check_heads_and_dim(q, hq, "k/v", hkv, d)
         cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
         cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
         if cu_q.shape != cu_k.shape:
@@ -244,20 +160,26 @@ class AttentionVarlenInputs(_Inputs):
             )
         batch = cu_q.shape[0] - 1
         q_len, k_len = np.diff(cu_q), np.diff(cu_k)
-        bottom_right = (
-            check_choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS) == "bottom_right"
-        )
-        packed_rope = None
-        if rope is not None:
-            shift = k_len - q_len if bottom_right else np.zeros(batch, np.int64)
-            packed_rope = PackedRope.build(
-                rope,
+
+        def build_rope(value, options):
+            shift = k_len - q_len if options.bottom_right else np.zeros(batch, np.int64)
+            return Rope.build_packed(
+                value,
                 head_dim=d,
                 q_default=_default_positions(cu_q, shift),
                 k_default=_default_positions(cu_k, np.zeros(batch, np.int64)),
             )
-        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
-        sinks = None if sinks is None else _check_sinks(sinks, hq)
+
+        options = AttentionOptions.build(
+            **options,
+            head_dim=d,
+            heads=hq,
+            batch=batch,
+            # a query and a key of one sequence are less than Sq + Sk positions apart
+            span=int(q_len.max(initial=0) + k_len.max(initial=0)),
+            build_rope=build_rope,
+        )
+        rope = options.rope
         placement = check_same_placement(
             {
                 "q": q,
@@ -265,10 +187,9 @@ class AttentionVarlenInputs(_Inputs):
                 "v": v,
                 "cu_seqlens_q": _arrays.as_array(cu_seqlens_q),
                 "cu_seqlens_k": _arrays.as_array(cu_seqlens_k),
-                "rope['cos']": None if packed_rope is None else packed_rope.cos,
-                "rope['sin']": None if packed_rope is None else packed_rope.sin,
-                "alibi_slopes": alibi_slopes,
-                "sinks": sinks,
+                "rope['cos']": None if rope is None else rope.cos,
+                "rope['sin']": None if rope is None else rope.sin,
+                **options.arrays(),
             }
         )
         return cls(
@@ -279,16 +200,7 @@ class AttentionVarlenInputs(_Inputs):
             cu_k=cu_k,
             max_seqlen_q=_check_max_seqlen("max_seqlen_q", max_seqlen_q, q_len),
             max_seqlen_k=_check_max_seqlen("max_seqlen_k", max_seqlen_k, k_len),
-            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
-            causal=check_bool("causal", causal),
-            bottom_right=bottom_right,
-            rope=packed_rope,
-            alibi_slopes=alibi_slopes,
-            # a query and a key of one sequence are less than Sq + Sk positions apart
-            window=check_window(window, span=int(q_len.max(initial=0) + k_len.max(initial=0))),
-            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
-            sinks=sinks,
-            return_lse=check_bool("return_lse", return_lse),
+            options=options,
             dtype=dtype,
             placement=placement,
         )
@@ -312,16 +224,8 @@ class AttentionKVCacheInputs(_Inputs):
     page_size: int
     rows_per_block: int  # block stride in rows of the caches' row views (backends/_serving.py)
     paged: bool
-    rotary: tuple | None  # (cos, sin, interleaved)
-    q_positions: np.ndarray | None  # host int64 [B, Sq] rows of the rotary tables
-    k_positions: np.ndarray | None  # host int64 [B, Sn]
-    scale: float
-    causal: bool
-    alibi_slopes: Any
-    window: tuple[int, int] | None
-    softcap: float | None
-    sinks: Any
-    return_lse: bool
+    # bottom-right aligned; fused RoPE (rotary_cos/sin) positions host int64 [B, Sq] and [B, Sn]
+    options: AttentionOptions
     dtype: str
     placement: Placement
 
@@ -336,17 +240,10 @@ class AttentionKVCacheInputs(_Inputs):
 
     @property
     def features(self) -> frozenset[str]:
-        return _features(
+        return self.options.features() | _features(
             paged=self.paged,
             append=self.k is not None,
-            rope=self.rotary is not None,
-            causal=self.causal,
             gqa=self.q.shape[2] != self.k_cache.shape[2],
-            alibi=self.alibi_slopes is not None,
-            window=self.window is not None,
-            softcap=self.softcap is not None,
-            sinks=self.sinks is not None,
-            lse=self.return_lse,
             value_dim_differs=self.q.shape[3] != self.v_cache.shape[3],
         )
 
@@ -365,14 +262,10 @@ class AttentionKVCacheInputs(_Inputs):
         rotary_cos,
         rotary_sin,
         rotary_interleaved,
-        causal,
-        scale,
-        alibi_slopes,
-        window,
-        softcap,
-        sinks,
-        return_lse,
+        **options,
     ):
+        """``options``: the public keywords of ``AttentionOptions.build`` but ``rope`` (here
+        ``rotary_cos``, ``rotary_sin``, ``rotary_interleaved``); always bottom-right aligned."""
         q = check_float_array("q", q, ndim=4)
         k_cache = check_float_array("k_cache", k_cache, ndim=4)
         v_cache = check_float_array("v_cache", v_cache, ndim=4)
@@ -385,9 +278,7 @@ class AttentionKVCacheInputs(_Inputs):
                 f"v_cache must match k_cache's first three dims {tuple(k_cache.shape[:3])}; "
                 f"got {tuple(v_cache.shape)}"
             )
-        _check_heads("q", hq, "k_cache", hkv)
-        if d == 0:
-            raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
+        _check_heads_and_dim(q, hq, "k_cache", hkv, d)
         per_block = _check_cache_layouts(k_cache, v_cache)
         named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
         if (k is None) != (v is None):
@@ -445,9 +336,6 @@ class AttentionKVCacheInputs(_Inputs):
                 table = index[:, None]
             page_size, capacity = width, width
         lengths = _check_cache_seqlens(cache_seqlens, batch, capacity, new)
-        # a query and a key of one sequence are less than Sq + capacity positions apart; a
-        # window wider than that restricts nothing and counts as none (for the rotary rule too)
-        window = check_window(window, span=sq + capacity)
         total = lengths + new
         pages = -(-total // page_size)  # pages each sequence reads
         used = np.arange(table.shape[1])[None, :] < pages[:, None]
@@ -462,18 +350,16 @@ class AttentionKVCacheInputs(_Inputs):
                 )
         if new:
             _check_no_shared_written_pages(table, used, lengths, total, page_size, paged)
-        rotary = q_positions = k_positions = None
-        if (rotary_cos is None) != (rotary_sin is None):
-            raise ValueError("rotary_cos and rotary_sin must be given together")
-        if rotary_cos is not None:
+
+        def build_rope(value, options):
             if k is None:
                 raise ValueError(
                     "rotary_cos/rotary_sin rotate the new k and q at their cache positions; "
                     "they need k and v (keys already in the cache are stored rotated)"
                 )
-            cos, sin = check_rope_tables("rotary_", rotary_cos, rotary_sin, d)
+            cos, sin = check_rope_tables("rotary_", *value, d)
             k_positions = lengths[:, None] + np.arange(new)[None, :]
-            if causal or window is not None:
+            if options.causal or options.window is not None:
                 q_positions = lengths[:, None] + np.arange(sq)[None, :]
             else:  # FlashAttention: every query at the first new position
                 q_positions = np.broadcast_to(lengths[:, None], (batch, sq))
@@ -483,26 +369,32 @@ class AttentionKVCacheInputs(_Inputs):
                     f"rotary_cos/rotary_sin have {cos.shape[0]} rows; positions up to "
                     f"{needed - 1} are needed (cache_seqlens + new tokens)"
                 )
-            rotary = (cos, sin, check_bool("rotary_interleaved", rotary_interleaved))
-            named.update(rotary_cos=cos, rotary_sin=sin)
-        alibi_slopes = None if alibi_slopes is None else _check_alibi(alibi_slopes, batch, hq)
-        sinks = None if sinks is None else _check_sinks(sinks, hq)
+            interleaved = check_bool("rotary_interleaved", rotary_interleaved)
+            return Rope(cos, sin, interleaved, Positions(q_positions), Positions(k_positions))
+
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        options = AttentionOptions.build(
+            **{"causal_alignment": "bottom_right", **options},
+            rope=None if rotary_cos is None else (rotary_cos, rotary_sin),
+            head_dim=d,
+            heads=hq,
+            batch=batch,
+            # a query and a key of one sequence are less than Sq + capacity positions apart; a
+            # window wider than that restricts nothing and counts as none (for the rotary rule)
+            span=sq + capacity,
+            build_rope=build_rope,
+        )
         if k is not None:
-            q, k, v, alibi_slopes, sinks, lengths, table, rotary = _read_before_the_append(
-                k_cache,
-                v_cache,
-                q=q,
-                k=k,
-                v=v,
-                alibi_slopes=alibi_slopes,
-                sinks=sinks,
-                cache_seqlens=lengths,
-                block_table=table,
-                rotary=rotary,
+            q, k, v, lengths, table, options = _read_before_the_append(
+                k_cache, v_cache, q=q, k=k, v=v, lengths=lengths, table=table, options=options
             )
+        rope = options.rope
         placement = check_same_placement(
             {
                 **named,
+                "rotary_cos": None if rope is None else rope.cos,
+                "rotary_sin": None if rope is None else rope.sin,
                 "cache_seqlens": _arrays.as_array(cache_seqlens)
                 if not is_int_scalar(cache_seqlens)
                 else None,
@@ -510,8 +402,7 @@ class AttentionKVCacheInputs(_Inputs):
                 "cache_batch_idx": None
                 if cache_batch_idx is None
                 else _arrays.as_array(cache_batch_idx),
-                "alibi_slopes": alibi_slopes,
-                "sinks": sinks,
+                **options.arrays(),
             }
         )
         return cls(
@@ -525,16 +416,7 @@ class AttentionKVCacheInputs(_Inputs):
             page_size=page_size,
             rows_per_block=per_block,
             paged=paged,
-            rotary=rotary,
-            q_positions=q_positions,
-            k_positions=k_positions,
-            scale=1.0 / math.sqrt(d) if scale is None else check_float("scale", scale),
-            causal=check_bool("causal", causal),
-            alibi_slopes=alibi_slopes,
-            window=window,
-            softcap=None if softcap is None else check_float("softcap", softcap, positive=True),
-            sinks=sinks,
-            return_lse=check_bool("return_lse", return_lse),
+            options=options,
             dtype=dtype,
             placement=placement,
         )
@@ -617,14 +499,15 @@ def _check_no_shared_written_pages(table, used, lengths, total, page_size, paged
         )
 
 
-def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
+def _read_before_the_append(k_cache, v_cache, *, options, **read):
     """Every argument means its values as passed, read before the append writes into the
     caches (FlashAttention's order: q and the new k/v are read, then stored): one that shares
     memory with a cache is replaced by a private copy, taken here before anything is written,
-    so no backend reads a value the append has changed. ``cache_seqlens`` and ``block_table``
-    are the host int64 arrays (views of the caller's memory when it held int64). Two caches that
-    share an element have no meaning for an append (which of k and v lands there?): refused.
-    Returns the read arguments in order, then ``rotary``."""
+    so no backend reads a value the append has changed. ``lengths`` and ``table`` are the host
+    int64 arrays of cache_seqlens and block_table (views of the caller's memory when it held
+    int64). Two caches that share an element have no meaning for an append (which of k and v
+    lands there?): refused. Returns the read arguments in order, then ``options`` with its
+    arrays (and fused RoPE's tables) read alike."""
     caches = [_arrays.byte_bounds(c) for c in (k_cache, v_cache)]
     if _arrays.bounds_overlap(*caches) and _arrays.shares_element(k_cache, v_cache):
         raise ValueError(
@@ -633,21 +516,22 @@ def _read_before_the_append(k_cache, v_cache, *, rotary, **read):
             f"{_arrays.strides(v_cache)}), and appending k/v writes into both; pass separate "
             "caches (or views of one buffer that share no element), or append nothing"
         )
-    if rotary is not None:
-        read.update(rotary_cos=rotary[0], rotary_sin=rotary[1])
 
     def private(x):
         # the conservative address-range test: copying a small argument that shares nothing is
         # harmless, missing one that does is not
+        if x is None:
+            return x
         bounds = _arrays.byte_bounds(x)
         if _arrays.bounds_overlap(bounds, caches[0]) or _arrays.bounds_overlap(bounds, caches[1]):
             return _arrays.private_copy(x)
         return x
 
-    read = {name: private(x) for name, x in read.items()}
-    if rotary is not None:
-        rotary = (read.pop("rotary_cos"), read.pop("rotary_sin"), rotary[2])
-    return (*read.values(), rotary)
+    options = options._replace(**{name: private(x) for name, x in options.arrays().items()})
+    if options.rope is not None:
+        rope = options.rope
+        options = options._replace(rope=rope._replace(cos=private(rope.cos), sin=private(rope.sin)))
+    return (*(private(x) for x in read.values()), options)
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,54 +26,21 @@ import time
 
 import numpy as np
 
-# the ops whose CPU kernels warmup knows how to call, and what each does with the features
-OPS = (
-    "sinusoidal_table",
-    "rope_table",
-    "apply_rope",
-    "embed",
-    "attention",
-    "attention_varlen",
-    "attention_kvcache",
-    "merge_attention",
-)
+from fastpe import api
+from fastpe._options import AttentionOptions
+
+# the ops whose CPU kernels warmup knows how to call (every public op)
+OPS = api.OPS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
-FEATURES = (
-    "causal",
-    "window",
-    "softcap",
-    "sinks",
-    "alibi",
-    "mask",
-    "rope",
-    "decode",
-    "paged",
-    "backward",
-)
+# the attention options a workload's calls may use: the options record's features (the lse
+# changes no kernel), then what else decides which kernels run
+_OPTIONS = tuple(feature for feature in AttentionOptions.FEATURES.values() if feature != "lse")
+FEATURES = (*_OPTIONS, "mask", "decode", "paged", "backward")
 # the features each op takes (others in the set are ignored for that op)
 _OP_FEATURES = {
-    "attention": {
-        "causal",
-        "window",
-        "softcap",
-        "sinks",
-        "alibi",
-        "mask",
-        "rope",
-        "decode",
-        "backward",
-    },
-    "attention_varlen": {
-        "causal",
-        "window",
-        "softcap",
-        "sinks",
-        "alibi",
-        "rope",
-        "decode",
-        "backward",
-    },
-    "attention_kvcache": {"causal", "window", "softcap", "sinks", "alibi", "rope", "paged"},
+    "attention": {*_OPTIONS, "mask", "decode", "backward"},
+    "attention_varlen": {*_OPTIONS, "decode", "backward"},
+    "attention_kvcache": {*_OPTIONS, "paged"},
     "apply_rope": {"backward"},
     "embed": {"backward"},
 }
@@ -530,7 +497,7 @@ def warmup(
     """Compile, and keep in the disk cache, the CPU kernels a workload will call.
 
     ``ops`` (default ["attention"]), ``dtypes`` (default ["float32"]) and ``features``
-    (``causal window softcap sinks alibi mask rope decode paged backward``: those the workload's
+    (``causal window softcap sinks alibi rope mask decode paged backward``: those the workload's
     calls use together) — or ``model_config`` (a transformers config, ``config.json`` path or
     directory; see ``plan``). Items run in ``jobs`` worker processes (0: in this process;
     default: ``default_jobs``), then with ``check`` a fresh process makes every call again and

@@ -360,31 +360,7 @@ def attention(
         for d, key in ((relative_bias, "table"), (rope, "cos"), (rope, "sin"))
         if isinstance(d, dict)
     ]
-    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks, *tables):
-        from fastpe import torch_ops
-
-        return torch_ops.call_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            causal_alignment=causal_alignment,
-            mask=mask,
-            key_lengths=key_lengths,
-            scale=scale,
-            rope=rope,
-            alibi_slopes=alibi_slopes,
-            relative_bias=relative_bias,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            return_lse=return_lse,
-            backend=backend,
-        )
-    inputs = AttentionInputs.build(
-        q,
-        k,
-        v,
+    options = dict(
         causal=causal,
         causal_alignment=causal_alignment,
         mask=mask,
@@ -393,12 +369,16 @@ def attention(
         rope=rope,
         alibi_slopes=alibi_slopes,
         relative_bias=relative_bias,
-        return_lse=return_lse,
         window=window,
         softcap=softcap,
         sinks=sinks,
+        return_lse=return_lse,
     )
-    return dispatch.run(inputs, backend)
+    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks, *tables):
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention(q, k, v, **options, backend=backend)
+    return dispatch.run(AttentionInputs.build(q, k, v, **options), backend)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
@@ -457,34 +437,7 @@ def attention_varlen(
     padding: there is none. ``cu_seqlens`` are read on the host (one sync on a GPU).
     """
     tables = [rope.get(key) for key in ("cos", "sin")] if isinstance(rope, dict) else []
-    if _torch_graph(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *tables):
-        from fastpe import torch_ops
-
-        return torch_ops.call_attention_varlen(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            causal=causal,
-            causal_alignment=causal_alignment,
-            scale=scale,
-            rope=rope,
-            alibi_slopes=alibi_slopes,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            return_lse=return_lse,
-            backend=backend,
-        )
-    inputs = AttentionVarlenInputs.build(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
+    options = dict(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         causal=causal,
@@ -497,7 +450,12 @@ def attention_varlen(
         sinks=sinks,
         return_lse=return_lse,
     )
-    return dispatch.run(inputs, backend)
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if _torch_graph(*arrays, alibi_slopes, sinks, *tables):
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention_varlen(*arrays, **options, backend=backend)
+    return dispatch.run(AttentionVarlenInputs.build(*arrays, **options), backend)
 
 
 def attention_kvcache(
@@ -553,43 +511,7 @@ def attention_kvcache(
     before anything is written (docs/README.md#kv-caches-and-their-memory-layout). Empty work
     (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
     """
-    arrays = (q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin)
-    if _torch_graph(*arrays):
-        torch = sys.modules["torch"]
-        if not torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "attention_kvcache has no autograd support (an inference op that writes its "
-                "caches); call it under torch.no_grad() or with inputs that do not require grad"
-            )
-        from fastpe import torch_ops
-
-        return torch_ops.call_attention_kvcache(
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            cache_seqlens=cache_seqlens,
-            block_table=block_table,
-            cache_batch_idx=cache_batch_idx,
-            rotary_cos=rotary_cos,
-            rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved,
-            causal=causal,
-            scale=scale,
-            alibi_slopes=alibi_slopes,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            return_lse=return_lse,
-            backend=backend,
-        )
-    inputs = AttentionKVCacheInputs.build(
-        q,
-        k_cache,
-        v_cache,
-        k=k,
-        v=v,
+    options = dict(
         cache_seqlens=cache_seqlens,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
@@ -604,6 +526,19 @@ def attention_kvcache(
         sinks=sinks,
         return_lse=return_lse,
     )
+    if _torch_graph(q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin):
+        torch = sys.modules["torch"]
+        if not torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "attention_kvcache has no autograd support (an inference op that writes its "
+                "caches); call it under torch.no_grad() or with inputs that do not require grad"
+            )
+        from fastpe import torch_ops
+
+        return torch_ops.call_attention_kvcache(
+            q, k_cache, v_cache, k, v, **options, backend=backend
+        )
+    inputs = AttentionKVCacheInputs.build(q, k_cache, v_cache, k=k, v=v, **options)
     return dispatch.run(inputs, backend)
 
 

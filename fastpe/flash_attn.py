@@ -31,7 +31,7 @@ the kernels).
 from __future__ import annotations
 
 from fastpe import _arrays
-from fastpe._inputs import _check_sinks, check_window
+from fastpe._options import check_sinks, check_window
 from fastpe._validate import check_float, check_int, is_int_scalar
 from fastpe.api import attention, attention_kvcache, attention_varlen
 
@@ -88,7 +88,7 @@ def _sinks(s_aux, q, ndim):
     if s_aux is None:
         return None
     shape = _arrays.as_array(q).shape
-    return _check_sinks(s_aux, shape[-2], "s_aux") if len(shape) == ndim else s_aux
+    return check_sinks(s_aux, shape[-2], "s_aux") if len(shape) == ndim else s_aux
 
 
 def _seqlen(x, axis):

@@ -111,7 +111,6 @@ class PagedArguments(NamedTuple):
     k_len: np.ndarray  # host int64 [B]: keys each sequence reads
     page_start: np.ndarray  # host int64 [B, pages]: first row of each page
     page_size: int
-    bottom_right: bool  # causal alignment: the last query sees the last key
 
 
 class ServingArrays:
@@ -142,7 +141,8 @@ class ServingArrays:
         raise NotImplementedError
 
     def attend(self, args: PagedArguments):
-        """The backend's paged kernel: (out [Tq, Hq, Dv], lse [Hq, Tq])."""
+        """The backend's paged kernel: (out [Tq, Hq, Dv], lse [Hq, Tq]), with the record's
+        options (``self.inp.options.launcher_kwargs``)."""
         raise NotImplementedError
 
     def output(self, x, dtype: str):
@@ -164,11 +164,11 @@ def rotate_then_append(inp, arrays: ServingArrays, q, k_cache, v_cache):
     """Store the call's new keys/values into the caches (keys rotated first where the call
     fuses rotary); returns q, rotated at its positions where the call fuses rotary."""
     k_new, v_new = arrays.view(inp.k), arrays.view(inp.v)
-    if inp.rotary is not None:
-        cos, sin, interleaved = inp.rotary
-        cos, sin = arrays.tables(cos, sin)
-        k_new = arrays.rotate(k_new, cos, sin, inp.k_positions, interleaved, store=True)
-        q = arrays.rotate(q, cos, sin, inp.q_positions, interleaved, store=False)
+    rope = inp.options.rope
+    if rope is not None:
+        cos, sin = arrays.tables(rope.cos, rope.sin)
+        k_new = arrays.rotate(k_new, cos, sin, rope.k_positions.array, rope.interleaved, store=True)
+        q = arrays.rotate(q, cos, sin, rope.q_positions.array, rope.interleaved, store=False)
     write_new_tokens(inp, k_cache, v_cache, k_new, v_new)
     return q
 
@@ -178,12 +178,14 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
     KV cache, after the rotate-then-append step has written the new tokens)."""
     if inp.op == "attention_varlen":
         q, k, v = (arrays.load(x) for x in (inp.q, inp.k, inp.v))
-        rope = inp.rope
+        rope = inp.options.rope
         if rope is not None:
             # rotated once before the kernel: the packed tokens as one row of one position each
             cos, sin = arrays.tables(rope.cos, rope.sin)
             q, k = [
-                arrays.rotate(x[None], cos, sin, positions[None], rope.interleaved, store=False)[0]
+                arrays.rotate(
+                    x[None], cos, sin, positions.array[None], rope.interleaved, store=False
+                )[0]
                 for x, positions in ((q, rope.q_positions), (k, rope.k_positions))
             ]
         # one page per sequence: its keys are the packed rows from cu_k[b]
@@ -196,7 +198,6 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
             k_len=inp.k_lengths,
             page_start=inp.cu_k[:-1, None],
             page_size=max(inp.max_seqlen_k, 1),
-            bottom_right=inp.bottom_right,
         )
     batch, sq, hq, d = inp.q.shape
     # CPU caches become views of the caller's memory: the append writes the caller's caches
@@ -215,7 +216,6 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
         k_len=inp.seqlens,
         page_start=page_start,
         page_size=inp.page_size,
-        bottom_right=True,
     )
 
 
@@ -229,7 +229,7 @@ def run(inp, arrays: ServingArrays):
         # explicit dims (not -1): empty work (B, Sq or Hq = 0) has nothing to infer from
         out = out.reshape(batch, sq, hq, inp.v_cache.shape[3])
     out = arrays.output(out, inp.dtype)
-    if not inp.return_lse:
+    if not inp.options.return_lse:
         return out
     if kvcache:
         lse = lse.reshape(hq, batch, sq).swapaxes(0, 1)  # [B, Hq, Sq]

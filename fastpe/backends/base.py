@@ -102,7 +102,7 @@ class AttentionVarlenBackward(Implementation):
         import torch
 
         fwd, impl = inputs.forward, self._per_sequence()
-        q, k, v, sinks = fwd.q, fwd.k, fwd.v, fwd.sinks
+        q, k, v, sinks = fwd.q, fwd.k, fwd.v, fwd.options.sinks
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -146,6 +146,7 @@ def _sequence_record(inputs, b: int, rows: slice, keys: slice):
     import torch
 
     from fastpe._inputs import AttentionBackwardInputs, AttentionInputs
+    from fastpe._options import Positions, check_window
 
     fwd = inputs.forward
     device = fwd.q.device
@@ -153,31 +154,32 @@ def _sequence_record(inputs, b: int, rows: slice, keys: slice):
     def heads_first(x, index):  # [T, H, D] rows -> [1, H, S_b, D]
         return x[index].transpose(0, 1).unsqueeze(0).contiguous()
 
-    rope = None
-    if fwd.rope is not None:
-        rope = {
-            "cos": fwd.rope.cos,
-            "sin": fwd.rope.sin,
-            "interleaved": fwd.rope.interleaved,
-            "q_positions": torch.as_tensor(fwd.rope.q_positions[rows], device=device),
-            "k_positions": torch.as_tensor(fwd.rope.k_positions[keys], device=device),
-        }
-    forward = AttentionInputs.build(
-        heads_first(fwd.q, rows),
-        heads_first(fwd.k, keys),
-        heads_first(fwd.v, keys),
-        causal=fwd.causal,
-        causal_alignment="bottom_right" if fwd.bottom_right else "top_left",
+    q, k, v = heads_first(fwd.q, rows), heads_first(fwd.k, keys), heads_first(fwd.v, keys)
+    options = fwd.options
+    rope = options.rope
+    if rope is not None:
+        rope = rope._replace(
+            q_positions=Positions(torch.as_tensor(rope.q_positions.array[rows], device=device)),
+            k_positions=Positions(torch.as_tensor(rope.k_positions.array[keys], device=device)),
+        )
+    alibi = options.alibi_slopes
+    options = options._replace(
+        # a side that reaches every key of this sequence is unbounded, as attention counts it
+        window=check_window(options.window, span=q.shape[2] + k.shape[2]),
+        alibi_slopes=None if alibi is None else alibi[b : b + 1],
+        rope=rope,
+        return_lse=True,
+    )
+    forward = AttentionInputs(
+        q=q,
+        k=k,
+        v=v,
         mask=None,
         key_lengths=None,
-        scale=fwd.scale,
-        rope=rope,
-        alibi_slopes=None if fwd.alibi_slopes is None else fwd.alibi_slopes[b : b + 1],
         relative_bias=None,
-        return_lse=True,
-        window=fwd.window,
-        softcap=fwd.softcap,
-        sinks=fwd.sinks,
+        options=options,
+        dtype=fwd.dtype,
+        placement=fwd.placement,
     )
     return AttentionBackwardInputs.build(
         forward,

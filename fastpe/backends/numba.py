@@ -197,57 +197,65 @@ class EmbedBackward(_Numba):
         )
 
 
+def _attention_call(fwd, dtype):
+    """An attention record as the Numba launchers take it: q, k (rotated into float32 scratch
+    where the call fuses RoPE), v, the keyword arguments the forward and backward launchers
+    share, and fused RoPE's (cos, sin, q positions, k positions) or None. ``dtype``: the
+    compute dtype."""
+    from fastpe.kernels.numba.apply_rope import apply_rope_numba
+
+    b, hq, hkv, sq, sk, d, dv = fwd.shape
+    # half q/k/v as their bits: the kernel widens them tile by tile (no full-tensor copy)
+    q, k, v = (to_host_bits(t, dtype) for t in (fwd.q, fwd.k, fwd.v))
+    rope = fwd.options.rope
+    tables = None
+    if rope is not None:
+        # rotated once into scratch: O(S·D) next to the O(Sq·Sk·D) of the attention itself
+        tables = (
+            to_host(rope.cos, dtype),
+            to_host(rope.sin, dtype),
+            rope.q_positions.as_int64(b, sq),
+            rope.k_positions.as_int64(b, sk),
+        )
+        cos, sin, *positions = tables
+        # half q/k are rotated from their bits into float32: rounding them back to half
+        # before the scores would add an error the float32 path does not have
+        wide = q.dtype in (np.uint16, np.int16)
+        q, k = (
+            apply_rope_numba(
+                x,
+                cos,
+                sin,
+                p,
+                interleaved=rope.interleaved,
+                layout="bhsd",
+                out=np.empty(x.shape, np.float32) if wide else None,
+            )
+            for x, p in zip((q, k), positions, strict=True)
+        )
+    mask = None
+    if fwd.mask is not None:  # kept in its own float dtype: a cast would copy [B, Hq, Sq, Sk]
+        mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else _host_float(fwd.mask)
+    bias = fwd.relative_bias
+    kwargs = dict(
+        mask=mask,
+        key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
+        relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, dtype)),
+        **fwd.options.launcher_kwargs(_arrays.to_float64),
+    )
+    return q, k, v, kwargs, tables
+
+
 class Attention(_Numba):
     op = "attention"
 
     def run(self, inp):
-        from fastpe.kernels.numba.apply_rope import apply_rope_numba
         from fastpe.kernels.numba.attention import attention_numba
 
-        b, hq, hkv, sq, sk, d, dv = inp.shape
-        dtype = compute_dtype(inp.dtype)
-        # half q/k/v as their bits: the kernel widens them tile by tile (no full-tensor copy)
-        q, k, v = (to_host_bits(t, dtype) for t in (inp.q, inp.k, inp.v))
-        if inp.rope is not None:
-            # rotated once into scratch: O(S·D) next to the O(Sq·Sk·D) of the attention itself
-            rope = inp.rope
-            cos, sin = to_host(rope.cos, dtype), to_host(rope.sin, dtype)
-            # half q/k are rotated from their bits into float32: rounding them back to half
-            # before the scores would add an error the float32 path does not have
-            wide = q.dtype in (np.uint16, np.int16)
-            q, k = (
-                apply_rope_numba(
-                    x,
-                    cos,
-                    sin,
-                    positions.as_int64(b, s),
-                    interleaved=rope.interleaved,
-                    layout="bhsd",
-                    out=np.empty(x.shape, np.float32) if wide else None,
-                )
-                for x, positions, s in ((q, rope.q_positions, sq), (k, rope.k_positions, sk))
-            )
-        mask = None
-        if inp.mask is not None:  # kept in its own float dtype: a cast would copy [B, Hq, Sq, Sk]
-            mask = _arrays.to_bool(inp.mask) if inp.mask_is_bool else _host_float(inp.mask)
-        bias = inp.relative_bias
-        out, lse = attention_numba(
-            q,
-            k,
-            v,
-            scale=inp.scale,
-            causal=inp.causal,
-            bottom_right=inp.bottom_right,
-            mask=mask,
-            key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
-            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
-            relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, dtype)),
-            window=inp.window,
-            softcap=inp.softcap,
-            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
-        )
+        q, k, v, kwargs, _ = _attention_call(inp, compute_dtype(inp.dtype))
+        out, lse = attention_numba(q, k, v, **kwargs)
         out = from_host(out, inp.placement, inp.dtype)
-        return (out, from_host(lse, inp.placement, "float32")) if inp.return_lse else out
+        return (out, from_host(lse, inp.placement, "float32")) if inp.options.return_lse else out
 
 
 class AttentionBackward(_Numba):
@@ -261,30 +269,8 @@ class AttentionBackward(_Numba):
         from fastpe.kernels.numba.attention_backward import attention_backward_numba
 
         fwd = inp.forward
-        b, hq, hkv, sq, sk, d, dv = fwd.shape
-        dtype = compute_dtype(inp.dtype)
-        q, k, v = (to_host_bits(t, dtype) for t in (fwd.q, fwd.k, fwd.v))
-        rope = fwd.rope
-        if rope is not None:
-            cos, sin = to_host(rope.cos, "float32"), to_host(rope.sin, "float32")
-            pos = (rope.q_positions.as_int64(b, sq), rope.k_positions.as_int64(b, sk))
-            wide = q.dtype in (np.uint16, np.int16)
-            q, k = (
-                apply_rope_numba(
-                    x,
-                    cos,
-                    sin,
-                    p,
-                    interleaved=rope.interleaved,
-                    layout="bhsd",
-                    out=np.empty(x.shape, np.float32) if wide else None,
-                )
-                for x, p in zip((q, k), pos, strict=True)
-            )
-        mask = None
-        if fwd.mask is not None:
-            mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else _host_float(fwd.mask)
-        bias = fwd.relative_bias
+        dtype = compute_dtype(inp.dtype)  # float32: the dtypes above
+        q, k, v, kwargs, tables = _attention_call(fwd, dtype)
         dq, dk, dv_, dsinks, dtable = attention_backward_numba(
             q,
             k,
@@ -293,26 +279,21 @@ class AttentionBackward(_Numba):
             to_host(inp.lse, "float32"),
             to_host_bits(inp.grad_out, dtype),
             None if inp.grad_lse is None else to_host(inp.grad_lse, "float32"),
-            scale=fwd.scale,
-            causal=fwd.causal,
-            bottom_right=fwd.bottom_right,
-            mask=mask,
-            key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
-            alibi_slopes=None if fwd.alibi_slopes is None else _arrays.to_float64(fwd.alibi_slopes),
-            relative_bias=None
-            if bias is None
-            else bias._replace(table=to_host(bias.table, "float32")),
-            window=fwd.window,
-            softcap=fwd.softcap,
-            sinks=None if fwd.sinks is None else _arrays.to_float64(fwd.sinks),
+            **kwargs,
         )
-        if rope is not None:  # the rotation's transpose is the rotation by -θ
+        if tables is not None:  # the rotation's transpose is the rotation by -θ
+            cos, sin, *positions = tables
+            interleaved = fwd.options.rope.interleaved
             dq, dk = (
-                apply_rope_numba(g, cos, -sin, p, interleaved=rope.interleaved, layout="bhsd")
-                for g, p in zip((dq, dk), pos, strict=True)
+                apply_rope_numba(g, cos, -sin, p, interleaved=interleaved, layout="bhsd")
+                for g, p in zip((dq, dk), positions, strict=True)
             )
         grads = [from_host(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
-        for extra, like in ((dsinks, fwd.sinks), (dtable, None if bias is None else bias.table)):
+        bias = fwd.relative_bias
+        for extra, like in (
+            (dsinks, fwd.options.sinks),
+            (dtable, None if bias is None else bias.table),
+        ):
             grads.append(
                 None
                 if extra is None
@@ -406,7 +387,6 @@ class _ServingArrays(_serving.ServingArrays):
     def attend(self, args):
         from fastpe.kernels.numba.attention_paged import attention_paged_numba
 
-        inp = self.inp
         return attention_paged_numba(
             args.q,
             args.k,
@@ -416,13 +396,7 @@ class _ServingArrays(_serving.ServingArrays):
             k_len=args.k_len,
             page_start=args.page_start,
             page_size=args.page_size,
-            scale=inp.scale,
-            causal=inp.causal,
-            bottom_right=args.bottom_right,
-            alibi_slopes=None if inp.alibi_slopes is None else _arrays.to_float64(inp.alibi_slopes),
-            window=inp.window,
-            softcap=inp.softcap,
-            sinks=None if inp.sinks is None else _arrays.to_float64(inp.sinks),
+            **self.inp.options.launcher_kwargs(_arrays.to_float64),
         )
 
     def output(self, x, dtype):

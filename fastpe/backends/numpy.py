@@ -116,42 +116,45 @@ class EmbedBackward(_Numpy):
         )
 
 
+def _attention_call(fwd):
+    """The float64 q, k (rotated where the call fuses RoPE) and v of an attention record, the
+    keyword arguments the oracle's attention and its backward share, and fused RoPE's
+    (cos, sin, q positions, k positions) or None."""
+    b, hq, hkv, sq, sk, d, dv = fwd.shape
+    q, k, v = to_float64(fwd.q), to_float64(fwd.k), to_float64(fwd.v)
+    rope = fwd.options.rope
+    tables = None
+    if rope is not None:
+        tables = (
+            to_float64(rope.cos),
+            to_float64(rope.sin),
+            rope.q_positions.as_int64(b, sq),
+            rope.k_positions.as_int64(b, sk),
+        )
+        cos, sin, q_pos, k_pos = tables
+        q = reference.apply_rope(q, cos, sin, q_pos, rope.interleaved)
+        k = reference.apply_rope(k, cos, sin, k_pos, rope.interleaved)
+    mask = None
+    if fwd.mask is not None:
+        mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else to_float64(fwd.mask)
+    bias = fwd.relative_bias
+    kwargs = dict(
+        mask=mask,
+        key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
+        relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
+        **fwd.options.launcher_kwargs(to_float64),
+    )
+    return q, k, v, kwargs, tables
+
+
 class Attention(_Numpy):
     op = "attention"
 
     def run(self, inp):
-        b, hq, hkv, sq, sk, d, dv = inp.shape
-        q, k, v = to_float64(inp.q), to_float64(inp.k), to_float64(inp.v)
-        if inp.rope is not None:
-            rope = inp.rope
-            cos, sin = to_float64(rope.cos), to_float64(rope.sin)
-            q = reference.apply_rope(
-                q, cos, sin, rope.q_positions.as_int64(b, sq), rope.interleaved
-            )
-            k = reference.apply_rope(
-                k, cos, sin, rope.k_positions.as_int64(b, sk), rope.interleaved
-            )
-        mask = None
-        if inp.mask is not None:
-            mask = _arrays.to_bool(inp.mask) if inp.mask_is_bool else to_float64(inp.mask)
-        bias = inp.relative_bias
-        out, lse = reference.attention(
-            q,
-            k,
-            v,
-            scale=inp.scale,
-            causal=inp.causal,
-            bottom_right=inp.bottom_right,
-            mask=mask,
-            key_lengths=None if inp.key_lengths is None else _arrays.to_int64(inp.key_lengths),
-            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
-            relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
-            window=inp.window,
-            softcap=inp.softcap,
-            sinks=None if inp.sinks is None else to_float64(inp.sinks),
-        )
+        q, k, v, kwargs, _ = _attention_call(inp)
+        out, lse = reference.attention(q, k, v, **kwargs)
         out = from_float64(out, inp.placement, inp.dtype)
-        if inp.return_lse:
+        if inp.options.return_lse:
             return out, from_float64(lse, inp.placement, "float32")
         return out
 
@@ -161,40 +164,26 @@ class AttentionBackward(_Numpy):
 
     def run(self, inp):
         fwd = inp.forward
-        b, hq, hkv, sq, sk, d, dv = fwd.shape
-        q, k, v = to_float64(fwd.q), to_float64(fwd.k), to_float64(fwd.v)
-        rope = fwd.rope
-        if rope is not None:
-            cos, sin = to_float64(rope.cos), to_float64(rope.sin)
-            q_pos, k_pos = rope.q_positions.as_int64(b, sq), rope.k_positions.as_int64(b, sk)
-            q = reference.apply_rope(q, cos, sin, q_pos, rope.interleaved)
-            k = reference.apply_rope(k, cos, sin, k_pos, rope.interleaved)
-        mask = None
-        if fwd.mask is not None:
-            mask = _arrays.to_bool(fwd.mask) if fwd.mask_is_bool else to_float64(fwd.mask)
-        bias = fwd.relative_bias
+        q, k, v, kwargs, tables = _attention_call(fwd)
         dq, dk, dv_, dsinks, dtable = reference.attention_backward(
             q,
             k,
             v,
             to_float64(inp.grad_out),
             None if inp.grad_lse is None else to_float64(inp.grad_lse),
-            scale=fwd.scale,
-            causal=fwd.causal,
-            bottom_right=fwd.bottom_right,
-            mask=mask,
-            key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
-            alibi_slopes=None if fwd.alibi_slopes is None else to_float64(fwd.alibi_slopes),
-            relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
-            window=fwd.window,
-            softcap=fwd.softcap,
-            sinks=None if fwd.sinks is None else to_float64(fwd.sinks),
+            **kwargs,
         )
-        if rope is not None:  # the rotation's transpose is the rotation by -θ
-            dq = reference.apply_rope(dq, cos, -sin, q_pos, rope.interleaved)
-            dk = reference.apply_rope(dk, cos, -sin, k_pos, rope.interleaved)
+        if tables is not None:  # the rotation's transpose is the rotation by -θ
+            cos, sin, q_pos, k_pos = tables
+            interleaved = fwd.options.rope.interleaved
+            dq = reference.apply_rope(dq, cos, -sin, q_pos, interleaved)
+            dk = reference.apply_rope(dk, cos, -sin, k_pos, interleaved)
         grads = [from_float64(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
-        for extra, like in ((dsinks, fwd.sinks), (dtable, None if bias is None else bias.table)):
+        bias = fwd.relative_bias
+        for extra, like in (
+            (dsinks, fwd.options.sinks),
+            (dtable, None if bias is None else bias.table),
+        ):
             grads.append(
                 None
                 if extra is None
@@ -254,7 +243,6 @@ class _ServingArrays(_serving.ServingArrays):
         return from_float64(rotated, self.inp.placement, self.inp.dtype) if store else rotated
 
     def attend(self, args):
-        inp = self.inp
         index = np.concatenate(
             [np.zeros(0, np.int64)]
             + [
@@ -268,18 +256,7 @@ class _ServingArrays(_serving.ServingArrays):
         cu_q = np.concatenate([args.q_start[:1], ends]) if len(ends) else np.zeros(1, np.int64)
         cu_k = np.concatenate([[0], np.cumsum(args.k_len)])
         return reference.attention_varlen(
-            args.q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            scale=inp.scale,
-            causal=inp.causal,
-            bottom_right=args.bottom_right,
-            alibi_slopes=None if inp.alibi_slopes is None else to_float64(inp.alibi_slopes),
-            window=inp.window,
-            softcap=inp.softcap,
-            sinks=None if inp.sinks is None else to_float64(inp.sinks),
+            args.q, k, v, cu_q, cu_k, **self.inp.options.launcher_kwargs(to_float64)
         )
 
     def output(self, x, dtype):

@@ -193,7 +193,7 @@ class Attention(_Triton):
         from fastpe.kernels.triton.attention import attention_triton
 
         device = inp.q.device
-        rope = inp.rope
+        rope = inp.options.rope
         if rope is not None:
             rope = rope._replace(
                 cos=rope.cos.contiguous(),
@@ -201,29 +201,26 @@ class Attention(_Triton):
                 q_positions=rope.q_positions.on_device(device),
                 k_positions=rope.k_positions.on_device(device),
             )
-        sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else None
-        )
         out, lse = attention_triton(
             inp.q,
             inp.k,
             inp.v,
-            scale=inp.scale,
-            causal=inp.causal,
-            bottom_right=inp.bottom_right,
             mask=inp.mask,
             key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
-            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
             relative_bias=inp.relative_bias,
             rope=rope,
-            window=inp.window,
-            softcap=inp.softcap,
-            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
-            num_sms=sms,
+            num_sms=_sms(device),
+            **inp.options.launcher_kwargs(_fp32),
         )
-        return (out, lse) if inp.return_lse else out
+        return (out, lse) if inp.options.return_lse else out
+
+
+def _fp32(x):
+    """An option array as the kernels read it: fp32, its last dim at unit stride (the kernels
+    read ``sinks[h]`` by index; a broadcast [B, Hq] ALiBi view keeps its zero batch stride,
+    which they step through, instead of being copied)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class AttentionBackward(_Triton):
@@ -242,7 +239,7 @@ class AttentionBackward(_Triton):
         fwd = inp.forward
         device = fwd.q.device
         q, k, v = fwd.q, fwd.k, fwd.v
-        rope = fwd.rope
+        rope = fwd.options.rope
         if rope is not None:  # rotated in fp32 before the kernel, the gradients back by -θ
             cos, sin = rope.cos.float(), rope.sin.float()
             positions = (rope.q_positions.on_device(device), rope.k_positions.on_device(device))
@@ -256,16 +253,10 @@ class AttentionBackward(_Triton):
             inp.lse,
             inp.grad_out,
             inp.grad_lse,
-            scale=fwd.scale,
-            causal=fwd.causal,
-            bottom_right=fwd.bottom_right,
             mask=fwd.mask,
             key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
-            alibi_slopes=fwd.alibi_slopes,
             relative_bias=bias,
-            window=fwd.window,
-            softcap=fwd.softcap,
-            sinks=fwd.sinks,
+            **fwd.options.launcher_kwargs(_fp32),
         )
         if rope is not None:
             dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
@@ -273,7 +264,7 @@ class AttentionBackward(_Triton):
             dq.to(fwd.q.dtype),
             dk.to(fwd.k.dtype),
             dv.to(fwd.v.dtype),
-            None if dsinks is None else dsinks.to(fwd.sinks.dtype),
+            None if dsinks is None else dsinks.to(fwd.options.sinks.dtype),
             None if dtable is None else dtable.to(bias.table.dtype),
         )
 
@@ -362,7 +353,6 @@ class _ServingArrays(_serving.ServingArrays):
     def attend(self, args):
         from fastpe.kernels.triton.attention_paged import attention_paged_triton
 
-        inp = self.inp
         device = args.q.device
         return attention_paged_triton(
             args.q,
@@ -373,14 +363,8 @@ class _ServingArrays(_serving.ServingArrays):
             k_len=_host_int64(args.k_len, device),
             page_start=_host_int64(args.page_start, device),
             page_size=args.page_size,
-            scale=inp.scale,
-            causal=inp.causal,
-            bottom_right=args.bottom_right,
-            alibi_slopes=None if inp.alibi_slopes is None else inp.alibi_slopes.float(),
-            window=inp.window,
-            softcap=inp.softcap,
-            sinks=None if inp.sinks is None else inp.sinks.float().contiguous(),
             num_sms=_sms(device),
+            **self.inp.options.launcher_kwargs(_fp32),
         )
 
     def output(self, x, dtype):

@@ -74,7 +74,8 @@ class Options:
         """This rank's checks of a sharded sequence's options (raising), and their summary."""
         import torch
 
-        from fastpe._inputs import AttentionInputs, _check_key_lengths, check_window
+        from fastpe._inputs import AttentionInputs, _check_key_lengths
+        from fastpe._options import check_window
 
         name, rope = self.name, self.rope
         if self.mask is not None:
@@ -134,16 +135,16 @@ class Options:
         return (
             bool(self.causal),
             layout,
-            inputs.scale,
-            None if rope is None else tuple(inputs.rope.cos.shape),
+            inputs.options.scale,
+            None if rope is None else tuple(inputs.options.rope.cos.shape),
             lengths,
             None if self.alibi_slopes is None else torch.as_tensor(self.alibi_slopes).tolist(),
             # the global window: inputs.window is cut to this shard's length (a side wider than
             # the shard is unbounded there, not across the whole sequence)
             check_window(self.window),
-            inputs.softcap,
+            inputs.options.softcap,
             None if self.sinks is None else torch.as_tensor(self.sinks).tolist(),
-            None if rope is None else inputs.rope.interleaved,
+            None if rope is None else inputs.options.rope.interleaved,
         )
 
     def agreed(self, summary, seqs, device) -> BlockOptions:
@@ -203,7 +204,7 @@ class Options:
         )
         _check_backend(inputs, backend)
         sinks = None if self.sinks is None else torch.as_tensor(self.sinks).tolist()
-        return (inputs.scale, inputs.softcap, sinks)
+        return (inputs.options.scale, inputs.options.softcap, sinks)
 
     def decode_keywords(self) -> dict:
         """``fastpe.attention``'s keywords for this rank's shard of the cache (the sinks join

@@ -1,5 +1,6 @@
 """What every op module of ``fastpe.torch_ops`` shares: the schema's conversions of public
-arguments (positions, NumPy scalars, int64 bounds, window/softcap) and the one autograd pattern
+arguments (NumPy scalars, int64 bounds; the option records flatten themselves, as
+``Positions.flatten`` and ``AttentionOptions.flatten``) and the one autograd pattern
 (``register_autograd``), so no op carries its own copy of either."""
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import torch
 from torch import Tensor
 
 from fastpe import dispatch
-from fastpe._inputs import check_window
-from fastpe._validate import check_float, check_int, check_position
+from fastpe._validate import check_int
 
 _SECOND_DERIVATIVE = (
     "fastpe computes first-order gradients of attention, not second derivatives (double "
@@ -34,11 +34,6 @@ def _no_backward(op_name: str, why: str = _SECOND_DERIVATIVE):
 def refuse_second_derivative(op_name: str) -> None:
     """Register ``_no_backward`` for a backward op, whose own gradient fastpe does not give."""
     torch.library.register_autograd(f"fastpe::{op_name}", _no_backward(op_name))
-
-
-def _positions(tensor: Tensor | None, offset: int):
-    """The schema's (tensor or None, offset) -> the public ``positions`` value."""
-    return offset if tensor is None else tensor
 
 
 def _backend(name: str):
@@ -144,30 +139,9 @@ def _schema_int(name: str, value) -> int:
     return value
 
 
-def window_and_softcap(window, softcap) -> tuple[int, int, float | None]:
-    """``window`` and ``softcap`` as schema arguments (window_left, window_right, softcap),
-    checked as the records check them: the schema's int64/float types would fail first."""
-    window = check_window(window) or (-1, -1)
-    softcap = None if softcap is None else check_float("softcap", softcap, positive=True)
-    return (*window, softcap)
-
-
-def _split_positions(positions, device, name="positions") -> tuple[Tensor | None, int | None]:
-    """Public ``positions`` (None | int | int array or list) -> (tensor or None, offset or None),
-    the same values the eager path accepts."""
-    positions = _plain(positions)
-    if positions is None or isinstance(positions, int):
-        if positions is not None:  # the eager check, before int64 must hold it
-            check_position(name, positions)
-        return None, positions
-    if isinstance(positions, (list, tuple)):  # as eagerly: a list takes the tensors' device
-        positions = torch.as_tensor(positions, device=device)
-    if not isinstance(positions, Tensor):
-        raise TypeError(
-            f"all arrays must be NumPy arrays or all torch tensors on one device; got {name}: "
-            f"{type(positions).__name__} with torch tensors"
-        )
-    return positions, None
+def schema_names(arguments: str) -> tuple[str, ...]:
+    """The argument names of a schema fragment ("Tensor? mask, int window_left, ...")."""
+    return tuple(argument.split()[-1] for argument in arguments.split(", "))
 
 
 def _torch_dtype(dtype) -> torch.dtype:

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from fastpe import dispatch
 from fastpe._inputs import EmbedBackwardInputs, EmbedInputs
-from fastpe.torch_ops._common import _backend, _positions, _split_positions, register_autograd
+from fastpe._options import Positions
+from fastpe.torch_ops._common import _backend, register_autograd
 
 
 @torch.library.custom_op("fastpe::embed", mutates_args=())
@@ -30,7 +31,7 @@ def embed_op(
     inputs = EmbedInputs.build(
         ids,
         weight,
-        positions=_positions(positions, offset),
+        positions=Positions.unflatten(positions, offset),
         pe=pe or None,
         pe_table=pe_table,
         scale=scale,
@@ -84,7 +85,7 @@ def embed_backward_op(
     forward = EmbedInputs.build(
         ids,
         weight,
-        positions=_positions(positions, offset),
+        positions=Positions.unflatten(positions, offset),
         pe=pe or None,
         pe_table=pe_table,
         scale=scale,
@@ -185,7 +186,7 @@ def call_embed(
     token_type_weight,
     backend,
 ):
-    tensor, offset = _split_positions(positions, weight.device)
+    tensor, offset = Positions.flatten("positions", positions, weight.device)
     return embed_op(
         ids,
         weight,

@@ -10,13 +10,8 @@ from torch import Tensor
 
 from fastpe import dispatch
 from fastpe._inputs import ApplyRopeInputs
-from fastpe.torch_ops._common import (
-    _backend,
-    _positions,
-    _refuse_grad,
-    _split_positions,
-    register_autograd,
-)
+from fastpe._options import Positions
+from fastpe.torch_ops._common import _backend, _refuse_grad, register_autograd
 
 
 @torch.library.custom_op("fastpe::apply_rope", mutates_args=())
@@ -34,7 +29,7 @@ def apply_rope_op(
         x,
         cos,
         sin,
-        positions=_positions(positions, offset),
+        positions=Positions.unflatten(positions, offset),
         interleaved=interleaved,
         layout=layout,
         inplace=False,
@@ -93,7 +88,7 @@ def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend,
         xs[0],
         cos,
         sin,
-        positions=_positions(positions, offset),
+        positions=Positions.unflatten(positions, offset),
         interleaved=interleaved,
         layout=layout,
         inplace=False,
@@ -146,13 +141,13 @@ register_autograd("apply_rope_backward", _rope_double_backward, save=_ROPE_SAVED
 
 
 def call_apply_rope(x, cos, sin, *, positions, interleaved, layout, inplace, backend):
-    tensor, offset = _split_positions(positions, x.device)
+    tensor, offset = Positions.flatten("positions", positions, x.device)
     out = apply_rope_op(x, cos, sin, tensor, offset or 0, interleaved, layout, backend or "")
     return x.copy_(out) if inplace else out
 
 
 def call_apply_rope_group(xs, cos, sin, *, positions, interleaved, layout, inplace, backend):
-    tensor, offset = _split_positions(positions, xs[0].device)
+    tensor, offset = Positions.flatten("positions", positions, xs[0].device)
     outs = apply_rope_group_op(
         list(xs), cos, sin, tensor, offset or 0, interleaved, layout, backend or ""
     )

@@ -1,13 +1,13 @@
 """The serving ops: ``fastpe::attention_varlen`` (packed sequences) with its backward
-``attention_varlen_backward``, and ``fastpe::attention_kvcache``, which writes into its caches."""
+``attention_varlen_backward``, and ``fastpe::attention_kvcache``, which writes into its caches.
+The options they share with attention travel as ``AttentionOptions.SCHEMA``."""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from fastpe import dispatch
-from fastpe._options import Rope
+from fastpe._options import AttentionOptions
 from fastpe._validate import check_bool, check_int
 from fastpe.torch_ops._common import (
     _backend,
@@ -16,69 +16,25 @@ from fastpe.torch_ops._common import (
     refuse_no_gradient,
     refuse_second_derivative,
     register_autograd,
-    window_and_softcap,
+    schema_names,
 )
 
 # ---------------------------------------------------------------------------------------------
 # attention_varlen (packed sequences): a forward op and a backward op, each dispatched to the
 # backends like any op.
 
-_VARLEN_OPTIONS = (
-    "max_seqlen_q",
-    "max_seqlen_k",
-    "causal",
-    "causal_alignment",
-    "scale",
-    "rope_cos",
-    "rope_sin",
-    "rope_interleaved",
-    "rope_q_positions",
-    "rope_k_positions",
-    "alibi_slopes",
-    "window_left",
-    "window_right",
-    "softcap",
-    "sinks",
-)
-# (q, k, v, cu_seqlens_q, cu_seqlens_k) come first in the schema
+# everything after (q, k, v, cu_seqlens_q, cu_seqlens_k) but the backend, in both ops' schemas
+_VARLEN_ARGUMENTS = f"int? max_seqlen_q, int? max_seqlen_k, {AttentionOptions.SCHEMA}"
+_VARLEN_NAMES = schema_names(_VARLEN_ARGUMENTS)
 _VARLEN_NO_GRADIENT = {
-    5 + _VARLEN_OPTIONS.index(name): name for name in ("rope_cos", "rope_sin", "alibi_slopes")
+    5 + _VARLEN_NAMES.index(name): name for name in ("rope_cos", "rope_sin", "alibi_slopes")
 }
 
 
-def _varlen_inputs(
-    q,
-    k,
-    v,
-    cu_q,
-    cu_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    causal_alignment,
-    scale,
-    rope_cos,
-    rope_sin,
-    rope_interleaved,
-    rope_q_positions,
-    rope_k_positions,
-    alibi_slopes,
-    window_left,
-    window_right,
-    softcap,
-    sinks,
-):
+def _varlen_inputs(q, k, v, cu_q, cu_k, arguments):
     from fastpe._inputs_serving import AttentionVarlenInputs
 
-    rope = None
-    if rope_cos is not None or rope_sin is not None:
-        rope = {
-            "cos": rope_cos,
-            "sin": rope_sin,
-            "interleaved": rope_interleaved,
-            "q_positions": rope_q_positions,
-            "k_positions": rope_k_positions,
-        }
+    max_seqlen_q, max_seqlen_k, *options = arguments
     return AttentionVarlenInputs.build(
         q,
         k,
@@ -87,64 +43,22 @@ def _varlen_inputs(
         cu_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
-        causal=causal,
-        causal_alignment=causal_alignment,
-        scale=scale,
-        rope=rope,
-        alibi_slopes=alibi_slopes,
-        window=(window_left, window_right),
-        softcap=softcap,
-        sinks=sinks,
         return_lse=True,
+        **AttentionOptions.unflatten(options),
     )
 
 
-@torch.library.custom_op("fastpe::attention_varlen", mutates_args=())
-def attention_varlen_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-    causal: bool,
-    causal_alignment: str,
-    scale: float | None,
-    rope_cos: Tensor | None,
-    rope_sin: Tensor | None,
-    rope_interleaved: bool,
-    rope_q_positions: Tensor | None,
-    rope_k_positions: Tensor | None,
-    alibi_slopes: Tensor | None,
-    window_left: int,
-    window_right: int,
-    softcap: float | None,
-    sinks: Tensor | None,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    inputs = _varlen_inputs(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        causal_alignment,
-        scale,
-        rope_cos,
-        rope_sin,
-        rope_interleaved,
-        rope_q_positions,
-        rope_k_positions,
-        alibi_slopes,
-        window_left,
-        window_right,
-        softcap,
-        sinks,
-    )
+@torch.library.custom_op(
+    "fastpe::attention_varlen",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        f"{_VARLEN_ARGUMENTS}, str backend) -> (Tensor, Tensor)"
+    ),
+)
+def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *arguments):
+    *arguments, backend = arguments
+    inputs = _varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, arguments)
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
 
@@ -155,61 +69,25 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("fastpe::attention_varlen_backward", mutates_args=())
+@torch.library.custom_op(
+    "fastpe::attention_varlen_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad_out, Tensor grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        f"Tensor cu_seqlens_q, Tensor cu_seqlens_k, {_VARLEN_ARGUMENTS}, str backend) -> "
+        "(Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
 def attention_varlen_backward_op(
-    grad_out: Tensor,
-    grad_lse: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None,
-    max_seqlen_k: int | None,
-    causal: bool,
-    causal_alignment: str,
-    scale: float | None,
-    rope_cos: Tensor | None,
-    rope_sin: Tensor | None,
-    rope_interleaved: bool,
-    rope_q_positions: Tensor | None,
-    rope_k_positions: Tensor | None,
-    alibi_slopes: Tensor | None,
-    window_left: int,
-    window_right: int,
-    softcap: float | None,
-    sinks: Tensor | None,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *arguments
+):
     """(dq, dk, dv, dsinks) of one attention_varlen_op call (dsinks empty without sinks); the
     backend's attention_varlen_backward computes them (by default attention's backward once per
     sequence, fastpe.backends.base.AttentionVarlenBackward)."""
     from fastpe._inputs_serving import AttentionVarlenBackwardInputs
 
-    forward = _varlen_inputs(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        causal_alignment,
-        scale,
-        rope_cos,
-        rope_sin,
-        rope_interleaved,
-        rope_q_positions,
-        rope_k_positions,
-        alibi_slopes,
-        window_left,
-        window_right,
-        softcap,
-        sinks,
-    )
+    *arguments, backend = arguments
+    forward = _varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, arguments)
     inputs = AttentionVarlenBackwardInputs.build(
         forward, grad_out=grad_out, grad_lse=grad_lse, out=out, lse=lse
     )
@@ -219,7 +97,7 @@ def attention_varlen_backward_op(
 
 @attention_varlen_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *args):
-    sinks = dict(zip(_VARLEN_OPTIONS, args, strict=False))["sinks"]
+    sinks = dict(zip(_VARLEN_NAMES, args, strict=False))["sinks"]
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -230,32 +108,20 @@ def _(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *args):
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     refuse_no_gradient(ctx, "attention_varlen", _VARLEN_NO_GRADIENT)
-    q, k, v, cu_q, cu_k, *options = ctx.args
+    q, k, v, cu_q, cu_k, *arguments = ctx.args
     out, lse = ctx.outputs
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     dq, dk, dv, dsinks = attention_varlen_backward_op(
-        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *options, ctx.backend
+        grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, *arguments, ctx.backend
     )
-    has_sinks = dict(zip(_VARLEN_OPTIONS, options, strict=True))["sinks"] is not None
+    has_sinks = dict(zip(_VARLEN_NAMES, arguments, strict=True))["sinks"] is not None
     grads = {"sinks": dsinks if has_sinks else None}
-    return (dq, dk, dv, None, None, *(grads.get(name) for name in _VARLEN_OPTIONS), None)
+    return (dq, dk, dv, None, None, *(grads.get(name) for name in _VARLEN_NAMES), None)
 
 
 register_autograd("attention_varlen", _varlen_backward, save_outputs=True)
 refuse_second_derivative("attention_varlen_backward")
-
-
-def _varlen_positions(name: str, positions, device) -> Tensor | None:
-    positions = _plain(positions)
-    if positions is None or isinstance(positions, Tensor):
-        return positions
-    if isinstance(positions, (list, tuple)):
-        return torch.as_tensor(positions, device=device)
-    raise TypeError(
-        f"{name} must be None (positions restart at each sequence) or an int tensor of one "
-        f"position per packed token; got {positions!r}"
-    )
 
 
 def _max_seqlen(name, value):
@@ -273,21 +139,10 @@ def call_attention_varlen(
     *,
     max_seqlen_q,
     max_seqlen_k,
-    causal,
-    causal_alignment,
-    scale,
-    rope,
-    alibi_slopes,
-    window,
-    softcap,
-    sinks,
     return_lse,
     backend,
+    **options,
 ):
-    window_left, window_right, softcap = window_and_softcap(window, softcap)
-    if rope is not None:
-        Rope.check_keys(rope)
-    rope = rope or {}
     out, lse = attention_varlen_op(
         q,
         k,
@@ -296,19 +151,7 @@ def call_attention_varlen(
         cu_seqlens_k,
         _max_seqlen("max_seqlen_q", max_seqlen_q),
         _max_seqlen("max_seqlen_k", max_seqlen_k),
-        check_bool("causal", causal),
-        causal_alignment,
-        None if scale is None else float(scale),
-        rope.get("cos"),
-        rope.get("sin"),
-        check_bool("rope['interleaved']", rope.get("interleaved", False)),
-        _varlen_positions("rope['q_positions']", rope.get("q_positions"), q.device),
-        _varlen_positions("rope['k_positions']", rope.get("k_positions"), q.device),
-        alibi_slopes,
-        window_left,
-        window_right,
-        softcap,
-        sinks,
+        *AttentionOptions.flatten(q.device, **options),
         backend or "",
     )
     return (out, lse) if return_lse else out
@@ -316,34 +159,27 @@ def call_attention_varlen(
 
 # ---------------------------------------------------------------------------------------------
 # attention_kvcache: an inference op that writes new k/v into the caches (declared mutations,
-# so torch.compile functionalizes it); no backward (autograd refuses it at the call).
+# so torch.compile functionalizes it); no backward (autograd refuses it at the call). Its fused
+# RoPE (rotary_cos, rotary_sin, rotary_interleaved) travels in the schema's rope arguments.
 
 
-@torch.library.custom_op("fastpe::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(
+    "fastpe::attention_kvcache",
+    mutates_args=("k_cache", "v_cache"),
+    schema=(
+        "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+        "Tensor? cache_seqlens, int cache_seqlens_int, Tensor? block_table, "
+        f"Tensor? cache_batch_idx, {AttentionOptions.SCHEMA}, str backend) -> (Tensor, Tensor)"
+    ),
+)
 def attention_kvcache_op(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor | None,
-    v: Tensor | None,
-    cache_seqlens: Tensor | None,
-    cache_seqlens_int: int,
-    block_table: Tensor | None,
-    cache_batch_idx: Tensor | None,
-    rotary_cos: Tensor | None,
-    rotary_sin: Tensor | None,
-    rotary_interleaved: bool,
-    causal: bool,
-    scale: float | None,
-    alibi_slopes: Tensor | None,
-    window_left: int,
-    window_right: int,
-    softcap: float | None,
-    sinks: Tensor | None,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
+    q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, cache_batch_idx, *args
+):
     from fastpe._inputs_serving import AttentionKVCacheInputs
 
+    *options, backend = args
+    options = AttentionOptions.unflatten(options)
+    rotary = options.pop("rope") or {}
     inputs = AttentionKVCacheInputs.build(
         q,
         k_cache,
@@ -353,16 +189,11 @@ def attention_kvcache_op(
         cache_seqlens=cache_seqlens_int if cache_seqlens is None else cache_seqlens,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved,
-        causal=causal,
-        scale=scale,
-        alibi_slopes=alibi_slopes,
-        window=(window_left, window_right),
-        softcap=softcap,
-        sinks=sinks,
+        rotary_cos=rotary.get("cos"),
+        rotary_sin=rotary.get("sin"),
+        rotary_interleaved=rotary.get("interleaved", False),
         return_lse=True,
+        **options,
     )
     out, lse = dispatch.run(inputs, _backend(backend))
     return out, lse
@@ -391,16 +222,10 @@ def call_attention_kvcache(
     rotary_cos,
     rotary_sin,
     rotary_interleaved,
-    causal,
-    scale,
-    alibi_slopes,
-    window,
-    softcap,
-    sinks,
     return_lse,
     backend,
+    **options,
 ):
-    window_left, window_right, softcap = window_and_softcap(window, softcap)
     cache_seqlens = _plain(cache_seqlens)
     if isinstance(cache_seqlens, int):
         cache_seqlens = _schema_int("cache_seqlens", cache_seqlens)
@@ -413,6 +238,10 @@ def call_attention_kvcache(
             cache_batch_idx,
         )
     )
+    rope = None
+    if rotary_cos is not None or rotary_sin is not None:
+        interleaved = check_bool("rotary_interleaved", rotary_interleaved)
+        rope = {"cos": rotary_cos, "sin": rotary_sin, "interleaved": interleaved}
     out, lse = attention_kvcache_op(
         q,
         k_cache,
@@ -423,16 +252,7 @@ def call_attention_kvcache(
         length,
         block_table,
         cache_batch_idx,
-        rotary_cos,
-        rotary_sin,
-        check_bool("rotary_interleaved", rotary_interleaved),
-        check_bool("causal", causal),
-        None if scale is None else float(scale),
-        alibi_slopes,
-        window_left,
-        window_right,
-        softcap,
-        sinks,
+        *AttentionOptions.flatten(q.device, rope=rope, **options),
         backend or "",
     )
     return (out, lse) if return_lse else out

@@ -452,35 +452,34 @@ def test_opcheck_with_autograd():
     mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
     q, k, v, sinks = mk(2, 4, 5, 8), mk(2, 2, 7, 8), mk(2, 2, 7, 6), mk(4)
     table = mk(32, 4)
-    args = (
-        q,
-        k,
-        v,
-        True,
-        "bottom_right",
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-        None,
-        None,
-        None,
-        None,
-        None,
-        table,
-        32,
-        20,
-        True,
-        4,
-        -1,
-        2.0,
-        sinks,
-        "",
+    # by name: the schema's order is the op's own business
+    options = dict(
+        mask=None,
+        key_lengths=None,
+        relative_bias_table=table,
+        relative_bias_num_buckets=32,
+        relative_bias_max_distance=20,
+        relative_bias_bidirectional=True,
+        causal=True,
+        causal_alignment="bottom_right",
+        scale=None,
+        window_left=4,
+        window_right=-1,
+        softcap=2.0,
+        sinks=sinks,
+        alibi_slopes=None,
+        rope_cos=None,
+        rope_sin=None,
+        rope_interleaved=False,
+        rope_q_positions=None,
+        rope_q_positions_offset=None,
+        rope_k_positions=None,
+        rope_k_positions_offset=None,
+        backend="",
     )
-    torch.library.opcheck(torch.ops.fastpe.attention.default, args)
-    out, lse = torch.ops.fastpe.attention.default(*args)
+    torch.library.opcheck(torch.ops.fastpe.attention.default, (q, k, v), options)
+    out, lse = torch.ops.fastpe.attention.default(q, k, v, **options)
+    detached = {name: a.detach() if torch.is_tensor(a) else a for name, a in options.items()}
     backward_args = (
         torch.randn_like(out),
         torch.randn_like(lse),
@@ -489,11 +488,11 @@ def test_opcheck_with_autograd():
         v.detach(),
         out.detach(),
         lse.detach(),
-        *(a.detach() if torch.is_tensor(a) else a for a in args[3:]),
     )
     torch.library.opcheck(
         torch.ops.fastpe.attention_backward.default,
         backward_args,
+        detached,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 

@@ -58,29 +58,34 @@ def test_opcheck_kvcache_op():
     from fastpe import torch_ops  # noqa: F401  (registers the ops)
 
     q, k_cache, v_cache, k_new, v_new, lengths, extra = _decode_inputs(False)
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        k_new,
-        v_new,
-        lengths,
-        0,
-        None,
-        extra["cache_batch_idx"],
-        extra["rotary_cos"],
-        extra["rotary_sin"],
-        False,
-        True,
-        None,
-        None,
-        -1,
-        -1,
-        None,
-        None,
-        "",
+    # by name: the schema's order is the op's own business
+    arguments = dict(
+        k=k_new,
+        v=v_new,
+        cache_seqlens=lengths,
+        cache_seqlens_int=0,
+        block_table=None,
+        cache_batch_idx=extra["cache_batch_idx"],
+        causal=True,
+        causal_alignment="bottom_right",
+        scale=None,
+        window_left=-1,
+        window_right=-1,
+        softcap=None,
+        sinks=None,
+        alibi_slopes=None,
+        rope_cos=extra["rotary_cos"],
+        rope_sin=extra["rotary_sin"],
+        rope_interleaved=False,
+        rope_q_positions=None,
+        rope_q_positions_offset=None,
+        rope_k_positions=None,
+        rope_k_positions_offset=None,
+        backend="",
     )
-    torch.library.opcheck(torch.ops.fastpe.attention_kvcache.default, args)
+    torch.library.opcheck(
+        torch.ops.fastpe.attention_kvcache.default, (q, k_cache, v_cache), arguments
+    )
 
 
 def test_int_cache_seqlens_compiles():

@@ -343,3 +343,35 @@ def test_numba_softcap_tanh_accuracy():
         assert np.abs(got[0]).max() <= cap * (1 + 2.0**-22)
         n = mags.size
         np.testing.assert_array_equal(got[0, :n], -got[0, n:])
+
+
+def test_every_launcher_takes_the_shared_options():
+    """``AttentionOptions.launcher_kwargs`` is how every backend hands the options to its
+    launchers and to the oracle: each of them must take every keyword it gives (a new option
+    that a launcher lacks fails here, not in one backend's call)."""
+    import importlib
+    import inspect
+
+    from fastpe import reference
+    from fastpe._options import AttentionOptions
+
+    given = set(AttentionOptions(scale=1.0).launcher_kwargs(lambda x: x))
+    launchers = [reference.attention, reference.attention_backward, reference.attention_varlen]
+    for module, names in (
+        ("numba.attention", ["attention_numba"]),
+        ("numba.attention_backward", ["attention_backward_numba"]),
+        ("numba.attention_paged", ["attention_paged_numba"]),
+        ("triton.attention", ["attention_triton"]),
+        ("triton.attention_backward", ["attention_backward_triton"]),
+        ("triton.attention_paged", ["attention_paged_triton"]),
+    ):
+        backend = module.split(".")[0]
+        if backend == "triton" and fastpe.backends.triton.unavailable_reason() is not None:
+            continue
+        if backend == "numba" and fastpe.backends.numba.unavailable_reason() is not None:
+            continue
+        loaded = importlib.import_module(f"fastpe.kernels.{module}")
+        launchers += [getattr(loaded, name) for name in names]
+    for launcher in launchers:
+        missing = given - set(inspect.signature(launcher).parameters)
+        assert not missing, f"{launcher.__qualname__} lacks {sorted(missing)}"

@@ -246,31 +246,31 @@ def test_opcheck_with_autograd():
     mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
     q, k, v, sinks = mk(7, 4, 8), mk(9, 2, 8), mk(9, 2, 6), mk(4)
     cu_q, cu_k = _cu([3, 0, 4]), _cu([5, 2, 2])
-    args = (
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        None,
-        None,
-        True,
-        "bottom_right",
-        None,
-        None,
-        None,
-        False,
-        None,
-        None,
-        None,
-        3,
-        -1,
-        2.0,
-        sinks,
-        "",
+    # by name: the schema's order is the op's own business
+    options = dict(
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        causal=True,
+        causal_alignment="bottom_right",
+        scale=None,
+        window_left=3,
+        window_right=-1,
+        softcap=2.0,
+        sinks=sinks,
+        alibi_slopes=None,
+        rope_cos=None,
+        rope_sin=None,
+        rope_interleaved=False,
+        rope_q_positions=None,
+        rope_q_positions_offset=None,
+        rope_k_positions=None,
+        rope_k_positions_offset=None,
+        backend="",
     )
-    torch.library.opcheck(torch.ops.fastpe.attention_varlen.default, args)
-    out, lse = torch.ops.fastpe.attention_varlen.default(*args)
+    args = (q, k, v, cu_q, cu_k)
+    torch.library.opcheck(torch.ops.fastpe.attention_varlen.default, args, options)
+    out, lse = torch.ops.fastpe.attention_varlen.default(*args, **options)
+    detached = {name: a.detach() if torch.is_tensor(a) else a for name, a in options.items()}
     backward_args = (
         torch.randn_like(out),
         torch.randn_like(lse),
@@ -279,11 +279,13 @@ def test_opcheck_with_autograd():
         v.detach(),
         out.detach(),
         lse.detach(),
-        *(a.detach() if torch.is_tensor(a) else a for a in args[3:]),
+        cu_q,
+        cu_k,
     )
     torch.library.opcheck(
         torch.ops.fastpe.attention_varlen_backward.default,
         backward_args,
+        detached,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 

@@ -42,35 +42,34 @@ def test_opcheck_every_tensor_op(qkv):
     cases = [
         (
             ops.attention.default,
-            (
-                q,
-                k,
-                v,
-                True,
-                "bottom_right",
-                mask,
-                torch.tensor([11, 7]),
-                None,
-                cos,
-                sin,
-                True,
-                None,
-                None,
-                None,
-                0,
-                torch.ones(4),
-                None,
-                32,
-                128,
-                True,
-                3,
-                0,
-                5.0,
-                torch.linspace(-1, 1, 4),
-                "",
+            (q, k, v),
+            # by name: the schema's order is the op's own business
+            dict(
+                mask=mask,
+                key_lengths=torch.tensor([11, 7]),
+                relative_bias_table=None,
+                relative_bias_num_buckets=32,
+                relative_bias_max_distance=128,
+                relative_bias_bidirectional=True,
+                causal=True,
+                causal_alignment="bottom_right",
+                scale=None,
+                window_left=3,
+                window_right=0,
+                softcap=5.0,
+                sinks=torch.linspace(-1, 1, 4),
+                alibi_slopes=torch.ones(4),
+                rope_cos=cos,
+                rope_sin=sin,
+                rope_interleaved=True,
+                rope_q_positions=None,
+                rope_q_positions_offset=None,
+                rope_k_positions=None,
+                rope_k_positions_offset=0,
+                backend="",
             ),
         ),
-        (ops.apply_rope.default, (q, cos, sin, torch.arange(9), 0, False, "bhsd", "")),
+        (ops.apply_rope.default, (q, cos, sin, torch.arange(9), 0, False, "bhsd", ""), {}),
         (
             ops.embed.default,
             (
@@ -88,11 +87,12 @@ def test_opcheck_every_tensor_op(qkv):
                 None,
                 "",
             ),
+            {},
         ),
-        (ops.merge_attention.default, (q, lse, q, lse, "")),
+        (ops.merge_attention.default, (q, lse, q, lse, ""), {}),
     ]
-    for op, args in cases:
-        torch.library.opcheck(op, args)
+    for op, args, kwargs in cases:
+        torch.library.opcheck(op, args, kwargs)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
