@@ -635,3 +635,7 @@ def test_contiguous_shards_match_tensor_split_for_uneven_lengths():
         s = 10
         expected = [len(c) for c in torch.arange(s).tensor_split(world)]
         assert [len(fd.shard_positions(s, r, world)) for r in range(world)] == expected
+
+
+# both files share one spawned process group (conftest.py): under pytest-xdist, one worker
+pytestmark = pytest.mark.xdist_group("distributed")

@@ -143,3 +143,7 @@ def test_an_option_that_differs_on_one_rank_raises_on_every_rank(outcomes, name,
 def test_the_group_still_works_after_the_errors(outcomes):
     for outcome in outcomes["still_works_after_errors"]:
         assert outcome[0] == "ok", outcome
+
+
+# both files share one spawned process group (conftest.py): under pytest-xdist, one worker
+pytestmark = pytest.mark.xdist_group("distributed")
