@@ -9,6 +9,9 @@ each query's position, large when unbounded.
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 from fastpe.kernels.triton._common import LOG2E
@@ -233,3 +236,50 @@ def epilogue(
         out = out * tl.exp(lse - lse_with)[:, None]
         lse = lse_with
     return out, lse
+
+
+def window_offsets(window, unbounded):
+    """The kernels' ``window`` tuple from a launcher's (left, right), -1 unbounded, or None: an
+    unbounded side becomes ``unbounded``, which reaches past every key."""
+    left, right = (-1, -1) if window is None else window
+    return (unbounded if left < 0 else left, unbounded if right < 0 else right)
+
+
+def forward_flags(*, causal, bottom_right, window, softcap, sinks):
+    """The constexprs of the options the dense and paged forward kernels share."""
+    return dict(
+        CAUSAL=causal,
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        BOTTOM_RIGHT=bottom_right,
+    )
+
+
+def score_args(device, *, mask, alibi_slopes, relative_bias):
+    """The kernels' (mask, alibi, relative_bias) tuples from a launcher's options (a dummy
+    tensor for an option that is None), and the constexprs those options set."""
+    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
+    mask_t = mask if mask is not None else dummy
+    alibi = alibi_slopes if alibi_slopes is not None else dummy[0, 0]
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+    else:
+        table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
+    max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
+    log_span = math.log(max_distance / max_exact) if relative_bias is not None else 1.0
+    args = (
+        (mask_t, mask_t.stride()),
+        # a [Hq] slope vector is shared by the batch
+        (alibi, (alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1))),
+        (table, table.stride(), max_exact, log_span),
+    )
+    flags = dict(
+        HAS_MASK=mask is not None,
+        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+        HAS_ALIBI=alibi_slopes is not None,
+        HAS_RELATIVE_BIAS=relative_bias is not None,
+        RELATIVE_BIAS_BUCKETS=num_buckets,
+        RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
+    )
+    return args, flags

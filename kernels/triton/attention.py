@@ -16,8 +16,6 @@ computed per tile.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -25,11 +23,14 @@ from fastpe.kernels.triton._attention_common import (
     alibi_near,
     alibi_slope,
     epilogue,
+    forward_flags,
     key_range,
     modify_scores,
     pv_product,
     qk_scores,
+    score_args,
     softmax_step,
+    window_offsets,
 )
 from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
 
@@ -171,7 +172,7 @@ def _per_element_bias(flags) -> bool:
 
 
 def _capability(named_args):
-    q = named_args.get("q", (None,))[0]
+    q = named_args.get("q_ptr")
     if q is None or not hasattr(q, "device") or q.device.type != "cuda":
         return 90
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -223,18 +224,17 @@ def _prune(configs, named_args, capability=None, **kwargs):
 )
 @triton.jit
 def _attention_kernel(
-    q,
-    k,
-    v,
-    out,
-    lse,
-    mask,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    mask_ptr,
     key_len_ptr,
-    alibi,
-    relative_bias,
-    rope,
-    q_positions,
-    k_positions,
+    alibi_ptr,
+    bias_ptr,
+    rope_tables,
+    positions_ptrs,
     sinks_ptr,
     Hq,
     group,
@@ -243,8 +243,12 @@ def _attention_kernel(
     D,
     Dv,
     query_shift,
+    half,
     keys_per_split,
+    positions_offsets,
+    bias_params,
     window,
+    strides,
     scale,
     softcap,
     CAUSAL: tl.constexpr,
@@ -269,18 +273,30 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """q, k, v: (ptr, strides b, h, s, d); out: (ptr, strides split, b, h, s, d); lse: (ptr,
-    strides split, b, h, s); rope: (cos ptr, sin ptr, row stride, half); q_positions and
-    k_positions: (ptr, (stride b, stride s), offset); the rest as in _attention_common."""
+    """rope_tables: (cos, sin) [P, half]; positions_ptrs and positions_offsets: (q's, k's);
+    bias_params: (max_exact, log_span) of the T5 buckets; window: (left, right) offsets from
+    each query's position, large if unbounded; strides: ((q b, h, s, d), (k …), (v …), (out
+    split, b, h, s, d), (lse split, b, h, s), (mask b, h, q, k), (alibi b, h), (bias bucket, h),
+    cos row, (q positions b, s), (k positions b, s)).
+
+    Pointers, then sizes, then strides, as the kernel has always taken them: ptxas allocates
+    registers differently when the same arguments come in another order (`fastpe
+    triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides grouped by
+    tensor)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group
-    q_ptr, qs = q
-    k_ptr, ks = k
-    v_ptr, vs = v
+    qs, ks, vs, os, ls, ms, alibi_strides, bias_strides, stride_cos, qps, kps = strides
+    # the tuples _attention_common's helpers take
+    mask = (mask_ptr, ms)
+    alibi = (alibi_ptr, alibi_strides)
+    relative_bias = (bias_ptr, bias_strides, bias_params[0], bias_params[1])
+    rope = (rope_tables[0], rope_tables[1], stride_cos, half)
+    q_positions = (positions_ptrs[0], qps, positions_offsets[0])
+    k_positions = (positions_ptrs[1], kps, positions_offsets[1])
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
     dcols = tl.arange(0, BLOCK_D)
@@ -372,9 +388,9 @@ def _attention_kernel(
             mask=col_ok[:, None] & (vcols[None, :] < Dv),
             other=0.0,
         )
-        acc = acc * alpha[:, None] + pv_product(p, v_tile, DOT_FP32)
+        pv = pv_product(p, v_tile, DOT_FP32)
+        acc = acc * alpha[:, None] + pv
     o, row_lse = epilogue(acc, m_i, l_i, slope, near, sinks_ptr, h, split, HAS_ALIBI, HAS_SINKS)
-    out_ptr, os = out
     o_ptrs = (
         out_ptr
         + split * os[0]
@@ -384,7 +400,6 @@ def _attention_kernel(
         + vcols[None, :] * os[4]
     )
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (vcols[None, :] < Dv))
-    lse_ptr, ls = lse
     tl.store(lse_ptr + split * ls[0] + b * ls[1] + h * ls[2] + rows * ls[3], row_lse, mask=row_ok)
 
 
@@ -507,13 +522,6 @@ def _rotated_first(q, k, rope):
 SPLIT_GRANULE = 128
 
 
-def _window_offsets(window, unbounded):
-    """(left, right) offsets from each query's position; -1 (unbounded) becomes ``unbounded``,
-    which reaches past every key."""
-    left, right = (-1, -1) if window is None else window
-    return (unbounded if left < 0 else left, unbounded if right < 0 else right)
-
-
 def launch_args(
     q,
     k,
@@ -546,39 +554,33 @@ def launch_args(
     dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
     pos_dummy = torch.zeros((1, 1), dtype=torch.int64, device=device)
 
-    def positions(p, offset):
+    def positions(p):
         if p is None:
-            return pos_dummy, (0, 0), offset
-        return p, (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1)), offset
+            return pos_dummy, (1, 1)
+        return p, (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
 
     if rope is not None:
         cos, sin, interleaved, (q_pos, q_offset), (k_pos, k_offset) = rope
         cos, sin = cos.contiguous(), sin.contiguous()  # the kernel assumes unit column stride
-        rope_arg = (cos, sin, cos.stride(0), cos.shape[1])
     else:
+        cos = sin = dummy[0, 0]
         interleaved, q_pos, q_offset, k_pos, k_offset = False, None, 0, None, 0
-        rope_arg = (dummy, dummy, 0, 0)
-    mask_t = mask if mask is not None else dummy
-    alibi = alibi_slopes if alibi_slopes is not None else dummy[0, 0]
-    if relative_bias is not None:
-        table, num_buckets, max_distance, bidirectional = relative_bias
-    else:
-        table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
-    max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
-    log_span = math.log(max_distance / max_exact) if relative_bias is not None else 1.0
+    (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
+        device, mask=mask, alibi_slopes=alibi_slopes, relative_bias=relative_bias
+    )
+    (q_pos, q_pos_strides), (k_pos, k_pos_strides) = positions(q_pos), positions(k_pos)
     args = (
-        (q, q.stride()),
-        (k, k.stride()),
-        (v, v.stride()),
-        (part_out, part_out.stride()),
-        (part_lse, part_lse.stride()),
-        (mask_t, mask_t.stride()),
+        q,
+        k,
+        v,
+        part_out,
+        part_lse,
+        mask_arg[0],
         key_lengths if key_lengths is not None else pos_dummy[0],
-        (alibi, (alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1))),
-        (table, table.stride(), max_exact, log_span),
-        rope_arg,
-        positions(q_pos, q_offset),
-        positions(k_pos, k_offset),
+        alibi_arg[0],
+        bias_arg[0],
+        (cos, sin),
+        (q_pos, k_pos),
         sinks if sinks is not None else dummy[0, 0, 0],
         hq,
         hq // hkv,
@@ -587,29 +589,38 @@ def launch_args(
         d,
         dv,
         sk - sq if bottom_right else 0,
+        cos.shape[1] if rope is not None else 0,
         keys_per_split,
+        (q_offset, k_offset),
+        bias_arg[2:],
         # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
-        _window_offsets(window, sq + sk + 1),
+        window_offsets(window, sq + sk + 1),
+        (
+            q.stride(),
+            k.stride(),
+            v.stride(),
+            part_out.stride(),
+            part_lse.stride(),
+            mask_arg[1],
+            alibi_arg[1],
+            bias_arg[1],
+            cos.stride(0),
+            q_pos_strides,
+            k_pos_strides,
+        ),
         scale,
         1.0 if softcap is None else float(softcap),
     )
     constexprs = dict(
-        CAUSAL=causal,
-        HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None,
-        HAS_MASK=mask is not None,
-        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
+        **forward_flags(
+            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
+        ),
         HAS_KEY_LEN=key_lengths is not None,
-        BOTTOM_RIGHT=bottom_right,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_RELATIVE_BIAS=relative_bias is not None,
-        RELATIVE_BIAS_BUCKETS=num_buckets,
-        RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
+        **score_flags,
         HAS_ROPE=rope is not None,
         ROPE_INTERLEAVED=interleaved,
-        HAS_QPOS=q_pos is not None,
-        HAS_KPOS=k_pos is not None,
+        HAS_QPOS=rope is not None and rope[3][0] is not None,
+        HAS_KPOS=rope is not None and rope[4][0] is not None,
         # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
         DOT_FP32=low_precision_via_fp32(q.dtype) or q.dtype == torch.float32,
         BLOCK_D=next_pow2(d),

@@ -14,14 +14,16 @@ scheduling. Everything is computed in fp32 with IEEE dots (the launcher widens h
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
-from fastpe.kernels.triton._attention_common import alibi_slope, modify_scores
+from fastpe.kernels.triton._attention_common import (
+    alibi_slope,
+    modify_scores,
+    score_args,
+    window_offsets,
+)
 from fastpe.kernels.triton._common import LOG2E, interpreted, next_pow2
-from fastpe.kernels.triton.attention import _window_offsets
 
 
 @triton.jit
@@ -438,19 +440,17 @@ def _launch_args(
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
-    win_left, win_right = _window_offsets(window, sq + sk + 1)
+    win_left, win_right = window_offsets(window, sq + sk + 1)
     if causal:
         win_right = 0
-    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
-    mask_t = mask if mask is not None else dummy
-    alibi = alibi_slopes.float() if alibi_slopes is not None else dummy[0, 0]
-    if relative_bias is not None:
-        table, num_buckets, max_distance, bidirectional = relative_bias
-        table = table.float()
-    else:
-        table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
-    max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
-    log_span = math.log(max_distance / max_exact) if relative_bias is not None else 1.0
+    (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
+        device,
+        mask=mask,
+        alibi_slopes=alibi_slopes.float() if alibi_slopes is not None else None,
+        relative_bias=(relative_bias[0].float(), *relative_bias[1:])
+        if relative_bias is not None
+        else None,
+    )
     args = (
         q,
         k,
@@ -459,12 +459,12 @@ def _launch_args(
         lse,
         delta,
         *grads,
-        (mask_t, mask_t.stride()),
+        mask_arg,
         key_lengths
         if key_lengths is not None
         else torch.zeros(1, dtype=torch.int64, device=device),
-        (alibi, (alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1))),
-        (table, table.stride(), max_exact, log_span),
+        alibi_arg,
+        bias_arg,
         hq,
         hkv,
         sq,
@@ -480,15 +480,10 @@ def _launch_args(
     block_m, block_n, warps = dkdv_tiles if kernel is _attention_dkdv_kernel else dq_tiles
     constexprs = dict(
         HAS_SOFTCAP=softcap is not None,
-        HAS_MASK=mask is not None,
-        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
         HAS_KEY_LEN=key_lengths is not None,
         BOTTOM_RIGHT=bottom_right,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_RELATIVE_BIAS=relative_bias is not None,
-        RELATIVE_BIAS_BUCKETS=num_buckets,
-        RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
-        BLOCK_B=next_pow2(num_buckets),
+        **score_flags,
+        BLOCK_B=next_pow2(score_flags["RELATIVE_BIAS_BUCKETS"]),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=next_pow2(d),
