@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import hashlib
-import importlib
 import json
 import multiprocessing
 import os
@@ -41,7 +40,6 @@ TARGETS = {
 NO_SPILL_TARGETS = (80, 90)
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128, 256)
-_TRITON_TYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 KERNELS = (
     "sinusoidal_table",
     "rope_table",
@@ -56,41 +54,30 @@ KERNELS = (
 )
 
 # the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
-# interleaved RoPE): the constexprs each one turns on
+# interleaved RoPE), as the options of the forward's launch_args (T5: (buckets, bidirectional);
+# RoPE: "interleaved" or "neox_positions"; mask: "bool" or "float")
 ATTENTION_VARIANTS = {
     "plain": {},
-    "plain_mha": {"_mha": True},
-    "causal": {"CAUSAL": True},
-    "bool_mask": {"HAS_MASK": True, "MASK_IS_BOOL": True},
-    "float_mask": {"HAS_MASK": True},
-    "key_lengths": {"HAS_KEY_LEN": True},
-    "alibi": {"HAS_ALIBI": True, "CAUSAL": True},
-    "t5": {
-        "HAS_RELATIVE_BIAS": True,
-        "RELATIVE_BIAS_BUCKETS": 32,
-        "RELATIVE_BIAS_BIDIRECTIONAL": True,
-    },
-    "rope": {"HAS_ROPE": True, "ROPE_INTERLEAVED": True, "CAUSAL": True},
-    "rope_neox_positions": {"HAS_ROPE": True, "HAS_QPOS": True, "HAS_KPOS": True},
-    "window_softcap_sinks": {
-        "CAUSAL": True,
-        "HAS_WINDOW": True,
-        "HAS_SOFTCAP": True,
-        "HAS_SINKS": True,
-    },
+    "plain_mha": {"mha": True},
+    "causal": {"causal": True},
+    "bool_mask": {"mask": "bool"},
+    "float_mask": {"mask": "float"},
+    "key_lengths": {"key_lengths": True},
+    "alibi": {"alibi_slopes": True, "causal": True},
+    "t5": {"relative_bias": (32, True)},
+    "rope": {"rope": "interleaved", "causal": True},
+    "rope_neox_positions": {"rope": "neox_positions"},
+    "window_softcap_sinks": {"causal": True, "window": True, "softcap": True, "sinks": True},
     "everything": {
-        "CAUSAL": True,
-        "HAS_MASK": True,
-        "MASK_IS_BOOL": True,
-        "HAS_KEY_LEN": True,
-        "HAS_ALIBI": True,
-        "HAS_RELATIVE_BIAS": True,
-        "RELATIVE_BIAS_BUCKETS": 32,
-        "HAS_ROPE": True,
-        "ROPE_INTERLEAVED": True,
-        "HAS_WINDOW": True,
-        "HAS_SOFTCAP": True,
-        "HAS_SINKS": True,
+        "causal": True,
+        "mask": "bool",
+        "key_lengths": True,
+        "alibi_slopes": True,
+        "relative_bias": (32, False),
+        "rope": "interleaved",
+        "window": True,
+        "softcap": True,
+        "sinks": True,
     },
 }
 # the cheap default (CI) subset
@@ -138,115 +125,208 @@ def unavailable() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------
-# the arguments each launcher passes. A pointer is "*<type>"; ints and floats are example values
-# from a contiguous launch, so the JIT's specialisations (1 -> constant, multiple of 16 ->
-# divisibility hint) come out as they would on a GPU.
+# the launches: each kernel's arguments come from its launcher's own ``launch_args``, called on
+# meta tensors (no memory, no GPU) shaped like a typical call, and go through the JIT's own
+# binder, so the specialisations (unit strides become constants, 16-divisible sizes and
+# pointers are marked so) come out as they would on a GPU.
 
 
-def _attention_args(dtype, d, variant):
-    flags = dict(ATTENTION_VARIANTS[variant])
-    mha = flags.pop("_mha", False)
+def _meta(shape, dtype):
+    import torch
+
+    return torch.empty(
+        shape, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, device="meta"
+    )
+
+
+def _attention_launch(dtype, d, variant):
+    import torch
+
+    from fastpe.kernels.triton import attention
+
+    opts = ATTENTION_VARIANTS[variant]
     b, hq, s = 2, 8, 1024
-    hkv = hq if mha else 2
-    t = "*" + _TRITON_TYPE[dtype]
-    half = d // 2
-    values = {
-        "q_ptr": t,
-        "k_ptr": t,
-        "v_ptr": t,
-        "out_ptr": t,
-        "lse_ptr": "*fp32",
-        "mask_ptr": "*i1"
-        if flags.get("MASK_IS_BOOL")
-        else "*" + (_TRITON_TYPE[dtype] if flags.get("HAS_MASK") else "fp32"),
-        "key_len_ptr": "*i64",
-        "alibi_ptr": "*fp32",
-        "bias_ptr": "*fp32",
-        "cos_ptr": "*fp32",
-        "sin_ptr": "*fp32",
-        "qpos_ptr": "*i64",
-        "kpos_ptr": "*i64",
-        "sinks_ptr": "*fp32",
-        "Hq": hq,
-        "group": hq // hkv,
-        "Sq": s,
-        "Sk": s,
-        "D": d,
-        "Dv": d,
-        "query_shift": 0,
-        "half": half,
-        "keys_per_split": s,
-        "q_positions_offset": 0,
-        "k_positions_offset": 0,
-        "bias_max_exact": 8,
-        "bias_log_span": 1.5,
-        "win_left": 4095,
-        "win_right": 0,
-        "stride_qb": hq * s * d,
-        "stride_qh": s * d,
-        "stride_qs": d,
-        "stride_qd": 1,
-        "stride_kb": hkv * s * d,
-        "stride_kh": s * d,
-        "stride_ks": d,
-        "stride_kd": 1,
-        "stride_vb": hkv * s * d,
-        "stride_vh": s * d,
-        "stride_vs": d,
-        "stride_vd": 1,
-        "stride_osplit": b * hq * s * d,
-        "stride_ob": hq * s * d,
-        "stride_oh": s * d,
-        "stride_os": d,
-        "stride_od": 1,
-        "stride_lsplit": b * hq * s,
-        "stride_lb": hq * s,
-        "stride_lh": s,
-        "stride_ls": 1,
+    hkv = hq if opts.get("mha") else 2
+    positions = _meta((s,), torch.int64) if opts.get("rope") == "neox_positions" else None
+    table = _meta((s, d // 2), torch.float32)
+    buckets, bidirectional = opts.get("relative_bias", (0, False))
+    mask = opts.get("mask")
+    return attention.launch_args(
+        _meta((b, hq, s, d), dtype),
+        _meta((b, hkv, s, d), dtype),
+        _meta((b, hkv, s, d), dtype),
+        _meta((1, b, hq, s, d), dtype),
+        _meta((1, b, hq, s), torch.float32),
+        scale=0.125,
+        causal=opts.get("causal", False),
+        bottom_right=True,
+        keys_per_split=s,
         # a [B, 1, S, S] mask broadcast over heads, a [Hq] slope vector broadcast over batch
-        "stride_mb": s * s,
-        "stride_mh": 0,
-        "stride_mq": s,
-        "stride_mk": 1,
-        "stride_ab": 0,
-        "stride_ah": 1,
-        "stride_biasb": hq,
-        "stride_biash": 1,
-        "stride_cos": half,
-        "stride_qpb": 0,
-        "stride_qps": 1,
-        "stride_kpb": 0,
-        "stride_kps": 1,
-        "scale": 0.125,
-        "softcap": 50.0,
-    }
-    constexprs = {
-        "CAUSAL": False,
-        "HAS_WINDOW": False,
-        "HAS_SOFTCAP": False,
-        "HAS_SINKS": False,
-        "BOTTOM_RIGHT": True,
-        "HAS_MASK": False,
-        "MASK_IS_BOOL": False,
-        "HAS_KEY_LEN": False,
-        "HAS_ALIBI": False,
-        "HAS_RELATIVE_BIAS": False,
-        "RELATIVE_BIAS_BUCKETS": 2,
-        "RELATIVE_BIAS_BIDIRECTIONAL": False,
-        "HAS_ROPE": False,
-        "ROPE_INTERLEAVED": False,
-        "HAS_QPOS": False,
-        "HAS_KPOS": False,
-        "DOT_FP32": dtype == "float32",
-        "BLOCK_D": _next_pow2(d),
-        "BLOCK_DV": _next_pow2(d),
-    }
-    constexprs.update(flags)
-    return values, constexprs
+        mask=_meta((b, 1, s, s), torch.bool if mask == "bool" else dtype).expand(b, hq, s, s)
+        if mask
+        else None,
+        key_lengths=_meta((b,), torch.int64) if opts.get("key_lengths") else None,
+        alibi_slopes=_meta((hq,), torch.float32) if opts.get("alibi_slopes") else None,
+        relative_bias=(_meta((buckets, hq), torch.float32), buckets, 128, bidirectional)
+        if buckets
+        else None,
+        rope=(table, table, opts["rope"] == "interleaved", (positions, 0), (positions, 0))
+        if opts.get("rope")
+        else None,
+        window=(4095, 0) if opts.get("window") else None,
+        softcap=50.0 if opts.get("softcap") else None,
+        sinks=_meta((hq,), torch.float32) if opts.get("sinks") else None,
+    )
 
 
-def _next_pow2(n, minimum=16):
-    return max(minimum, 1 << (max(int(n), 1) - 1).bit_length())
+def _backward_launch(kernel, d, variant):
+    import torch
+
+    from fastpe.kernels.triton import attention_backward as bw
+
+    b, hq, hkv, s = 2, 16, 4, 1024
+    q, kv, rows = (
+        _meta((b, hq, s, d), torch.float32),
+        _meta((b, hkv, s, d), torch.float32),
+        _meta((b, hq, s), torch.float32),
+    )
+    every = variant == "everything"
+    options = dict(
+        scale=0.125,
+        causal=True,
+        bottom_right=True,
+        mask=_meta((b, 1, s, s), torch.bool).expand(b, hq, s, s) if every else None,
+        key_lengths=_meta((b,), torch.int64) if every else None,
+        alibi_slopes=_meta((b, hq), torch.float32) if every else None,
+        relative_bias=(_meta((32, hq), torch.float32), 32, 128, True) if every else None,
+        softcap=1.0 if every else None,
+    )
+    if kernel == "attention_dkdv":
+        return bw.dkdv_launch_args(q, kv, kv, q, rows, rows, kv, kv, **options)
+    q_blocks = -(-s // bw.tiles(d, d)[1][0])
+    dtable = _meta((b, hq, q_blocks, 32) if every else (1,), torch.float32)
+    return bw.dq_launch_args(q, kv, kv, q, rows, rows, q, dtable, **options)
+
+
+def _paged_launch(dtype, d, variant):
+    import torch
+
+    from fastpe.kernels.triton import attention_paged
+
+    batch, hq, hkv, pages, page_size = 8, 32, 8, 256, 16
+    max_q, max_k = (1 if variant == "decode" else 1024), pages * page_size
+    total_q, every = batch * max_q, variant == "everything"
+    lengths = _meta((batch,), torch.int64)
+    return attention_paged.launch_args(
+        _meta((total_q, hq, d), dtype),
+        _meta((batch * max_k, hkv, d), dtype),
+        _meta((batch * max_k, hkv, d), dtype),
+        _meta((1, total_q, hq, d), dtype),
+        _meta((1, total_q, hq), torch.float32),
+        q_start=lengths,
+        q_len=lengths,
+        k_len=lengths,
+        page_start=_meta((batch, pages), torch.int64),
+        page_size=page_size,
+        max_q=max_q,
+        max_k=max_k,
+        keys_per_split=max_k,
+        scale=0.125,
+        causal=True,
+        bottom_right=True,
+        alibi_slopes=_meta((hq,), torch.float32).expand(batch, hq) if every else None,
+        window=(2 * max_k + 1, 0) if every else None,
+        softcap=50.0 if every else None,
+        sinks=_meta((hq,), torch.float32) if every else None,
+    )
+
+
+def _pe_launch(kernel, dtype, d, variant):
+    import torch
+
+    from fastpe.kernels.triton import apply_rope, embed, rope_table, sinusoidal_table
+
+    half, positions = d // 2, 4096
+    if kernel == "sinusoidal_table":
+        out, omega = _meta((positions, d), dtype), _meta((half,), torch.float64)
+        return sinusoidal_table.launch_args(out, omega, 0, variant == "interleaved")
+    if kernel == "rope_table":
+        cos, inv_freq = _meta((positions, half), dtype), _meta((half,), torch.float64)
+        return rope_table.launch_args(cos, cos, inv_freq, 0, 1.0)
+    if kernel == "apply_rope":  # q [2, 32, S, D] and k [2, 8, S, D] in one launch
+        b, s = 2, 1024
+        rot_half = half // 2 if variant == "partial" else half
+        xs = (_meta((b, 32, s, d), dtype), _meta((b, 8, s, d), dtype))
+        outs = tuple(_meta(x.shape, dtype) for x in xs)
+        table = _meta((positions, rot_half), dtype)
+        pos = None if variant == "neox" else _meta((s,), torch.int64)
+        return apply_rope.launch_args(
+            xs,
+            outs,
+            table,
+            table,
+            pos,
+            0,
+            interleaved=variant == "interleaved",
+            layout="bhsd",
+            inverse=variant == "inverse",
+        )
+    if kernel == "embed":
+        b, s, vocab = 8, 1024, 32000
+        pe, types, has_positions = {
+            "sinusoidal": ("sinusoidal", False, False),
+            "table_positions": ("table", False, True),
+            "none_types": (None, True, False),
+            "sinusoidal_types_positions": ("sinusoidal", True, True),
+        }[variant]
+        ids = _meta((b, s), torch.int64)
+        return embed.launch_args(
+            ids,
+            _meta((vocab, d), dtype),
+            _meta((b * s, d), dtype),
+            ids if has_positions else None,
+            0,
+            scale=1.0,
+            pe=pe,
+            pe_table=_meta((positions, d), dtype) if pe == "table" else None,
+            omega=_meta((half,), torch.float64) if pe == "sinusoidal" else None,
+            token_type_ids=ids if types else None,
+            token_type_weight=_meta((2, d), dtype) if types else None,
+        )
+    if kernel == "scatter_rows":  # embed's backward: one program per (row, column block)
+        tokens, vocab = 8192, 32000
+        index = _meta((tokens,), torch.int64)
+        return embed.scatter_rows_launch_args(
+            index, index, index, _meta((tokens, d), dtype), _meta((vocab, d), dtype), 1.0
+        )
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def launch(kernel, dtype, d, variant):
+    """(kernel, grid, args, constexprs) of one report case, from its launcher's launch_args.
+    The attention forward's constexprs lack the autotuned block sizes (the case's config)."""
+    import torch
+
+    from fastpe.kernels.triton import attention
+
+    if kernel == "attention":
+        return _attention_launch(dtype, d, variant)
+    if kernel in ("attention_dkdv", "attention_dq"):
+        # the backward launcher widens every input to fp32
+        return _backward_launch(kernel, d, variant)
+    if kernel == "attention_paged":
+        return _paged_launch(dtype, d, variant)
+    if kernel == "merge":
+        # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
+        part = torch.float32 if variant == "split_kv" else getattr(torch, dtype)
+        n, rows = 4, 2 * 8 * 1024
+        return attention.merge_launch_args(
+            _meta((n, rows, d), part),
+            _meta((n, rows), torch.float32),
+            _meta((rows, d), part),
+            _meta((rows,), torch.float32),
+        )
+    return _pe_launch(kernel, dtype, d, variant)
 
 
 def _launched(dtype, d, variant) -> bool:
@@ -254,9 +334,17 @@ def _launched(dtype, d, variant) -> bool:
     launches the kernel without HAS_ROPE, a variant compiled on its own)."""
     from fastpe.kernels.triton import attention
 
-    flags = ATTENTION_VARIANTS[variant]
+    flags = launch("attention", dtype, d, variant)[3]
     biased = attention._per_element_bias(flags)
-    return not flags.get("HAS_ROPE") or attention._rope_in_kernel(d, dtype == "float32", biased)
+    return not flags["HAS_ROPE"] or attention._rope_in_kernel(d, dtype == "float32", biased)
+
+
+def _jit_function(kernel):
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):  # the autotuner wraps the JITFunction
+        kernel = kernel.fn
+    return kernel
 
 
 def attention_configs(dtype, d, variant, target):
@@ -264,288 +352,18 @@ def attention_configs(dtype, d, variant, target):
     on ``target`` for a prefill (Sq = 1024) or a decode (Sq = 1) call of this shape."""
     from fastpe.kernels.triton import attention
 
-    values, constexprs = _attention_args(dtype, d, variant)
+    kernel, _, args, constexprs = launch("attention", dtype, d, variant)
+    named = dict(zip(_jit_function(kernel).arg_names, args, strict=False))
     configs = attention._gpu_configs()
     kept = set()
     for sq in (1, 1024):
-        named = {**values, "Sq": sq}
-        for c in attention._prune(configs, named, capability=target, **constexprs):
+        for c in attention._prune(configs, {**named, "Sq": sq}, capability=target, **constexprs):
             kept.add(id(c))
     return [(c, id(c) in kept) for c in configs]
 
 
 def _config_tuple(meta: dict, num_warps: int, num_stages: int) -> tuple:
     return (*sorted(meta.items()), ("num_warps", num_warps), ("num_stages", num_stages))
-
-
-def _kernel_specs(kernel, dtype, d, variant):
-    """(module, function name, values, constexprs) for a non-attention kernel, with the block
-    sizes its launcher chooses (they mirror the launchers in kernels/triton/)."""
-    t = "*" + _TRITON_TYPE[dtype]
-    half = d // 2
-    if kernel == "sinusoidal_table":
-        values = {
-            "out_ptr": t,
-            "omega_ptr": "*fp64",
-            "num_positions": 4096,
-            "offset": 0,
-            "half": half,
-            "stride_out_pos": d,
-        }
-        consts = {
-            "INTERLEAVED": variant == "interleaved",
-            "BLOCK_P": 32,
-            "BLOCK_F": min(128, _next_pow2(half)),
-        }
-        return "sinusoidal_table", "_sinusoidal_table_kernel", values, consts
-    if kernel == "rope_table":
-        values = {
-            "cos_ptr": t,
-            "sin_ptr": t,
-            "inv_freq_ptr": "*fp64",
-            "num_positions": 4096,
-            "offset": 0,
-            "half": half,
-            "stride_pos": half,
-            "factor": 1.0,
-        }
-        consts = {"BLOCK_P": 32, "BLOCK_F": min(128, _next_pow2(half))}
-        return "rope_table", "_rope_table_kernel", values, consts
-    if kernel == "apply_rope":
-        h, s = 32, 1024
-        rot_half = half // 2 if variant == "partial" else half
-        x = {"stride_x1b": h * s * d, "stride_x1h": s * d, "stride_x1s": d, "stride_x1d": 1}
-        values = {
-            "x1_ptr": t,
-            "out1_ptr": t,
-            "x2_ptr": t,
-            "out2_ptr": t,
-            "cos_ptr": t,
-            "sin_ptr": t,
-            "pos_ptr": "*i64",
-            "heads1": h,
-            "heads2": 8,
-            "seq": s,
-            "half": rot_half,
-            "dim": d,
-            "pos_offset": 0,
-            **x,
-            **{k.replace("x1", "o1"): v for k, v in x.items()},
-            **{k.replace("x1", "x2"): v // 4 if k.endswith("b") else v for k, v in x.items()},
-            **{k.replace("x1", "o2"): v // 4 if k.endswith("b") else v for k, v in x.items()},
-            "stride_cos_p": rot_half,
-            "stride_pos_b": 0,
-            "stride_pos_s": 1,
-        }
-        consts = {
-            "HAS_POSITIONS": variant != "neox",
-            "INTERLEAVED": variant == "interleaved",
-            "COPY_TAIL": variant == "partial",
-            "INVERSE": variant == "inverse",
-            "BLOCK_H": 16,
-            "BLOCK_F": _next_pow2(rot_half, 1),
-            "BLOCK_TAIL": _next_pow2(min(d - 2 * rot_half, 64), 1),
-        }
-        return "apply_rope", "_apply_rope_kernel", values, consts
-    if kernel == "embed":
-        pe, types, positions = {
-            "sinusoidal": (1, False, False),
-            "table_positions": (2, False, True),
-            "none_types": (0, True, False),
-            "sinusoidal_types_positions": (1, True, True),
-        }[variant]
-        values = {
-            "ids_ptr": "*i64",
-            "weight_ptr": t,
-            "out_ptr": t,
-            "pos_ptr": "*i64",
-            "omega_ptr": "*fp64",
-            "pe_ptr": t,
-            "type_ids_ptr": "*i64",
-            "type_weight_ptr": t,
-            "tokens": 8192,
-            "seq": 1024,
-            "dim": d,
-            "half": half,
-            "pos_offset": 0,
-            "scale": 1.0,
-            "stride_w": d,
-            "stride_out": d,
-            "stride_pe": d,
-            "stride_tw": d,
-            "stride_pos_b": 1024,
-            "stride_pos_s": 1,
-        }
-        consts = {
-            "PE_KIND": pe,
-            "HAS_POSITIONS": positions,
-            "HAS_TYPES": types,
-            "INTERLEAVED": True,
-            "BLOCK_T": 16,
-            "BLOCK_D": min(256, _next_pow2(d)),
-        }
-        return "embed", "_embed_kernel", values, consts
-    if kernel == "scatter_rows":  # embed's backward: one program per (row, column block)
-        values = {
-            "order_ptr": "*i64",
-            "starts_ptr": "*i64",
-            "rows_ptr": "*i64",
-            "grad_ptr": t,
-            "out_ptr": t,
-            "dim": d,
-            "scale": 1.0,
-            "stride_grad": d,
-            "stride_out": d,
-        }
-        return "embed", "_scatter_rows_kernel", values, {"BLOCK_D": min(256, _next_pow2(d))}
-    if kernel == "merge":
-        # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
-        part = "*fp32" if variant == "split_kv" else t
-        rows = 2 * 8 * 1024
-        values = {
-            "part_out_ptr": part,
-            "part_lse_ptr": "*fp32",
-            "out_ptr": part,
-            "lse_ptr": "*fp32",
-            "n_parts": 4,
-            "rows": rows,
-            "Dv": d,
-            "stride_po_part": rows * d,
-            "stride_po_row": d,
-            "stride_pl_part": rows,
-            "stride_o_row": d,
-        }
-        consts = {"BLOCK_R": 16, "BLOCK_DV": _next_pow2(d)}
-        return "attention", "_merge_kernel", values, consts
-    if kernel in ("attention_dkdv", "attention_dq"):
-        # the backward launcher widens every input to fp32; its tiles by head dim
-        from fastpe.kernels.triton import attention_backward
-
-        hq, hkv, s = 16, 4, 1024
-        dkdv, dq = attention_backward.tiles(d, d)
-        block_m, block_n, warps = dkdv if kernel == "attention_dkdv" else dq
-        values = {
-            "q_ptr": "*fp32",
-            "k_ptr": "*fp32",
-            "v_ptr": "*fp32",
-            "do_ptr": "*fp32",
-            "lse_ptr": "*fp32",
-            "delta_ptr": "*fp32",
-            "dq_ptr": "*fp32",
-            "dk_ptr": "*fp32",
-            "dv_ptr": "*fp32",
-            "dtable_ptr": "*fp32",
-            "mask_ptr": "*i1",
-            "key_len_ptr": "*i64",
-            "alibi_ptr": "*fp32",
-            "bias_ptr": "*fp32",
-            "Hq": hq,
-            "Hkv": hkv,
-            "Sq": s,
-            "Sk": s,
-            "D": d,
-            "Dv": d,
-            "query_shift": 0,
-            "win_left": 2 * s + 1,
-            "win_right": 0,
-            "stride_mb": s * s,
-            "stride_mh": 0,
-            "stride_mq": s,
-            "stride_mk": 1,
-            "stride_ab": hq,
-            "stride_ah": 1,
-            "stride_biasb": hq,
-            "stride_biash": 1,
-            "bias_max_exact": 8,
-            "bias_log_span": 2.77,
-            "scale": 0.125,
-            "softcap": 1.0,
-        }
-        everything = variant == "everything"
-        consts = {
-            "HAS_SOFTCAP": everything,
-            "HAS_MASK": everything,
-            "MASK_IS_BOOL": everything,
-            "HAS_KEY_LEN": everything,
-            "BOTTOM_RIGHT": True,
-            "HAS_ALIBI": everything,
-            "HAS_RELATIVE_BIAS": everything,
-            "RELATIVE_BIAS_BUCKETS": 32,
-            "RELATIVE_BIAS_BIDIRECTIONAL": True,
-            "BLOCK_B": 32,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "num_warps": warps,
-            "num_stages": 1,
-            "BLOCK_D": _next_pow2(d),
-            "BLOCK_DV": _next_pow2(d),
-        }
-        name = "_attention_dkdv_kernel" if kernel == "attention_dkdv" else "_attention_dq_kernel"
-        return "attention_backward", name, values, consts
-    if kernel == "attention_paged":
-        from fastpe.kernels.triton.attention_paged import block_sizes
-
-        block_m, block_n = block_sizes(1 if variant == "decode" else 1024, d, dtype == "float32")
-        hq, hkv, rows = 32, 8, 8 * 4096
-        values = {
-            "q_ptr": t,
-            "k_ptr": t,
-            "v_ptr": t,
-            "out_ptr": t,
-            "lse_ptr": "*fp32",
-            "q_start_ptr": "*i64",
-            "q_len_ptr": "*i64",
-            "k_len_ptr": "*i64",
-            "page_ptr": "*i64",
-            "alibi_ptr": "*fp32",
-            "sinks_ptr": "*fp32",
-            "Hq": hq,
-            "group": hq // hkv,
-            "D": d,
-            "Dv": d,
-            "page_size": 16,
-            "keys_per_split": 4096,
-            "win_left": 8193,
-            "win_right": 0,
-            "stride_qt": hq * d,
-            "stride_qh": d,
-            "stride_qd": 1,
-            "stride_kr": hkv * d,
-            "stride_kh": d,
-            "stride_kd": 1,
-            "stride_vr": hkv * d,
-            "stride_vh": d,
-            "stride_vd": 1,
-            "stride_osplit": rows * hq * d,
-            "stride_ot": hq * d,
-            "stride_oh": d,
-            "stride_od": 1,
-            "stride_lsplit": rows * hq,
-            "stride_lt": hq,
-            "stride_lh": 1,
-            "stride_pb": 256,
-            "stride_pp": 1,
-            "stride_ab": 0,
-            "stride_ah": 1,
-            "scale": 0.125,
-            "softcap": 50.0,
-        }
-        everything = variant == "everything"
-        consts = {
-            "CAUSAL": True,
-            "HAS_WINDOW": everything,
-            "HAS_SOFTCAP": everything,
-            "HAS_SINKS": everything,
-            "BOTTOM_RIGHT": True,
-            "HAS_ALIBI": everything,
-            "DOT_FP32": dtype == "float32",
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_D": _next_pow2(d),
-            "BLOCK_DV": _next_pow2(d),
-        }
-        return "attention_paged", "_attention_paged_kernel", values, consts
-    raise ValueError(f"unknown kernel {kernel!r}")
 
 
 KERNEL_VARIANTS = {
@@ -584,7 +402,7 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
             for d in dims:
                 for kernel, variants in KERNEL_VARIANTS.items():
                     for variant in variants if full else variants[:1]:
-                        _, _, _, consts = _kernel_specs(kernel, dtype, d, variant)
+                        consts = launch(kernel, dtype, d, variant)[3]
                         meta = {k: v for k, v in consts.items() if k in _BLOCK_NAMES}
                         # what the launcher passes, else Triton's defaults, 4 warps and 3 stages
                         warps, stages = consts.get("num_warps", 4), consts.get("num_stages", 3)
@@ -627,39 +445,23 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
 
 
 def _source(case: Case):
-    """(JITFunction, signature, constexprs, attrs, options) for ``case``."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import JITFunction, native_specialize_impl
+    """(JITFunction, signature, constexprs, attrs, options) for ``case``: its launcher's
+    arguments bound and specialised by the JIT's own binder for the case's target."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     config = dict(case.config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-    if case.kernel == "attention":
-        module, name = "attention", "_attention_kernel"
-        values, consts = _attention_args(case.dtype, case.head_dim, case.variant)
-    else:
-        module, name, values, consts = _kernel_specs(
-            case.kernel, case.dtype, case.head_dim, case.variant
-        )
-    launch = ("num_warps", "num_stages")  # launch options, in ``options`` already
-    consts = {**{k: v for k, v in consts.items() if k not in launch}, **config}
-    fn = getattr(importlib.import_module(f"fastpe.kernels.triton.{module}"), name)
-    while not isinstance(fn, JITFunction):  # the autotuner wraps the JITFunction
-        fn = fn.fn
-    signature, constexprs, attrs = {}, dict(consts), {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in consts:
-            signature[arg] = "constexpr"
-            continue
-        value = values[arg]
-        if isinstance(value, str):  # a tensor: torch allocations are 16-byte aligned
-            signature[arg], spec = value, "D"
-        else:
-            signature[arg], spec = native_specialize_impl(BaseBackend, value, False, True, True)
-            if signature[arg] == "constexpr":
-                constexprs[arg] = value
-                continue
-        if spec == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel, _, args, consts = launch(case.kernel, case.dtype, case.head_dim, case.variant)
+    consts = {**{k: v for k, v in consts.items() if k not in options}, **config}
+    fn = _jit_function(kernel)
+    backend = make_backend(GPUTarget("cuda", case.target, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **consts)
+    _, signature, constexprs, attrs = fn._pack_args(
+        backend, dict(options), bound, specialization, None
+    )
     return fn, signature, constexprs, attrs, options
 
 

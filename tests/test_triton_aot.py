@@ -101,3 +101,24 @@ def test_full_sweep():
     records = _records(True, tuple(tr.TARGETS))
     problems = tr.problems(records)
     assert not problems, "\n".join(problems)
+
+
+def test_kernels_take_at_most_50_parameters():
+    """Every Triton kernel groups its strides and optional inputs into tuples: a kernel's
+    argument list stays short enough to read against its launcher's launch_args."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import fastpe.kernels.triton as package
+
+    counts = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if name.endswith("_kernel") and hasattr(obj, "fn"):
+                while hasattr(obj, "fn"):  # the autotuner, then the JIT (or interpreter) wrapper
+                    obj = obj.fn
+                counts[f"{info.name}.{name}"] = len(inspect.signature(obj).parameters)
+    assert "attention._attention_kernel" in counts, counts
+    assert {k: n for k, n in counts.items() if n > 50} == {}

@@ -71,3 +71,20 @@ def sincos_of_product(position, omega, FP64: tl.constexpr = False):
     delta = (reduced - reduced32.to(tl.float64)).to(tl.float32)
     sin, cos = tl.sin(reduced32), tl.cos(reduced32)
     return sin + delta * cos, cos - delta * sin
+
+
+@triton.jit
+def position_sincos(
+    out_ptr, freq_ptr, num_positions, offset, half, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr
+):
+    """This program's block of a table of positions offset + row by frequencies (fp64
+    ``freq_ptr`` [half]), for a table stored at ``out_ptr`` (fp64 tables get fp64 sin/cos):
+    (rows, freqs, in-bounds mask, sin, cos) of position·frequency."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    freqs = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    freq = tl.load(freq_ptr + freqs, mask=freqs < half, other=0.0)
+    sin, cos = sincos_of_product(
+        (rows + offset)[:, None], freq[None, :], out_ptr.dtype.element_ty == tl.float64
+    )
+    keep = (rows[:, None] < num_positions) & (freqs[None, :] < half)
+    return rows, freqs, keep, sin, cos

@@ -16,37 +16,34 @@ computed per tile.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
-from fastpe.kernels.triton._common import LOG2E, interpreted, low_precision_via_fp32, next_pow2
-
-FP32_MAX = tl.constexpr(3.4028234663852886e38)
+from fastpe.kernels.triton._attention_common import (
+    alibi_near,
+    alibi_slope,
+    epilogue,
+    forward_flags,
+    key_range,
+    modify_scores,
+    pv_product,
+    qk_scores,
+    score_args,
+    softmax_step,
+    window_offsets,
+)
+from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
 
 
 @triton.jit
-def _rotated(
-    ptr,
-    rows,
-    cols,
-    stride_row,
-    stride_col,
-    row_ok,
-    col_ok,
-    pos,
-    cos_ptr,
-    sin_ptr,
-    stride_cos,
-    half,
-    INTERLEAVED: tl.constexpr,
-):
+def _rotated(ptr, rows, cols, strides, row_ok, col_ok, pos, rope, INTERLEAVED: tl.constexpr):
     """Load a [rows, cols] tile and apply RoPE at positions ``pos`` [rows] (columns >= 2·half
-    pass through). The partner of column d is d ± half (NeoX) or d ^ 1 (GPT-J)."""
+    pass through). The partner of column d is d ± half (NeoX) or d ^ 1 (GPT-J). ``rope``:
+    (cos ptr, sin ptr, row stride of both, half)."""
+    cos_ptr, sin_ptr, stride_cos, half = rope
     keep = row_ok[:, None] & col_ok[None, :]
     x = tl.load(
-        ptr + rows[:, None] * stride_row + cols[None, :] * stride_col, mask=keep, other=0.0
+        ptr + rows[:, None] * strides[0] + cols[None, :] * strides[1], mask=keep, other=0.0
     ).to(tl.float32)
     rotary = cols < 2 * half
     if INTERLEAVED:
@@ -59,7 +56,7 @@ def _rotated(
         sign = tl.where(cols < half, -1.0, 1.0)
     rot_keep = keep & rotary[None, :]
     xp = tl.load(
-        ptr + rows[:, None] * stride_row + partner[None, :] * stride_col, mask=rot_keep, other=0.0
+        ptr + rows[:, None] * strides[0] + partner[None, :] * strides[1], mask=rot_keep, other=0.0
     ).to(tl.float32)
     c = tl.load(cos_ptr + pos[:, None] * stride_cos + freq[None, :], mask=rot_keep, other=1.0).to(
         tl.float32
@@ -75,84 +72,35 @@ def _load_tile(
     base,
     rows,
     cols,
-    stride_row,
-    stride_col,
+    strides,
     row_ok,
     col_ok,
+    b,
+    positions,
+    rope,
     HAS_ROPE: tl.constexpr,
     HAS_POS: tl.constexpr,
-    pos_ptr,
-    stride_pos,
-    pos_offset,
-    cos_ptr,
-    sin_ptr,
-    stride_cos,
-    half,
     INTERLEAVED: tl.constexpr,
 ):
-    """A [rows, cols] tile of q or k in fp32, rotated by RoPE at its positions when HAS_ROPE
-    (positions from ``pos_ptr`` when HAS_POS, else ``pos_offset + row``)."""
+    """A [rows, cols] tile of q or k in fp32 (``strides``: of a row, of a column), rotated by
+    RoPE at its positions when HAS_ROPE. ``positions``: (ptr, (stride b, stride s), offset);
+    the positions of batch b are read from ptr when HAS_POS, else offset + row."""
     if HAS_ROPE:
+        pos_ptr, pos_strides, pos_offset = positions
         if HAS_POS:
-            pos = tl.load(pos_ptr + rows * stride_pos, mask=row_ok, other=0)
+            pos = tl.load(
+                pos_ptr + b * pos_strides[0] + rows * pos_strides[1], mask=row_ok, other=0
+            )
         else:
             pos = pos_offset + rows
-        tile = _rotated(
-            base,
-            rows,
-            cols,
-            stride_row,
-            stride_col,
-            row_ok,
-            col_ok,
-            pos,
-            cos_ptr,
-            sin_ptr,
-            stride_cos,
-            half,
-            INTERLEAVED,
-        )
+        tile = _rotated(base, rows, cols, strides, row_ok, col_ok, pos, rope, INTERLEAVED)
     else:
         tile = tl.load(
-            base + rows[:, None] * stride_row + cols[None, :] * stride_col,
+            base + rows[:, None] * strides[0] + cols[None, :] * strides[1],
             mask=row_ok[:, None] & col_ok[None, :],
             other=0.0,
         ).to(tl.float32)
     return tile
-
-
-@triton.jit
-def _relative_bias_bucket(
-    rel, NUM_BUCKETS: tl.constexpr, BIDIRECTIONAL: tl.constexpr, max_exact, log_span
-):
-    """T5's bucket of key-minus-query distance ``rel`` (the log in fp32, as T5 evaluates it)."""
-    if BIDIRECTIONAL:
-        bucket = tl.where(rel > 0, NUM_BUCKETS // 2, 0)
-        dist = tl.abs(rel)
-        buckets = NUM_BUCKETS // 2
-    else:
-        bucket = tl.zeros_like(rel)
-        dist = -tl.minimum(rel, 0)
-        buckets = NUM_BUCKETS
-    ratio = tl.maximum(dist, max_exact).to(tl.float32) / max_exact
-    large = max_exact + (tl.log(ratio) / log_span * (buckets - max_exact)).to(tl.int32)
-    large = tl.minimum(large, buckets - 1)
-    return bucket + tl.where(dist < max_exact, dist, large)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from exp: (1 - e)/(1 + e) with e = exp(-2|x|), which cancels near 0, so below
-    |x| = 1/4 the odd Taylor series to x^9 (next term < 3e-9)."""
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = ax * ax
-    small = ax + ax * x2 * (
-        -1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))
-    )
-    t = tl.where(ax < 0.25, small, big)
-    return tl.where(x >= 0, t, -t)
 
 
 def _configs():
@@ -285,10 +233,8 @@ def _attention_kernel(
     key_len_ptr,
     alibi_ptr,
     bias_ptr,
-    cos_ptr,
-    sin_ptr,
-    qpos_ptr,
-    kpos_ptr,
+    rope_tables,
+    positions_ptrs,
     sinks_ptr,
     Hq,
     group,
@@ -299,46 +245,10 @@ def _attention_kernel(
     query_shift,
     half,
     keys_per_split,
-    q_positions_offset,
-    k_positions_offset,
-    bias_max_exact,
-    bias_log_span,
-    win_left,
-    win_right,
-    stride_qb,
-    stride_qh,
-    stride_qs,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vs,
-    stride_vd,
-    stride_osplit,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    stride_lsplit,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
-    stride_ab,
-    stride_ah,
-    stride_biasb,
-    stride_biash,
-    stride_cos,
-    stride_qpb,
-    stride_qps,
-    stride_kpb,
-    stride_kps,
+    positions_offsets,
+    bias_params,
+    window,
+    strides,
     scale,
     softcap,
     CAUSAL: tl.constexpr,
@@ -363,183 +273,134 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """rope_tables: (cos, sin) [P, half]; positions_ptrs and positions_offsets: (q's, k's);
+    bias_params: (max_exact, log_span) of the T5 buckets; window: (left, right) offsets from
+    each query's position, large if unbounded; strides: ((q b, h, s, d), (k …), (v …), (out
+    split, b, h, s, d), (lse split, b, h, s), (mask b, h, q, k), (alibi b, h), (bias bucket, h),
+    cos row, (q positions b, s), (k positions b, s)).
+
+    Pointers, then sizes, then strides, as the kernel has always taken them: ptxas allocates
+    registers differently when the same arguments come in another order (`fastpe
+    triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides grouped by
+    tensor)."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group
+    qs, ks, vs, os, ls, ms, alibi_strides, bias_strides, stride_cos, qps, kps = strides
+    # the tuples _attention_common's helpers take
+    mask = (mask_ptr, ms)
+    alibi = (alibi_ptr, alibi_strides)
+    relative_bias = (bias_ptr, bias_strides, bias_params[0], bias_params[1])
+    rope = (rope_tables[0], rope_tables[1], stride_cos, half)
+    q_positions = (positions_ptrs[0], qps, positions_offsets[0])
+    k_positions = (positions_ptrs[1], kps, positions_offsets[1])
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
-    q_base = q_ptr + b * stride_qb + h * stride_qh
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-    q = _load_tile(
-        q_base,
+    k_base = k_ptr + b * ks[0] + hk * ks[1]
+    v_base = v_ptr + b * vs[0] + hk * vs[1]
+    q_tile = _load_tile(
+        q_ptr + b * qs[0] + h * qs[1],
         rows,
         dcols,
-        stride_qs,
-        stride_qd,
+        (qs[2], qs[3]),
         row_ok,
         dcols < D,
+        b,
+        q_positions,
+        rope,
         HAS_ROPE,
         HAS_QPOS,
-        qpos_ptr + b * stride_qpb,
-        stride_qps,
-        q_positions_offset,
-        cos_ptr,
-        sin_ptr,
-        stride_cos,
-        half,
         ROPE_INTERLEAVED,
     )
-    q = q * scale
+    q_tile = q_tile * scale
     if not DOT_FP32:
-        q = q.to(k_ptr.dtype.element_ty)
+        q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
     # the keys this block may see, then this program's slice of them
     end = Sk
     shift = query_shift
-    if HAS_KEY_LEN:
-        length = tl.load(key_len_ptr + b)
-        end = tl.minimum(end, length)
-        if BOTTOM_RIGHT:  # FlashAttention's rule for a ragged KV cache: the last Sq of L_b
-            shift = length - Sq
-    if CAUSAL:
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift)
-    if HAS_WINDOW:  # win_left / win_right: offsets from each query position, large if unbounded
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift + win_right)
-    end = tl.maximum(end, 0)
     end_keys = Sk
     if HAS_KEY_LEN:
-        end_keys = length
-    lo = split * keys_per_split
-    hi = tl.minimum(end, lo + keys_per_split)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, pid_m * BLOCK_M + shift - win_left)
+        end_keys = tl.load(key_len_ptr + b)
+        end = tl.minimum(end, end_keys)
+        if BOTTOM_RIGHT:  # FlashAttention's rule for a ragged KV cache: the last Sq of L_b
+            shift = end_keys - Sq
+    lo, hi = key_range(
+        pid_m, split, end, shift, keys_per_split, window, CAUSAL, HAS_WINDOW, BLOCK_M
+    )
     qpos_keys = rows + shift  # each query's position on the key axis
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    if HAS_ALIBI:
-        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah).to(tl.float32)
-        # distances less the row's nearest key: that common part would only cost fp32
-        # precision in the scores (it cancels in softmax; lse adds it back)
-        near = tl.maximum(tl.maximum(qpos_keys - (end_keys - 1), -qpos_keys), 0)
+    slope = alibi_slope(alibi, b, h, HAS_ALIBI)
+    near = alibi_near(qpos_keys, end_keys, HAS_ALIBI)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_tile(
+        k_tile = _load_tile(
             k_base,
             cols,
             dcols,
-            stride_ks,
-            stride_kd,
+            (ks[2], ks[3]),
             col_ok,
             dcols < D,
+            b,
+            k_positions,
+            rope,
             HAS_ROPE,
             HAS_KPOS,
-            kpos_ptr + b * stride_kpb,
-            stride_kps,
-            k_positions_offset,
-            cos_ptr,
-            sin_ptr,
-            stride_cos,
-            half,
             ROPE_INTERLEAVED,
         )
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(k_ptr.dtype.element_ty)))
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        valid = row_ok[:, None] & col_ok[None, :]
-        if HAS_WINDOW:
-            valid = valid & (cols[None, :] >= qpos_keys[:, None] - win_left)
-            valid = valid & (cols[None, :] <= qpos_keys[:, None] + win_right)
-        if CAUSAL:
-            if start + BLOCK_N - 1 > pid_m * BLOCK_M + shift:  # only tiles crossing the diagonal
-                valid = valid & (cols[None, :] <= qpos_keys[:, None])
-        if HAS_ALIBI:
-            s -= slope * (tl.abs(qpos_keys[:, None] - cols[None, :]) - near[:, None]).to(tl.float32)
-        if HAS_RELATIVE_BIAS:
-            bucket = _relative_bias_bucket(
-                (cols[None, :] - qpos_keys[:, None]).to(tl.int32),
-                RELATIVE_BIAS_BUCKETS,
-                RELATIVE_BIAS_BIDIRECTIONAL,
-                bias_max_exact,
-                bias_log_span,
-            )
-            s += tl.load(
-                bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0
-            ).to(tl.float32)
-        if HAS_MASK:
-            m_ptrs = (
-                mask_ptr
-                + b * stride_mb
-                + h * stride_mh
-                + rows[:, None] * stride_mq
-                + cols[None, :] * stride_mk
-            )
-            if MASK_IS_BOOL:
-                valid = valid & (tl.load(m_ptrs, mask=valid, other=0) != 0)
-            else:
-                # a finite mask is a score however large: beyond fp32 (a float64 mask) it
-                # saturates at fp32's largest finite value rather than becoming ±inf
-                m_add = tl.load(m_ptrs, mask=valid, other=0.0)
-                m32 = m_add.to(tl.float32)
-                m32 = tl.where(m_add > FP32_MAX, FP32_MAX, m32)
-                m32 = tl.where((m_add < -FP32_MAX) & (m_add > float("-inf")), -FP32_MAX, m32)
-                s += m32
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        # the difference first: scores near ±fp32 max must not overflow once scaled
-        alpha = tl.exp2((m_i - m_safe) * LOG2E)
-        p = tl.exp2((s - m_safe[:, None]) * LOG2E)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vs + vcols[None, :] * stride_vd,
+        s, valid, _, _ = modify_scores(
+            qk_scores(q_tile, k_tile, DOT_FP32),
+            rows,
+            cols,
+            row_ok[:, None] & col_ok[None, :],
+            qpos_keys,
+            b,
+            h,
+            start + BLOCK_N - 1 > pid_m * BLOCK_M + shift,
+            slope,
+            near,
+            softcap,
+            window,
+            relative_bias,
+            mask,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            HAS_RELATIVE_BIAS,
+            RELATIVE_BIAS_BUCKETS,
+            RELATIVE_BIAS_BIDIRECTIONAL,
+            HAS_MASK,
+            MASK_IS_BOOL,
+        )
+        p, alpha, m_i, l_i = softmax_step(s, valid, m_i, l_i)
+        v_tile = tl.load(
+            v_base + cols[:, None] * vs[2] + vcols[None, :] * vs[3],
             mask=col_ok[:, None] & (vcols[None, :] < Dv),
             other=0.0,
         )
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
+        pv = pv_product(p, v_tile, DOT_FP32)
         acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i != 0.0  # NaN too (an overflowed score): it must show, as in SDPA
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    if HAS_ALIBI:
-        lse -= slope * near.to(tl.float32)
-    if HAS_SINKS:  # logaddexp(lse, sink), on the first key slice only
-        sink = tl.load(sinks_ptr + h).to(tl.float32)
-        sink = tl.where(split == 0, sink, float("-inf"))
-        top = tl.maximum(lse, sink)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        lse_with = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
-        out = out * tl.exp(lse - lse_with)[:, None]
-        lse = lse_with
+    o, row_lse = epilogue(acc, m_i, l_i, slope, near, sinks_ptr, h, split, HAS_ALIBI, HAS_SINKS)
     o_ptrs = (
         out_ptr
-        + split * stride_osplit
-        + b * stride_ob
-        + h * stride_oh
-        + rows[:, None] * stride_os
-        + vcols[None, :] * stride_od
+        + split * os[0]
+        + b * os[1]
+        + h * os[2]
+        + rows[:, None] * os[3]
+        + vcols[None, :] * os[4]
     )
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (vcols[None, :] < Dv))
-    tl.store(
-        lse_ptr + split * stride_lsplit + b * stride_lb + h * stride_lh + rows * stride_ls,
-        lse,
-        mask=row_ok,
-    )
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (vcols[None, :] < Dv))
+    tl.store(lse_ptr + split * ls[0] + b * ls[1] + h * ls[2] + rows * ls[3], row_lse, mask=row_ok)
 
 
 @triton.jit
@@ -595,6 +456,32 @@ def _merge_kernel(
     tl.store(lse_ptr + r, lse, mask=r_ok)
 
 
+def merge_launch_args(part_out, part_lse, out, lse):
+    """(kernel, grid, args, constexprs) of the merge of flattened parts: part_out [n, rows, Dv]
+    and part_lse [n, rows] (unit last stride) into out [rows, Dv] and lse [rows]."""
+    n, rows, dv = part_out.shape
+    block_r = 16
+    args = (
+        part_out,
+        part_lse,
+        out,
+        lse,
+        n,
+        rows,
+        dv,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        out.stride(0),
+    )
+    return (
+        _merge_kernel,
+        (triton.cdiv(rows, block_r),),
+        args,
+        {"BLOCK_R": block_r, "BLOCK_DV": next_pow2(dv)},
+    )
+
+
 def _merge(part_out, part_lse, out_dtype):
     """part_out [n, B, H, S, Dv], part_lse [n, B, H, S] -> (out, lse)."""
     n, b, h, s, dv = part_out.shape
@@ -603,23 +490,9 @@ def _merge(part_out, part_lse, out_dtype):
     pl = part_lse.reshape(n, rows).contiguous().float()
     out = torch.empty((rows, dv), dtype=out_dtype, device=part_out.device)
     lse = torch.empty(rows, dtype=torch.float32, device=part_out.device)
-    block_r = 16
     if rows:
-        _merge_kernel[(triton.cdiv(rows, block_r),)](
-            po,
-            pl,
-            out,
-            lse,
-            n,
-            rows,
-            dv,
-            po.stride(0),
-            po.stride(1),
-            pl.stride(0),
-            out.stride(0),
-            BLOCK_R=block_r,
-            BLOCK_DV=next_pow2(dv),
-        )
+        kernel, grid, args, constexprs = merge_launch_args(po, pl, out, lse)
+        kernel[grid](*args, **constexprs)
     return out.reshape(b, h, s, dv), lse.reshape(b, h, s)
 
 
@@ -647,6 +520,117 @@ def _rotated_first(q, k, rope):
 
 # Split-KV slices are whole multiples of this, so they suit every autotuned BLOCK_N.
 SPLIT_GRANULE = 128
+
+
+def launch_args(
+    q,
+    k,
+    v,
+    part_out,
+    part_lse,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    keys_per_split,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    rope=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+):
+    """(kernel, grid, args, constexprs) of the forward kernel: the one place its arguments are
+    assembled, for ``attention_triton`` and for ``fastpe triton-report`` (which calls it on meta
+    tensors). part_out [n_splits, B, Hq, Sq, Dv], part_lse [n_splits, B, Hq, Sq]; ``rope`` as in
+    ``attention_triton`` and rotated in the kernel; the other options as there. The grid is a
+    function of the autotuned block sizes."""
+    batch, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    n_splits = part_out.shape[0]
+    device = q.device
+    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
+    pos_dummy = torch.zeros((1, 1), dtype=torch.int64, device=device)
+
+    def positions(p):
+        if p is None:
+            return pos_dummy, (1, 1)
+        return p, (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
+
+    if rope is not None:
+        cos, sin, interleaved, (q_pos, q_offset), (k_pos, k_offset) = rope
+        cos, sin = cos.contiguous(), sin.contiguous()  # the kernel assumes unit column stride
+    else:
+        cos = sin = dummy[0, 0]
+        interleaved, q_pos, q_offset, k_pos, k_offset = False, None, 0, None, 0
+    (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
+        device, mask=mask, alibi_slopes=alibi_slopes, relative_bias=relative_bias
+    )
+    (q_pos, q_pos_strides), (k_pos, k_pos_strides) = positions(q_pos), positions(k_pos)
+    args = (
+        q,
+        k,
+        v,
+        part_out,
+        part_lse,
+        mask_arg[0],
+        key_lengths if key_lengths is not None else pos_dummy[0],
+        alibi_arg[0],
+        bias_arg[0],
+        (cos, sin),
+        (q_pos, k_pos),
+        sinks if sinks is not None else dummy[0, 0, 0],
+        hq,
+        hq // hkv,
+        sq,
+        sk,
+        d,
+        dv,
+        sk - sq if bottom_right else 0,
+        cos.shape[1] if rope is not None else 0,
+        keys_per_split,
+        (q_offset, k_offset),
+        bias_arg[2:],
+        # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
+        window_offsets(window, sq + sk + 1),
+        (
+            q.stride(),
+            k.stride(),
+            v.stride(),
+            part_out.stride(),
+            part_lse.stride(),
+            mask_arg[1],
+            alibi_arg[1],
+            bias_arg[1],
+            cos.stride(0),
+            q_pos_strides,
+            k_pos_strides,
+        ),
+        scale,
+        1.0 if softcap is None else float(softcap),
+    )
+    constexprs = dict(
+        **forward_flags(
+            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
+        ),
+        HAS_KEY_LEN=key_lengths is not None,
+        **score_flags,
+        HAS_ROPE=rope is not None,
+        ROPE_INTERLEAVED=interleaved,
+        HAS_QPOS=rope is not None and rope[3][0] is not None,
+        HAS_KPOS=rope is not None and rope[4][0] is not None,
+        # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
+        DOT_FP32=low_precision_via_fp32(q.dtype) or q.dtype == torch.float32,
+        BLOCK_D=next_pow2(d),
+        BLOCK_DV=next_pow2(dv),
+    )
+
+    def grid(meta):
+        return (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq, n_splits)
+
+    return _attention_kernel, grid, args, constexprs
 
 
 def attention_triton(
@@ -678,11 +662,8 @@ def attention_triton(
     ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0; ``sinks`` fp32 [Hq]
     or None. Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
     batch, hq, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    sk, dv = k.shape[2], v.shape[3]
     device = q.device
-    query_shift = sk - sq if bottom_right else 0
-    # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
-    dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     # split the keys when (query blocks x heads x batch) cannot fill the GPU: decoding
     programs = triton.cdiv(sq, 64) * batch * hq
     n_splits = 1
@@ -694,13 +675,6 @@ def attention_triton(
     out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
     part_out = torch.empty((n_splits, batch, hq, sq, dv), dtype=out_dtype, device=device)
     part_lse = torch.empty((n_splits, batch, hq, sq), dtype=torch.float32, device=device)
-    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
-    mask_t = mask if mask is not None else dummy
-    pos_dummy = torch.zeros((1, 1), dtype=torch.int64, device=device)
-
-    def pos_strides(p):
-        return (0, p.stride(0)) if p.dim() == 1 else (p.stride(0), p.stride(1))
-
     biased = _per_element_bias(
         {
             "HAS_RELATIVE_BIAS": relative_bias is not None,
@@ -712,108 +686,27 @@ def attention_triton(
     if rope is not None and not _rope_in_kernel(d, q.dtype == torch.float32, biased):
         q, k = _rotated_first(q, k, rope)
         rope = None
-    if rope is not None:
-        (
-            cos,
-            sin,
-            interleaved,
-            (q_positions, q_positions_offset),
-            (k_positions, k_positions_offset),
-        ) = rope
-        cos, sin = cos.contiguous(), sin.contiguous()  # the kernel assumes unit column stride
-        half = cos.shape[1]
-    else:
-        cos = sin = dummy[0, 0]
-        interleaved, half = False, 0
-        q_positions, q_positions_offset, k_positions, k_positions_offset = None, 0, None, 0
-    qpos = q_positions if q_positions is not None else pos_dummy
-    kpos = k_positions if k_positions is not None else pos_dummy
-    alibi = alibi_slopes if alibi_slopes is not None else dummy[0, 0]
-    if relative_bias is not None:
-        bias, num_buckets, max_distance, bidirectional = relative_bias
-    else:
-        bias, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
-    buckets = num_buckets // 2 if bidirectional else num_buckets
-    max_exact = max(buckets // 2, 1)
-    key_len = (
-        key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
-    )
-    # offsets from each query's position; "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
-    unbounded = sq + sk + 1
-    win_left, win_right = (-1, -1) if window is None else window
-    win_left = unbounded if win_left < 0 else win_left
-    win_right = unbounded if win_right < 0 else win_right
-    sinks_t = sinks if sinks is not None else dummy[0, 0]
-
-    def grid(meta):
-        return (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq, n_splits)
-
     if batch * hq * sq:
-        _attention_kernel[grid](
+        kernel, grid, args, constexprs = launch_args(
             q,
             k,
             v,
             part_out,
             part_lse,
-            mask_t,
-            key_len,
-            alibi,
-            bias,
-            cos,
-            sin,
-            qpos,
-            kpos,
-            sinks_t,
-            hq,
-            hq // hkv,
-            sq,
-            sk,
-            d,
-            dv,
-            query_shift,
-            half,
-            keys_per_split,
-            q_positions_offset,
-            k_positions_offset,
-            max_exact,
-            math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
-            win_left,
-            win_right,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *part_out.stride(),
-            *part_lse.stride(),
-            *mask_t.stride(),
-            alibi.stride(0) if alibi.dim() == 2 else 0,
-            alibi.stride(-1),
-            bias.stride(0),
-            bias.stride(1),
-            cos.stride(0),
-            *pos_strides(qpos),
-            *pos_strides(kpos),
-            scale,
-            1.0 if softcap is None else float(softcap),
-            CAUSAL=causal,
-            HAS_WINDOW=window is not None,
-            HAS_SOFTCAP=softcap is not None,
-            HAS_SINKS=sinks is not None,
-            HAS_MASK=mask is not None,
-            MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-            HAS_KEY_LEN=key_lengths is not None,
-            BOTTOM_RIGHT=bottom_right,
-            HAS_ALIBI=alibi_slopes is not None,
-            HAS_RELATIVE_BIAS=relative_bias is not None,
-            RELATIVE_BIAS_BUCKETS=num_buckets,
-            RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
-            HAS_ROPE=rope is not None,
-            ROPE_INTERLEAVED=interleaved,
-            HAS_QPOS=q_positions is not None,
-            HAS_KPOS=k_positions is not None,
-            DOT_FP32=dot_fp32,
-            BLOCK_D=next_pow2(d),
-            BLOCK_DV=next_pow2(dv),
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
+            keys_per_split=keys_per_split,
+            mask=mask,
+            key_lengths=key_lengths,
+            alibi_slopes=alibi_slopes,
+            relative_bias=relative_bias,
+            rope=rope,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
+        kernel[grid](*args, **constexprs)
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]
     else:

@@ -14,13 +14,16 @@ scheduling. Everything is computed in fp32 with IEEE dots (the launcher widens h
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+from fastpe.kernels.triton._attention_common import (
+    alibi_slope,
+    modify_scores,
+    score_args,
+    window_offsets,
+)
 from fastpe.kernels.triton._common import LOG2E, interpreted, next_pow2
-from fastpe.kernels.triton.attention import FP32_MAX, _relative_bias_bucket, _tanh
 
 
 @triton.jit
@@ -38,20 +41,11 @@ def _tile_grads(
     qpos,
     b,
     h,
-    mask_ptr,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
     slope,
     softcap,
-    win_left,
-    win_right,
-    bias_ptr,
-    stride_biasb,
-    stride_biash,
-    bias_max_exact,
-    bias_log_span,
+    window,
+    relative_bias,
+    mask,
     HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -61,43 +55,33 @@ def _tile_grads(
     RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
 ):
     """(P, dZ, dS, T5 buckets) of one [rows, cols] tile: s = q·kᵀ (q pre-scaled), soft-cap,
-    window, masks, ALiBi, T5 bias; P = exp(s - lse); dZ = P∘(dO·vᵀ - delta);
-    dS = dZ∘(1 - tanh²). The buckets are 0 without a T5 bias."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    if HAS_SOFTCAP:
-        t = _tanh(s / softcap)
-        s = softcap * t
-    valid = row_ok[:, None] & col_ok[None, :]
-    valid = valid & (cols[None, :] >= qpos[:, None] - win_left)
-    valid = valid & (cols[None, :] <= qpos[:, None] + win_right)
-    if HAS_ALIBI:
-        s -= slope * tl.abs(qpos[:, None] - cols[None, :]).to(tl.float32)
-    bucket = tl.zeros((1, 1), tl.int32)
-    if HAS_RELATIVE_BIAS:
-        bucket = _relative_bias_bucket(
-            (cols[None, :] - qpos[:, None]).to(tl.int32),
-            RELATIVE_BIAS_BUCKETS,
-            RELATIVE_BIAS_BIDIRECTIONAL,
-            bias_max_exact,
-            bias_log_span,
-        )
-        s += tl.load(bias_ptr + bucket * stride_biasb + h * stride_biash, mask=valid, other=0.0)
-    if HAS_MASK:
-        m_ptrs = (
-            mask_ptr
-            + b * stride_mb
-            + h * stride_mh
-            + rows[:, None] * stride_mq
-            + cols[None, :] * stride_mk
-        )
-        if MASK_IS_BOOL:
-            valid = valid & (tl.load(m_ptrs, mask=valid, other=0) != 0)
-        else:  # as the forward: a finite mask beyond fp32 saturates at fp32's largest
-            m_add = tl.load(m_ptrs, mask=valid, other=0.0)
-            m32 = m_add.to(tl.float32)
-            m32 = tl.where(m_add > FP32_MAX, FP32_MAX, m32)
-            m32 = tl.where((m_add < -FP32_MAX) & (m_add > float("-inf")), -FP32_MAX, m32)
-            s += m32
+    window (the causal rule is its right edge 0), masks, ALiBi, T5 bias; P = exp(s - lse);
+    dZ = P∘(dO·vᵀ - delta); dS = dZ∘(1 - tanh²). The buckets are 0 without a T5 bias."""
+    s, valid, t, bucket = modify_scores(
+        tl.dot(q, tl.trans(k), input_precision="ieee"),
+        rows,
+        cols,
+        row_ok[:, None] & col_ok[None, :],
+        qpos,
+        b,
+        h,
+        False,
+        slope,
+        tl.zeros_like(qpos),  # the full ALiBi distances: lse is the forward's, offset included
+        softcap,
+        window,
+        relative_bias,
+        mask,
+        False,
+        True,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_RELATIVE_BIAS,
+        RELATIVE_BIAS_BUCKETS,
+        RELATIVE_BIAS_BIDIRECTIONAL,
+        HAS_MASK,
+        MASK_IS_BOOL,
+    )
     seen = lse > float("-inf")  # rows that saw no key have P = 0
     ref = tl.where(seen, lse, 0.0)
     p = tl.where(valid & seen[:, None], tl.exp2((s - ref[:, None]) * LOG2E), 0.0)
@@ -111,9 +95,25 @@ def _tile_grads(
 
 @triton.jit
 def _row_tiles(
-    q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row_ok, dcols, vcols, scale
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    b,
+    h,
+    Hq,
+    Sq,
+    D,
+    Dv,
+    rows,
+    scale,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """q·scale, dO, lse and delta of one block of rows of one (batch, query head)."""
+    row_ok = rows < Sq
+    dcols = tl.arange(0, BLOCK_D)
+    vcols = tl.arange(0, BLOCK_DV)
     base = (b * Hq + h) * Sq
     q = (
         tl.load(
@@ -134,6 +134,41 @@ def _row_tiles(
 
 
 @triton.jit
+def _kv_tiles(
+    k_ptr, v_ptr, b, hk, Hkv, Sk, D, Dv, cols, col_ok, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr
+):
+    """k and v of one block of keys of one (batch, kv head)."""
+    dcols = tl.arange(0, BLOCK_D)
+    vcols = tl.arange(0, BLOCK_DV)
+    kv_row = (b * Hkv + hk) * Sk + cols
+    k = tl.load(
+        k_ptr + kv_row[:, None] * D + dcols[None, :],
+        mask=col_ok[:, None] & (dcols[None, :] < D),
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + kv_row[:, None] * Dv + vcols[None, :],
+        mask=col_ok[:, None] & (vcols[None, :] < Dv),
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
+def _key_end(
+    key_len_ptr, b, Sq, Sk, query_shift, HAS_KEY_LEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr
+):
+    """(the keys of batch b, the key position of its query 0)."""
+    end_keys = Sk
+    shift = query_shift
+    if HAS_KEY_LEN:
+        end_keys = tl.load(key_len_ptr + b)
+        if BOTTOM_RIGHT:
+            shift = end_keys - Sq
+    return end_keys, shift
+
+
+@triton.jit
 def _attention_dkdv_kernel(
     q_ptr,
     k_ptr,
@@ -143,10 +178,10 @@ def _attention_dkdv_kernel(
     delta_ptr,
     dk_ptr,
     dv_ptr,
-    mask_ptr,
+    mask,
     key_len_ptr,
-    alibi_ptr,
-    bias_ptr,
+    alibi,
+    relative_bias,
     Hq,
     Hkv,
     Sq,
@@ -154,18 +189,7 @@ def _attention_dkdv_kernel(
     D,
     Dv,
     query_shift,
-    win_left,
-    win_right,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
-    stride_ab,
-    stride_ah,
-    stride_biasb,
-    stride_biash,
-    bias_max_exact,
-    bias_log_span,
+    window,
     scale,
     softcap,
     HAS_SOFTCAP: tl.constexpr,
@@ -183,46 +207,28 @@ def _attention_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """q, k, v, dO, lse, delta, dK, dV contiguous; mask, alibi, relative_bias and window as in
+    _attention_common."""
     pid_n = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     group = Hq // Hkv
-    end_keys = Sk
-    shift = query_shift
-    if HAS_KEY_LEN:
-        end_keys = tl.load(key_len_ptr + b)
-        if BOTTOM_RIGHT:
-            shift = end_keys - Sq
+    end_keys, shift = _key_end(key_len_ptr, b, Sq, Sk, query_shift, HAS_KEY_LEN, BOTTOM_RIGHT)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < end_keys
-    dcols = tl.arange(0, BLOCK_D)
-    vcols = tl.arange(0, BLOCK_DV)
-    kv_row = (b * Hkv + hk) * Sk + cols
-    k = tl.load(
-        k_ptr + kv_row[:, None] * D + dcols[None, :],
-        mask=col_ok[:, None] & (dcols[None, :] < D),
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + kv_row[:, None] * Dv + vcols[None, :],
-        mask=col_ok[:, None] & (vcols[None, :] < Dv),
-        other=0.0,
-    )
+    k, v = _kv_tiles(k_ptr, v_ptr, b, hk, Hkv, Sk, D, Dv, cols, col_ok, BLOCK_D, BLOCK_DV)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     # the queries that can see a key of this block: j - win_right <= i + shift <= j + win_left
-    lo = tl.maximum(pid_n * BLOCK_N - win_right - shift, 0)
+    lo = tl.maximum(pid_n * BLOCK_N - window[1] - shift, 0)
     lo = (lo // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + win_left - shift, Sq)
+    hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + window[0] - shift, Sq)
     for g in range(group):
         h = hk * group + g
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah)
+        slope = alibi_slope(alibi, b, h, HAS_ALIBI)
         for start in range(lo, hi, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < Sq
             q, do, lse, delta = _row_tiles(
                 q_ptr,
                 do_ptr,
@@ -235,10 +241,9 @@ def _attention_dkdv_kernel(
                 D,
                 Dv,
                 rows,
-                row_ok,
-                dcols,
-                vcols,
                 scale,
+                BLOCK_D,
+                BLOCK_DV,
             )
             p, dz, ds, bucket = _tile_grads(
                 q,
@@ -249,25 +254,16 @@ def _attention_dkdv_kernel(
                 delta,
                 rows,
                 cols,
-                row_ok,
+                rows < Sq,
                 col_ok,
                 rows + shift,
                 b,
                 h,
-                mask_ptr,
-                stride_mb,
-                stride_mh,
-                stride_mq,
-                stride_mk,
                 slope,
                 softcap,
-                win_left,
-                win_right,
-                bias_ptr,
-                stride_biasb,
-                stride_biash,
-                bias_max_exact,
-                bias_log_span,
+                window,
+                relative_bias,
+                mask,
                 HAS_SOFTCAP,
                 HAS_MASK,
                 MASK_IS_BOOL,
@@ -278,6 +274,9 @@ def _attention_dkdv_kernel(
             )
             dv += tl.dot(tl.trans(p), do, input_precision="ieee")
             dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
+    dcols = tl.arange(0, BLOCK_D)
+    vcols = tl.arange(0, BLOCK_DV)
+    kv_row = (b * Hkv + hk) * Sk + cols
     tl.store(
         dk_ptr + kv_row[:, None] * D + dcols[None, :],
         dk,
@@ -300,10 +299,10 @@ def _attention_dq_kernel(
     delta_ptr,
     dq_ptr,
     dtable_ptr,
-    mask_ptr,
+    mask,
     key_len_ptr,
-    alibi_ptr,
-    bias_ptr,
+    alibi,
+    relative_bias,
     Hq,
     Hkv,
     Sq,
@@ -311,18 +310,7 @@ def _attention_dq_kernel(
     D,
     Dv,
     query_shift,
-    win_left,
-    win_right,
-    stride_mb,
-    stride_mh,
-    stride_mq,
-    stride_mk,
-    stride_ab,
-    stride_ah,
-    stride_biasb,
-    stride_biash,
-    bias_max_exact,
-    bias_log_span,
+    window,
     scale,
     softcap,
     HAS_SOFTCAP: tl.constexpr,
@@ -340,48 +328,31 @@ def _attention_dq_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """As _attention_dkdv_kernel; dtable [B, Hq, query blocks, BLOCK_B] gets each program's
+    share of the T5 table's gradient."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // (Hq // Hkv)
-    end_keys = Sk
-    shift = query_shift
-    if HAS_KEY_LEN:
-        end_keys = tl.load(key_len_ptr + b)
-        if BOTTOM_RIGHT:
-            shift = end_keys - Sq
+    end_keys, shift = _key_end(key_len_ptr, b, Sq, Sk, query_shift, HAS_KEY_LEN, BOTTOM_RIGHT)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
-    dcols = tl.arange(0, BLOCK_D)
-    vcols = tl.arange(0, BLOCK_DV)
     q, do, lse, delta = _row_tiles(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, row_ok, dcols, vcols, scale
+        q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, Hq, Sq, D, Dv, rows, scale, BLOCK_D, BLOCK_DV
     )
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah)
+    slope = alibi_slope(alibi, b, h, HAS_ALIBI)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     buckets = tl.arange(0, BLOCK_B)
     dtable = tl.zeros((BLOCK_B,), tl.float32)
     # the keys this block's queries can see: i + shift - win_left <= j <= i + shift + win_right
-    lo = tl.maximum(pid_m * BLOCK_M + shift - win_left, 0)
+    lo = tl.maximum(pid_m * BLOCK_M + shift - window[0], 0)
     lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + shift + win_right, end_keys)
+    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + shift + window[1], end_keys)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < end_keys
-        kv_row = (b * Hkv + hk) * Sk + cols
-        k = tl.load(
-            k_ptr + kv_row[:, None] * D + dcols[None, :],
-            mask=col_ok[:, None] & (dcols[None, :] < D),
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + kv_row[:, None] * Dv + vcols[None, :],
-            mask=col_ok[:, None] & (vcols[None, :] < Dv),
-            other=0.0,
-        )
+        k, v = _kv_tiles(k_ptr, v_ptr, b, hk, Hkv, Sk, D, Dv, cols, col_ok, BLOCK_D, BLOCK_DV)
         p, dz, ds, bucket = _tile_grads(
             q,
             k,
@@ -396,20 +367,11 @@ def _attention_dq_kernel(
             rows + shift,
             b,
             h,
-            mask_ptr,
-            stride_mb,
-            stride_mh,
-            stride_mq,
-            stride_mk,
             slope,
             softcap,
-            win_left,
-            win_right,
-            bias_ptr,
-            stride_biasb,
-            stride_biash,
-            bias_max_exact,
-            bias_log_span,
+            window,
+            relative_bias,
+            mask,
             HAS_SOFTCAP,
             HAS_MASK,
             MASK_IS_BOOL,
@@ -423,6 +385,7 @@ def _attention_dq_kernel(
             for n in tl.static_range(RELATIVE_BIAS_BUCKETS):
                 total = tl.sum(tl.sum(tl.where(bucket == n, dz, 0.0), 1), 0)
                 dtable = tl.where(buckets == n, dtable + total, dtable)
+    dcols = tl.arange(0, BLOCK_D)
     tl.store(
         dq_ptr + ((b * Hq + h) * Sq + rows[:, None]) * D + dcols[None, :],
         dq * scale,
@@ -454,6 +417,101 @@ def tiles(d: int, dv: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return _TILES[64 if widest <= 64 else 128 if widest <= 128 else 256]
 
 
+def _launch_args(
+    kernel,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    grads,
+    *,
+    scale,
+    causal,
+    bottom_right,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
+):
+    batch, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    device = q.device
+    win_left, win_right = window_offsets(window, sq + sk + 1)
+    if causal:
+        win_right = 0
+    (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
+        device,
+        mask=mask,
+        alibi_slopes=alibi_slopes.float() if alibi_slopes is not None else None,
+        relative_bias=(relative_bias[0].float(), *relative_bias[1:])
+        if relative_bias is not None
+        else None,
+    )
+    args = (
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        *grads,
+        mask_arg,
+        key_lengths
+        if key_lengths is not None
+        else torch.zeros(1, dtype=torch.int64, device=device),
+        alibi_arg,
+        bias_arg,
+        hq,
+        hkv,
+        sq,
+        sk,
+        d,
+        dv,
+        sk - sq if bottom_right else 0,
+        (win_left, win_right),
+        float(scale),
+        1.0 if softcap is None else float(softcap),
+    )
+    dkdv_tiles, dq_tiles = tiles(d, dv)
+    block_m, block_n, warps = dkdv_tiles if kernel is _attention_dkdv_kernel else dq_tiles
+    constexprs = dict(
+        HAS_SOFTCAP=softcap is not None,
+        HAS_KEY_LEN=key_lengths is not None,
+        BOTTOM_RIGHT=bottom_right,
+        **score_flags,
+        BLOCK_B=next_pow2(score_flags["RELATIVE_BIAS_BUCKETS"]),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=next_pow2(d),
+        BLOCK_DV=next_pow2(dv),
+        num_warps=warps,
+        num_stages=1,
+    )
+    if kernel is _attention_dkdv_kernel:
+        grid = (triton.cdiv(sk, block_n), batch * hkv)
+    else:
+        grid = (triton.cdiv(sq, block_m), batch * hq)
+    return kernel, grid, args, constexprs
+
+
+def dkdv_launch_args(q, k, v, do, lse, delta, dk, dv, **options):
+    """(kernel, grid, args, constexprs) of the dK/dV kernel: the one place its arguments are
+    assembled, for ``attention_backward_triton`` and ``fastpe triton-report`` (on meta
+    tensors). q, k, v, do fp32 contiguous, lse and delta fp32 [B, Hq, Sq] contiguous, dk and dv
+    like k and v; ``options`` the keywords of ``attention_backward_triton`` but sinks."""
+    return _launch_args(_attention_dkdv_kernel, q, k, v, do, lse, delta, (dk, dv), **options)
+
+
+def dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **options):
+    """As ``dkdv_launch_args`` for the dQ kernel; dtable_part fp32 [B, Hq, query blocks,
+    BLOCK_B] with a T5 bias (each program's share of the table's gradient), else [1]."""
+    return _launch_args(_attention_dq_kernel, q, k, v, do, lse, delta, (dq, dtable_part), **options)
+
+
 def attention_backward_triton(
     q,
     k,
@@ -481,7 +539,7 @@ def attention_backward_triton(
     bidirectional); ``sinks`` [Hq]. Returns (dq, dk, dv) fp32, dsinks fp32 [Hq] or None and
     the table's gradient fp32 [num_buckets, Hq] or None."""
     batch, hq, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    sk, dv = k.shape[2], v.shape[3]
     device = q.device
     q, k, v, do = (x.float().contiguous() for x in (q, k, v, grad_out))
     lse = lse.float().contiguous()
@@ -496,106 +554,30 @@ def attention_backward_triton(
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv_ = torch.zeros_like(v)
-    unbounded = sq + sk + 1
-    win_left, win_right = (-1, -1) if window is None else window
-    win_left = unbounded if win_left < 0 else win_left
-    win_right = unbounded if win_right < 0 else win_right
-    if causal:
-        win_right = 0
-    dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
-    mask_t = mask if mask is not None else dummy
-    alibi = alibi_slopes.float() if alibi_slopes is not None else dummy[0, 0]
-    key_len = (
-        key_lengths if key_lengths is not None else torch.zeros(1, dtype=torch.int64, device=device)
-    )
-    (kv_m, kv_n, kv_warps), (q_m, q_n, q_warps) = tiles(d, dv)
-    if relative_bias is not None:
-        table, num_buckets, max_distance, bidirectional = relative_bias
-        table = table.float()
-    else:
-        table, num_buckets, max_distance, bidirectional = dummy[0, 0], 2, 2, False
-    max_exact = max((num_buckets // 2 if bidirectional else num_buckets) // 2, 1)
-    block_b = next_pow2(num_buckets)
-    n_mblocks = triton.cdiv(sq, q_m)
+    num_buckets = relative_bias[1] if relative_bias is not None else 2
+    n_mblocks = triton.cdiv(sq, tiles(d, dv)[1][0])
     dtable_part = torch.zeros(
-        (batch, hq, n_mblocks, block_b) if relative_bias is not None else (1,),
+        (batch, hq, n_mblocks, next_pow2(num_buckets)) if relative_bias is not None else (1,),
         dtype=torch.float32,
         device=device,
     )
-    common = dict(
-        HAS_SOFTCAP=softcap is not None,
-        HAS_MASK=mask is not None,
-        MASK_IS_BOOL=mask is not None and mask.dtype == torch.bool,
-        HAS_KEY_LEN=key_lengths is not None,
-        BOTTOM_RIGHT=bottom_right,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_RELATIVE_BIAS=relative_bias is not None,
-        RELATIVE_BIAS_BUCKETS=num_buckets,
-        RELATIVE_BIAS_BIDIRECTIONAL=bidirectional,
-        BLOCK_B=block_b,
-        BLOCK_D=next_pow2(d),
-        BLOCK_DV=next_pow2(dv),
-        num_stages=1,
-    )
-    sizes = (
-        hq,
-        hkv,
-        sq,
-        sk,
-        d,
-        dv,
-        sk - sq if bottom_right else 0,
-        win_left,
-        win_right,
-        *mask_t.stride(),
-        alibi.stride(0) if alibi.dim() == 2 else 0,
-        alibi.stride(-1),
-        table.stride(0),
-        table.stride(1),
-        max_exact,
-        math.log(max_distance / max_exact) if relative_bias is not None else 1.0,
-        float(scale),
-        1.0 if softcap is None else float(softcap),
+    options = dict(
+        scale=scale,
+        causal=causal,
+        bottom_right=bottom_right,
+        mask=mask,
+        key_lengths=key_lengths,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        window=window,
+        softcap=softcap,
     )
     if batch * hq * sq and sk:
-        _attention_dkdv_kernel[(triton.cdiv(sk, kv_n), batch * hkv)](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dk,
-            dv_,
-            mask_t,
-            key_len,
-            alibi,
-            table,
-            *sizes,
-            **common,
-            BLOCK_M=kv_m,
-            BLOCK_N=kv_n,
-            num_warps=kv_warps,
-        )
-        _attention_dq_kernel[(n_mblocks, batch * hq)](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dq,
-            dtable_part,
-            mask_t,
-            key_len,
-            alibi,
-            table,
-            *sizes,
-            **common,
-            BLOCK_M=q_m,
-            BLOCK_N=q_n,
-            num_warps=q_warps,
-        )
+        for kernel, grid, args, constexprs in (
+            dkdv_launch_args(q, k, v, do, lse, delta, dk, dv_, **options),
+            dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **options),
+        ):
+            kernel[grid](*args, **constexprs)
     dtable = None
     if relative_bias is not None:
         dtable = dtable_part.sum((0, 2))[:, :num_buckets].T.contiguous()

@@ -19,8 +19,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fastpe.kernels.triton._common import LOG2E, interpreted, low_precision_via_fp32, next_pow2
-from fastpe.kernels.triton.attention import SPLIT_GRANULE, _merge, _tanh
+from fastpe.kernels.triton._attention_common import (
+    alibi_near,
+    alibi_slope,
+    epilogue,
+    forward_flags,
+    key_range,
+    modify_scores,
+    pv_product,
+    qk_scores,
+    softmax_step,
+    window_offsets,
+)
+from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
+from fastpe.kernels.triton.attention import SPLIT_GRANULE, _merge
 
 
 @triton.jit
@@ -42,28 +54,8 @@ def _attention_paged_kernel(
     Dv,
     page_size,
     keys_per_split,
-    win_left,
-    win_right,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_kr,
-    stride_kh,
-    stride_kd,
-    stride_vr,
-    stride_vh,
-    stride_vd,
-    stride_osplit,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_lsplit,
-    stride_lt,
-    stride_lh,
-    stride_pb,
-    stride_pp,
-    stride_ab,
-    stride_ah,
+    window,
+    strides,
     scale,
     softcap,
     CAUSAL: tl.constexpr,
@@ -78,6 +70,9 @@ def _attention_paged_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    """window: (left, right) offsets from each query's position, large if unbounded; strides:
+    ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse split, t, h), (page_start b,
+    page), (alibi b, h)). Pointers, then sizes, then strides: see _attention_kernel."""
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -87,108 +82,86 @@ def _attention_paged_kernel(
     q_len = tl.load(q_len_ptr + b)
     if pid_m * BLOCK_M >= q_len:  # this block is past the sequence's queries
         return
+    qs, ks, vs, os, ls, ps, alibi_strides = strides
     q0 = tl.load(q_start_ptr + b)
     length = tl.load(k_len_ptr + b)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + (q0 + rows)[:, None] * stride_qt + h * stride_qh + dcols[None, :] * stride_qd,
+    q_tile = tl.load(
+        q_ptr + (q0 + rows)[:, None] * qs[0] + h * qs[1] + dcols[None, :] * qs[2],
         mask=row_ok[:, None] & (dcols[None, :] < D),
         other=0.0,
     ).to(tl.float32)
-    q = q * scale
+    q_tile = q_tile * scale
     if not DOT_FP32:
-        q = q.to(k_ptr.dtype.element_ty)
+        q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
     shift = 0
     if BOTTOM_RIGHT:  # FlashAttention's rule: the queries are the last q_len of the keys
         shift = length - q_len
-    end = length
-    if CAUSAL:
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift)
-    if HAS_WINDOW:
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift + win_right)
-    end = tl.maximum(end, 0)
-    lo = split * keys_per_split
-    hi = tl.minimum(end, lo + keys_per_split)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, pid_m * BLOCK_M + shift - win_left)
+    lo, hi = key_range(
+        pid_m, split, length, shift, keys_per_split, window, CAUSAL, HAS_WINDOW, BLOCK_M
+    )
     qpos_keys = rows + shift
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    if HAS_ALIBI:
-        slope = tl.load(alibi_ptr + b * stride_ab + h * stride_ah).to(tl.float32)
-        # distances less the row's nearest key (cancels in softmax; lse adds it back)
-        near = tl.maximum(tl.maximum(qpos_keys - (length - 1), -qpos_keys), 0)
+    slope = alibi_slope((alibi_ptr, alibi_strides), b, h, HAS_ALIBI)
+    near = alibi_near(qpos_keys, length, HAS_ALIBI)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         page = cols // page_size
-        prow = tl.load(page_ptr + b * stride_pb + page * stride_pp, mask=col_ok, other=0)
+        prow = tl.load(page_ptr + b * ps[0] + page * ps[1], mask=col_ok, other=0)
         prow = prow + cols - page * page_size
-        k = tl.load(
-            k_ptr + prow[:, None] * stride_kr + hk * stride_kh + dcols[None, :] * stride_kd,
+        k_tile = tl.load(
+            k_ptr + prow[:, None] * ks[0] + hk * ks[1] + dcols[None, :] * ks[2],
             mask=col_ok[:, None] & (dcols[None, :] < D),
             other=0.0,
         )
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        valid = row_ok[:, None] & col_ok[None, :]
-        if HAS_WINDOW:
-            valid = valid & (cols[None, :] >= qpos_keys[:, None] - win_left)
-            valid = valid & (cols[None, :] <= qpos_keys[:, None] + win_right)
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= qpos_keys[:, None])
-        if HAS_ALIBI:
-            s -= slope * (tl.abs(qpos_keys[:, None] - cols[None, :]) - near[:, None]).to(tl.float32)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m_i - m_safe) * LOG2E)
-        p = tl.exp2((s - m_safe[:, None]) * LOG2E)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + prow[:, None] * stride_vr + hk * stride_vh + vcols[None, :] * stride_vd,
+        s, valid, _, _ = modify_scores(
+            qk_scores(q_tile, k_tile, DOT_FP32),
+            rows,
+            cols,
+            row_ok[:, None] & col_ok[None, :],
+            qpos_keys,
+            b,
+            h,
+            # the causal rule on every tile: skipping the tiles below the diagonal, as the dense
+            # kernel does, costs this one up to 21 registers (fastpe triton-report)
+            True,
+            slope,
+            near,
+            softcap,
+            window,
+            None,  # no T5 bias
+            None,  # no mask
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            False,
+            2,
+            False,
+            False,
+            False,
+        )
+        p, alpha, m_i, l_i = softmax_step(s, valid, m_i, l_i)
+        v_tile = tl.load(
+            v_ptr + prow[:, None] * vs[0] + hk * vs[1] + vcols[None, :] * vs[2],
             mask=col_ok[:, None] & (vcols[None, :] < Dv),
             other=0.0,
         )
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
+        pv = pv_product(p, v_tile, DOT_FP32)
         acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    seen = l_i != 0.0  # NaN too: an overflowed score must show
-    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    if HAS_ALIBI:
-        lse -= slope * near.to(tl.float32)
-    if HAS_SINKS:  # logaddexp(lse, sink), on the first key split only
-        sink = tl.load(sinks_ptr + h).to(tl.float32)
-        sink = tl.where(split == 0, sink, float("-inf"))
-        top = tl.maximum(lse, sink)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        lse_with = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
-        out = out * tl.exp(lse - lse_with)[:, None]
-        lse = lse_with
+    o, row_lse = epilogue(acc, m_i, l_i, slope, near, sinks_ptr, h, split, HAS_ALIBI, HAS_SINKS)
     t = q0 + rows
-    o_ptrs = (
-        out_ptr
-        + split * stride_osplit
-        + t[:, None] * stride_ot
-        + h * stride_oh
-        + vcols[None, :] * stride_od
-    )
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (vcols[None, :] < Dv))
-    tl.store(lse_ptr + split * stride_lsplit + t * stride_lt + h * stride_lh, lse, mask=row_ok)
+    o_ptrs = out_ptr + split * os[0] + t[:, None] * os[1] + h * os[2] + vcols[None, :] * os[3]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (vcols[None, :] < Dv))
+    tl.store(lse_ptr + split * ls[0] + t * ls[1] + h * ls[2], row_lse, mask=row_ok)
 
 
 def block_sizes(max_q: int, d: int, fp32: bool) -> tuple[int, int]:
@@ -200,6 +173,85 @@ def block_sizes(max_q: int, d: int, fp32: bool) -> tuple[int, int]:
     if max_q <= 16:
         return 16, 64 if d <= 128 else 32
     return (64, 64) if d <= 64 else (32, 32)
+
+
+def launch_args(
+    q,
+    k,
+    v,
+    part_out,
+    part_lse,
+    *,
+    q_start,
+    q_len,
+    k_len,
+    page_start,
+    page_size,
+    max_q,
+    max_k,
+    keys_per_split,
+    scale,
+    causal,
+    bottom_right,
+    alibi_slopes=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+):
+    """(kernel, grid, args, constexprs) of the paged kernel: the one place its arguments are
+    assembled, for ``attention_paged_triton`` and for ``fastpe triton-report`` (on meta
+    tensors). part_out [n_splits, Tq, Hq, Dv], part_lse [n_splits, Tq, Hq]; ``max_q``/``max_k``
+    the longest sequence's query and key counts; the rest as in ``attention_paged_triton``."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, dv = k.shape[1], v.shape[2]
+    dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
+    block_m, block_n = block_sizes(max_q, d, dot_fp32)
+    dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+    alibi = alibi_slopes if alibi_slopes is not None else dummy[None]
+    args = (
+        q,
+        k,
+        v,
+        part_out,
+        part_lse,
+        q_start,
+        q_len,
+        k_len,
+        page_start,
+        alibi,
+        sinks if sinks is not None else dummy,
+        hq,
+        hq // hkv,
+        d,
+        dv,
+        page_size,
+        keys_per_split,
+        window_offsets(window, max_q + max_k + 1),
+        (
+            q.stride(),
+            k.stride(),
+            v.stride(),
+            part_out.stride(),
+            part_lse.stride(),
+            page_start.stride(),
+            alibi.stride(),
+        ),
+        scale,
+        1.0 if softcap is None else float(softcap),
+    )
+    constexprs = dict(
+        **forward_flags(
+            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
+        ),
+        HAS_ALIBI=alibi_slopes is not None,
+        DOT_FP32=dot_fp32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=next_pow2(d),
+        BLOCK_DV=next_pow2(dv),
+    )
+    grid = (triton.cdiv(max_q, block_m), q_len.shape[0] * hq, part_out.shape[0])
+    return _attention_paged_kernel, grid, args, constexprs
 
 
 def attention_paged_triton(
@@ -227,12 +279,12 @@ def attention_paged_triton(
     [B, Hq] or None; ``sinks`` fp32 [Hq] or None. Returns (out [Tq, Hq, Dv] in q's dtype, lse fp32
     [Hq, Tq])."""
     total_q, hq, d = q.shape
-    hkv, dv = k.shape[1], v.shape[2]
+    dv = v.shape[2]
     batch = q_len.shape[0]
     max_q, max_k = int(q_len.max()) if batch else 0, int(k_len.max()) if batch else 0
     device = q.device
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
-    block_m, block_n = block_sizes(max_q, d, dot_fp32)
+    block_m, _ = block_sizes(max_q, d, dot_fp32)
     programs = triton.cdiv(max(max_q, 1), block_m) * batch * hq
     n_splits = 1
     if not interpreted() and num_sms and programs < num_sms and max_k > 4 * SPLIT_GRANULE:
@@ -247,57 +299,30 @@ def attention_paged_triton(
     part_lse = torch.full(
         (n_splits, total_q, hq), float("-inf"), dtype=torch.float32, device=device
     )
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
-    alibi = alibi_slopes if alibi_slopes is not None else dummy[None]
-    unbounded = max_q + max_k + 1
-    win_left, win_right = (-1, -1) if window is None else window
-    win_left = unbounded if win_left < 0 else win_left
-    win_right = unbounded if win_right < 0 else win_right
     if total_q * hq and max_k:
-        grid = (triton.cdiv(max_q, block_m), batch * hq, n_splits)
-        _attention_paged_kernel[grid](
+        kernel, grid, args, constexprs = launch_args(
             q,
             k,
             v,
             part_out,
             part_lse,
-            q_start,
-            q_len,
-            k_len,
-            page_start,
-            alibi,
-            sinks if sinks is not None else dummy,
-            hq,
-            hq // hkv,
-            d,
-            dv,
-            page_size,
-            keys_per_split,
-            win_left,
-            win_right,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *part_out.stride(),
-            *part_lse.stride(),
-            page_start.stride(0),
-            page_start.stride(1),
-            alibi.stride(0),
-            alibi.stride(1),
-            scale,
-            1.0 if softcap is None else float(softcap),
-            CAUSAL=causal,
-            HAS_WINDOW=window is not None,
-            HAS_SOFTCAP=softcap is not None,
-            HAS_SINKS=sinks is not None,
-            BOTTOM_RIGHT=bottom_right,
-            HAS_ALIBI=alibi_slopes is not None,
-            DOT_FP32=dot_fp32,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=next_pow2(d),
-            BLOCK_DV=next_pow2(dv),
+            q_start=q_start,
+            q_len=q_len,
+            k_len=k_len,
+            page_start=page_start,
+            page_size=page_size,
+            max_q=max_q,
+            max_k=max_k,
+            keys_per_split=keys_per_split,
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
+            alibi_slopes=alibi_slopes,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
+        kernel[grid](*args, **constexprs)
     elif sinks is not None:  # no key anywhere: lse is the sink
         part_lse[0] = sinks[None, :]
     if n_splits == 1:

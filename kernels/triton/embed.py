@@ -86,6 +86,73 @@ def _embed_kernel(
     )
 
 
+def launch_args(
+    ids,
+    weight,
+    out,
+    positions,
+    pos_offset,
+    *,
+    scale,
+    pe,
+    pe_table=None,
+    omega=None,
+    interleaved=True,
+    token_type_ids=None,
+    token_type_weight=None,
+):
+    """(kernel, grid, args, constexprs) of the embedding kernel writing out [B·S, D]: the one
+    place its arguments are assembled (``fastpe triton-report`` calls it on meta tensors).
+    ``omega`` fp64 tensor [D/2] for the sinusoidal PE; the rest as in ``embed_triton``."""
+    batch, seq = ids.shape
+    dim = weight.shape[1]
+    device = weight.device
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    kind = {"sinusoidal": PE_SINUSOIDAL, "table": PE_TABLE}.get(pe, PE_NONE)
+    pos = (
+        positions
+        if positions is not None
+        else torch.zeros((1, 1), dtype=torch.int64, device=device)
+    )
+    pos_strides = (0, pos.stride(0)) if pos.dim() == 1 else (pos.stride(0), pos.stride(1))
+    has_types = token_type_ids is not None
+    types = token_type_ids.reshape(-1).to(torch.int64) if has_types else dummy.long()
+    type_weight = token_type_weight if has_types else dummy[None]
+    table = pe_table if kind == PE_TABLE else dummy[None]
+    block_t, block_d = 16, min(256, next_pow2(dim))
+    grid = (triton.cdiv(batch * seq, block_t), triton.cdiv(dim, block_d))
+    args = (
+        ids.reshape(-1).to(torch.int64),
+        weight,
+        out,
+        pos,
+        omega if kind == PE_SINUSOIDAL else dummy.double(),
+        table,
+        types,
+        type_weight,
+        batch * seq,
+        seq,
+        dim,
+        dim // 2,
+        pos_offset,
+        float(scale),
+        weight.stride(0),
+        out.stride(0),
+        table.stride(0),
+        type_weight.stride(0),
+        *pos_strides,
+    )
+    constexprs = dict(
+        PE_KIND=kind,
+        HAS_POSITIONS=positions is not None,
+        HAS_TYPES=has_types,
+        INTERLEAVED=interleaved,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+    )
+    return _embed_kernel, grid, args, constexprs
+
+
 def embed_triton(
     ids,
     weight,
@@ -106,52 +173,24 @@ def embed_triton(
     device = weight.device
     store = torch.float32 if low_precision_via_fp32(weight.dtype) else weight.dtype
     out = torch.empty((batch * seq, dim), dtype=store, device=device)
-    dummy = torch.zeros(1, dtype=torch.float32, device=device)
-    kind = {"sinusoidal": PE_SINUSOIDAL, "table": PE_TABLE}.get(pe, PE_NONE)
-    omega_t = (
-        torch.as_tensor(omega, dtype=torch.float64, device=device)
-        if kind == PE_SINUSOIDAL
-        else dummy.double()
-    )
-    pos = (
-        positions
-        if positions is not None
-        else torch.zeros((1, 1), dtype=torch.int64, device=device)
-    )
-    pos_strides = (0, pos.stride(0)) if pos.dim() == 1 else (pos.stride(0), pos.stride(1))
-    has_types = token_type_ids is not None
-    types = token_type_ids.reshape(-1).to(torch.int64) if has_types else dummy.long()
-    type_weight = token_type_weight if has_types else dummy[None]
-    table = pe_table if kind == PE_TABLE else dummy[None]
-    block_t, block_d = 16, min(256, next_pow2(dim))
     if batch * seq:
-        _embed_kernel[(triton.cdiv(batch * seq, block_t), triton.cdiv(dim, block_d))](
-            ids.reshape(-1).to(torch.int64),
+        kernel, grid, args, constexprs = launch_args(
+            ids,
             weight,
             out,
-            pos,
-            omega_t,
-            table,
-            types,
-            type_weight,
-            batch * seq,
-            seq,
-            dim,
-            dim // 2,
+            positions,
             pos_offset,
-            float(scale),
-            weight.stride(0),
-            out.stride(0),
-            table.stride(0),
-            type_weight.stride(0),
-            *pos_strides,
-            PE_KIND=kind,
-            HAS_POSITIONS=positions is not None,
-            HAS_TYPES=has_types,
-            INTERLEAVED=interleaved,
-            BLOCK_T=block_t,
-            BLOCK_D=block_d,
+            scale=scale,
+            pe=pe,
+            pe_table=pe_table,
+            omega=torch.as_tensor(omega, dtype=torch.float64, device=device)
+            if pe == "sinusoidal"
+            else None,
+            interleaved=interleaved,
+            token_type_ids=token_type_ids,
+            token_type_weight=token_type_weight,
         )
+        kernel[grid](*args, **constexprs)
     return out.reshape(batch, seq, dim).to(weight.dtype)
 
 
@@ -187,6 +226,18 @@ def _scatter_rows_kernel(
     tl.store(out_ptr + r * stride_out + cols, (scale * acc).to(out_ptr.dtype.element_ty), mask=keep)
 
 
+def scatter_rows_launch_args(order, starts, rows, grad, out, scale):
+    """(kernel, grid, args, constexprs) of the row-gather gradient kernel: tokens ``order``
+    sorted by row, group g of ``rows`` summing order[starts[g]:starts[g + 1]] of grad [T, D]
+    into out [num_rows, D]. The one place its arguments are assembled (``fastpe
+    triton-report`` calls it on meta tensors)."""
+    dim = grad.shape[1]
+    block_d = min(256, next_pow2(dim))
+    grid = (rows.shape[0], triton.cdiv(dim, block_d))
+    args = (order, starts, rows, grad, out, dim, float(scale), grad.stride(0), out.stride(0))
+    return _scatter_rows_kernel, grid, args, {"BLOCK_D": block_d}
+
+
 def scatter_rows_triton(index, grad, num_rows, scale=1.0):
     """The gradient of ``table[index]`` for a table of ``num_rows`` rows: index int [...], grad
     [..., D] fp16/bf16/fp32 (summed in fp32, rounded once). Returns [num_rows, D] in grad's dtype;
@@ -202,18 +253,9 @@ def scatter_rows_triton(index, grad, num_rows, scale=1.0):
     torch.cumsum(counts, 0, out=starts[1:])
     store = torch.float32 if low_precision_via_fp32(grad.dtype) else grad.dtype
     out = torch.zeros((num_rows, dim), dtype=store, device=grad.device)
-    block_d = min(256, next_pow2(dim))
     if rows.numel():
-        _scatter_rows_kernel[(rows.numel(), triton.cdiv(dim, block_d))](
-            order,
-            starts,
-            rows,
-            grad,
-            out,
-            dim,
-            float(scale),
-            grad.stride(0),
-            out.stride(0),
-            BLOCK_D=block_d,
+        kernel, grid, args, constexprs = scatter_rows_launch_args(
+            order, starts, rows, grad, out, scale
         )
+        kernel[grid](*args, **constexprs)
     return out.to(grad.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2, sincos_of_product
+from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2, position_sincos
 
 
 @triton.jit
@@ -24,15 +24,9 @@ def _sinusoidal_table_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    pid_p = tl.program_id(0).to(tl.int64)
-    pid_f = tl.program_id(1).to(tl.int64)
-    rows = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    freqs = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    omega = tl.load(omega_ptr + freqs, mask=freqs < half, other=0.0)
-    sin, cos = sincos_of_product(
-        (rows + offset)[:, None], omega[None, :], out_ptr.dtype.element_ty == tl.float64
+    rows, freqs, keep, sin, cos = position_sincos(
+        out_ptr, omega_ptr, num_positions, offset, half, BLOCK_P, BLOCK_F
     )
-    keep = (rows[:, None] < num_positions) & (freqs[None, :] < half)
     if INTERLEAVED:
         col_sin, col_cos = 2 * freqs, 2 * freqs + 1
     else:
@@ -42,24 +36,25 @@ def _sinusoidal_table_kernel(
     tl.store(row_ptr + col_cos[None, :], cos.to(out_ptr.dtype.element_ty), mask=keep)
 
 
+def launch_args(out, omega, offset, interleaved):
+    """(kernel, grid, args, constexprs) of the table kernel for out [P, D] and omega fp64
+    [D/2]: the one place its arguments are assembled (``fastpe triton-report`` calls it on meta
+    tensors)."""
+    num_positions, half = out.shape[0], omega.shape[0]
+    block_p, block_f = 32, min(128, next_pow2(half))
+    grid = (triton.cdiv(num_positions, block_p), triton.cdiv(half, block_f))
+    args = (out, omega, num_positions, offset, half, out.stride(0))
+    constexprs = {"INTERLEAVED": interleaved, "BLOCK_P": block_p, "BLOCK_F": block_f}
+    return _sinusoidal_table_kernel, grid, args, constexprs
+
+
 def sinusoidal_table_triton(omega, num_positions, offset, interleaved, dtype, device):
     """omega: float64 NumPy [D/2]. Returns [num_positions, D] in ``dtype`` on ``device``."""
     half = omega.shape[0]
     store = torch.float32 if low_precision_via_fp32(dtype) else dtype
     out = torch.empty((num_positions, 2 * half), dtype=store, device=device)
-    omega_t = torch.as_tensor(omega, dtype=torch.float64, device=device)
-    block_p, block_f = 32, min(128, next_pow2(half))
-    grid = (triton.cdiv(num_positions, block_p), triton.cdiv(half, block_f))
     if num_positions:
-        _sinusoidal_table_kernel[grid](
-            out,
-            omega_t,
-            num_positions,
-            offset,
-            half,
-            out.stride(0),
-            INTERLEAVED=interleaved,
-            BLOCK_P=block_p,
-            BLOCK_F=block_f,
-        )
+        omega_t = torch.as_tensor(omega, dtype=torch.float64, device=device)
+        kernel, grid, args, constexprs = launch_args(out, omega_t, offset, interleaved)
+        kernel[grid](*args, **constexprs)
     return out.to(dtype)
