@@ -29,6 +29,17 @@ import tempfile
 import time
 from collections import Counter
 
+from fastpe._triton_launches import (
+    ATTENTION_VARIANTS,
+    KERNEL_VARIANTS,
+    QUICK_ATTENTION_VARIANTS,
+    attention_configs,
+    config_tuple,
+    jit_function,
+    launch,
+    launched,
+)
+
 # max dynamic shared memory per block (opt-in), bytes, from the CUDA programming guide's table
 TARGETS = {
     80: ("sm_80 (A100)", 163 * 1024),
@@ -52,36 +63,6 @@ KERNELS = (
     "attention_dq",
     "attention_paged",
 )
-
-# the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
-# interleaved RoPE), as the options of the forward's launch_args (T5: (buckets, bidirectional);
-# RoPE: "interleaved" or "neox_positions"; mask: "bool" or "float")
-ATTENTION_VARIANTS = {
-    "plain": {},
-    "plain_mha": {"mha": True},
-    "causal": {"causal": True},
-    "bool_mask": {"mask": "bool"},
-    "float_mask": {"mask": "float"},
-    "key_lengths": {"key_lengths": True},
-    "alibi": {"alibi_slopes": True, "causal": True},
-    "t5": {"relative_bias": (32, True)},
-    "rope": {"rope": "interleaved", "causal": True},
-    "rope_neox_positions": {"rope": "neox_positions"},
-    "window_softcap_sinks": {"causal": True, "window": True, "softcap": True, "sinks": True},
-    "everything": {
-        "causal": True,
-        "mask": "bool",
-        "key_lengths": True,
-        "alibi_slopes": True,
-        "relative_bias": (32, False),
-        "rope": "interleaved",
-        "window": True,
-        "softcap": True,
-        "sinks": True,
-    },
-}
-# the cheap default (CI) subset
-QUICK_ATTENTION_VARIANTS = ("causal", "window_softcap_sinks", "everything")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,259 +105,6 @@ def unavailable() -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------
-# the launches: each kernel's arguments come from its launcher's own ``launch_args``, called on
-# meta tensors (no memory, no GPU) shaped like a typical call, and go through the JIT's own
-# binder, so the specialisations (unit strides become constants, 16-divisible sizes and
-# pointers are marked so) come out as they would on a GPU.
-
-
-def _meta(shape, dtype):
-    import torch
-
-    return torch.empty(
-        shape, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, device="meta"
-    )
-
-
-def _attention_launch(dtype, d, variant):
-    import torch
-
-    from fastpe.kernels.triton import attention
-
-    opts = ATTENTION_VARIANTS[variant]
-    b, hq, s = 2, 8, 1024
-    hkv = hq if opts.get("mha") else 2
-    positions = _meta((s,), torch.int64) if opts.get("rope") == "neox_positions" else None
-    table = _meta((s, d // 2), torch.float32)
-    buckets, bidirectional = opts.get("relative_bias", (0, False))
-    mask = opts.get("mask")
-    return attention.launch_args(
-        _meta((b, hq, s, d), dtype),
-        _meta((b, hkv, s, d), dtype),
-        _meta((b, hkv, s, d), dtype),
-        _meta((1, b, hq, s, d), dtype),
-        _meta((1, b, hq, s), torch.float32),
-        scale=0.125,
-        causal=opts.get("causal", False),
-        bottom_right=True,
-        keys_per_split=s,
-        # a [B, 1, S, S] mask broadcast over heads, a [Hq] slope vector broadcast over batch
-        mask=_meta((b, 1, s, s), torch.bool if mask == "bool" else dtype).expand(b, hq, s, s)
-        if mask
-        else None,
-        key_lengths=_meta((b,), torch.int64) if opts.get("key_lengths") else None,
-        alibi_slopes=_meta((hq,), torch.float32) if opts.get("alibi_slopes") else None,
-        relative_bias=(_meta((buckets, hq), torch.float32), buckets, 128, bidirectional)
-        if buckets
-        else None,
-        rope=(table, table, opts["rope"] == "interleaved", (positions, 0), (positions, 0))
-        if opts.get("rope")
-        else None,
-        window=(4095, 0) if opts.get("window") else None,
-        softcap=50.0 if opts.get("softcap") else None,
-        sinks=_meta((hq,), torch.float32) if opts.get("sinks") else None,
-    )
-
-
-def _backward_launch(kernel, d, variant):
-    import torch
-
-    from fastpe.kernels.triton import attention_backward as bw
-
-    b, hq, hkv, s = 2, 16, 4, 1024
-    q, kv, rows = (
-        _meta((b, hq, s, d), torch.float32),
-        _meta((b, hkv, s, d), torch.float32),
-        _meta((b, hq, s), torch.float32),
-    )
-    every = variant == "everything"
-    options = dict(
-        scale=0.125,
-        causal=True,
-        bottom_right=True,
-        mask=_meta((b, 1, s, s), torch.bool).expand(b, hq, s, s) if every else None,
-        key_lengths=_meta((b,), torch.int64) if every else None,
-        alibi_slopes=_meta((b, hq), torch.float32) if every else None,
-        relative_bias=(_meta((32, hq), torch.float32), 32, 128, True) if every else None,
-        softcap=1.0 if every else None,
-    )
-    if kernel == "attention_dkdv":
-        return bw.dkdv_launch_args(q, kv, kv, q, rows, rows, kv, kv, **options)
-    q_blocks = -(-s // bw.tiles(d, d)[1][0])
-    dtable = _meta((b, hq, q_blocks, 32) if every else (1,), torch.float32)
-    return bw.dq_launch_args(q, kv, kv, q, rows, rows, q, dtable, **options)
-
-
-def _paged_launch(dtype, d, variant):
-    import torch
-
-    from fastpe.kernels.triton import attention_paged
-
-    batch, hq, hkv, pages, page_size = 8, 32, 8, 256, 16
-    max_q, max_k = (1 if variant == "decode" else 1024), pages * page_size
-    total_q, every = batch * max_q, variant == "everything"
-    lengths = _meta((batch,), torch.int64)
-    return attention_paged.launch_args(
-        _meta((total_q, hq, d), dtype),
-        _meta((batch * max_k, hkv, d), dtype),
-        _meta((batch * max_k, hkv, d), dtype),
-        _meta((1, total_q, hq, d), dtype),
-        _meta((1, total_q, hq), torch.float32),
-        q_start=lengths,
-        q_len=lengths,
-        k_len=lengths,
-        page_start=_meta((batch, pages), torch.int64),
-        page_size=page_size,
-        max_q=max_q,
-        max_k=max_k,
-        keys_per_split=max_k,
-        scale=0.125,
-        causal=True,
-        bottom_right=True,
-        alibi_slopes=_meta((hq,), torch.float32).expand(batch, hq) if every else None,
-        window=(2 * max_k + 1, 0) if every else None,
-        softcap=50.0 if every else None,
-        sinks=_meta((hq,), torch.float32) if every else None,
-    )
-
-
-def _pe_launch(kernel, dtype, d, variant):
-    import torch
-
-    from fastpe.kernels.triton import apply_rope, embed, rope_table, sinusoidal_table
-
-    half, positions = d // 2, 4096
-    if kernel == "sinusoidal_table":
-        out, omega = _meta((positions, d), dtype), _meta((half,), torch.float64)
-        return sinusoidal_table.launch_args(out, omega, 0, variant == "interleaved")
-    if kernel == "rope_table":
-        cos, inv_freq = _meta((positions, half), dtype), _meta((half,), torch.float64)
-        return rope_table.launch_args(cos, cos, inv_freq, 0, 1.0)
-    if kernel == "apply_rope":  # q [2, 32, S, D] and k [2, 8, S, D] in one launch
-        b, s = 2, 1024
-        rot_half = half // 2 if variant == "partial" else half
-        xs = (_meta((b, 32, s, d), dtype), _meta((b, 8, s, d), dtype))
-        outs = tuple(_meta(x.shape, dtype) for x in xs)
-        table = _meta((positions, rot_half), dtype)
-        pos = None if variant == "neox" else _meta((s,), torch.int64)
-        return apply_rope.launch_args(
-            xs,
-            outs,
-            table,
-            table,
-            pos,
-            0,
-            interleaved=variant == "interleaved",
-            layout="bhsd",
-            inverse=variant == "inverse",
-        )
-    if kernel == "embed":
-        b, s, vocab = 8, 1024, 32000
-        pe, types, has_positions = {
-            "sinusoidal": ("sinusoidal", False, False),
-            "table_positions": ("table", False, True),
-            "none_types": (None, True, False),
-            "sinusoidal_types_positions": ("sinusoidal", True, True),
-        }[variant]
-        ids = _meta((b, s), torch.int64)
-        return embed.launch_args(
-            ids,
-            _meta((vocab, d), dtype),
-            _meta((b * s, d), dtype),
-            ids if has_positions else None,
-            0,
-            scale=1.0,
-            pe=pe,
-            pe_table=_meta((positions, d), dtype) if pe == "table" else None,
-            omega=_meta((half,), torch.float64) if pe == "sinusoidal" else None,
-            token_type_ids=ids if types else None,
-            token_type_weight=_meta((2, d), dtype) if types else None,
-        )
-    if kernel == "scatter_rows":  # embed's backward: one program per (row, column block)
-        tokens, vocab = 8192, 32000
-        index = _meta((tokens,), torch.int64)
-        return embed.scatter_rows_launch_args(
-            index, index, index, _meta((tokens, d), dtype), _meta((vocab, d), dtype), 1.0
-        )
-    raise ValueError(f"unknown kernel {kernel!r}")
-
-
-def launch(kernel, dtype, d, variant):
-    """(kernel, grid, args, constexprs) of one report case, from its launcher's launch_args.
-    The attention forward's constexprs lack the autotuned block sizes (the case's config)."""
-    import torch
-
-    from fastpe.kernels.triton import attention
-
-    if kernel == "attention":
-        return _attention_launch(dtype, d, variant)
-    if kernel in ("attention_dkdv", "attention_dq"):
-        # the backward launcher widens every input to fp32
-        return _backward_launch(kernel, d, variant)
-    if kernel == "attention_paged":
-        return _paged_launch(dtype, d, variant)
-    if kernel == "merge":
-        # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
-        part = torch.float32 if variant == "split_kv" else getattr(torch, dtype)
-        n, rows = 4, 2 * 8 * 1024
-        return attention.merge_launch_args(
-            _meta((n, rows, d), part),
-            _meta((n, rows), torch.float32),
-            _meta((rows, d), part),
-            _meta((rows,), torch.float32),
-        )
-    return _pe_launch(kernel, dtype, d, variant)
-
-
-def _launched(dtype, d, variant) -> bool:
-    """False for RoPE variants the launcher never runs (it rotates q and k beforehand and
-    launches the kernel without HAS_ROPE, a variant compiled on its own)."""
-    from fastpe.kernels.triton import attention
-
-    flags = launch("attention", dtype, d, variant)[3]
-    biased = attention._per_element_bias(flags)
-    return not flags["HAS_ROPE"] or attention._rope_in_kernel(d, dtype == "float32", biased)
-
-
-def _jit_function(kernel):
-    from triton.runtime.jit import JITFunction
-
-    while not isinstance(kernel, JITFunction):  # the autotuner wraps the JITFunction
-        kernel = kernel.fn
-    return kernel
-
-
-def attention_configs(dtype, d, variant, target):
-    """[(config, pickable)]: every config in the autotune list, and whether ``_prune`` keeps it
-    on ``target`` for a prefill (Sq = 1024) or a decode (Sq = 1) call of this shape."""
-    from fastpe.kernels.triton import attention
-
-    kernel, _, args, constexprs = launch("attention", dtype, d, variant)
-    named = dict(zip(_jit_function(kernel).arg_names, args, strict=False))
-    configs = attention._gpu_configs()
-    kept = set()
-    for sq in (1, 1024):
-        for c in attention._prune(configs, {**named, "Sq": sq}, capability=target, **constexprs):
-            kept.add(id(c))
-    return [(c, id(c) in kept) for c in configs]
-
-
-def _config_tuple(meta: dict, num_warps: int, num_stages: int) -> tuple:
-    return (*sorted(meta.items()), ("num_warps", num_warps), ("num_stages", num_stages))
-
-
-KERNEL_VARIANTS = {
-    "sinusoidal_table": ("interleaved", "concat"),
-    "rope_table": ("default",),
-    "apply_rope": ("neox", "interleaved", "partial", "inverse"),
-    "embed": ("sinusoidal", "table_positions", "none_types", "sinusoidal_types_positions"),
-    "scatter_rows": ("default",),
-    "merge": ("split_kv", "merge_attention"),
-    "attention_dkdv": ("causal", "everything"),
-    "attention_dq": ("causal", "everything"),
-    "attention_paged": ("decode", "prefill", "everything"),
-}
 _BLOCK_NAMES = (
     "BLOCK_M",
     "BLOCK_N",
@@ -408,19 +136,14 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
                         warps, stages = consts.get("num_warps", 4), consts.get("num_stages", 3)
                         out.append(
                             Case(
-                                kernel,
-                                variant,
-                                dtype,
-                                d,
-                                _config_tuple(meta, warps, stages),
-                                target,
+                                kernel, variant, dtype, d, config_tuple(meta, warps, stages), target
                             )
                         )
                 # every feature variant where spills fail the check (fp16 compiles like bf16:
                 # the main variants suffice for it), the main ones elsewhere
                 every = full and target in NO_SPILL_TARGETS and dtype != "float16"
                 for variant in ATTENTION_VARIANTS if every else QUICK_ATTENTION_VARIANTS:
-                    if not _launched(dtype, d, variant):
+                    if not launched(dtype, d, variant):
                         continue
                     for config, pickable in attention_configs(dtype, d, variant, target):
                         if not (pickable or all_configs):
@@ -432,7 +155,7 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
                                 variant,
                                 dtype,
                                 d,
-                                _config_tuple(meta, config.num_warps, config.num_stages),
+                                config_tuple(meta, config.num_warps, config.num_stages),
                                 target,
                                 pickable,
                             )
@@ -455,7 +178,7 @@ def _source(case: Case):
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
     kernel, _, args, consts = launch(case.kernel, case.dtype, case.head_dim, case.variant)
     consts = {**{k: v for k, v in consts.items() if k not in options}, **config}
-    fn = _jit_function(kernel)
+    fn = jit_function(kernel)
     backend = make_backend(GPUTarget("cuda", case.target, 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, _ = binder(*args, **consts)
