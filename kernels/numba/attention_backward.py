@@ -22,21 +22,19 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from fastpe.kernels.numba.attention import (
+from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
     _apply_tile_masks,
-    _dummy,
     _exp2,
-    _load_tile,
     _nearest_key_distance,
     _relative_bias_by_distance_numba,
     key_lengths_and_shift,
-    key_splits,
-    window_edges,
+    score_mods,
 )
+from fastpe.kernels.numba._attention_tiles import _load_tile, key_splits
+from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from numba import prange
 
 
@@ -52,6 +50,7 @@ def _backward_tile(
     dk_acc,
     dv_acc,
     dbias,
+    mods,
     b,
     hk,
     group,
@@ -59,20 +58,7 @@ def _backward_tile(
     npos,
     j0,
     query_shift,
-    win_left,
-    win_right,
-    softcap,
-    has_mask,
-    mask_bool,
-    mask,
-    mask_is_bool,
-    mask_limit,
-    has_alibi,
-    alibi,
     length,
-    has_bias,
-    bias,
-    bias_offset,
 ):
     """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), soft-cap, masks, P = exp(S - ref),
     dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘(1 - tanh²); dV += Pᵀ·dO, dK += dSᵀ·Qs,
@@ -80,6 +66,7 @@ def _backward_tile(
     m, n = qs.shape[0], kt.shape[0]
     s = np.empty((m, n), dtype=qs.dtype)
     np.dot(qs, kt.T, s)
+    softcap = mods.softcap
     slope = np.empty((m, n) if softcap > 0.0 else (0, 0), dtype=qs.dtype)
     if softcap > 0.0:
         # clamped: the reciprocal of a subnormal cap is inf, and 0·inf (a zero score) NaN
@@ -89,31 +76,7 @@ def _backward_tile(
                 t = np.tanh(s[r, c] * inv)
                 s[r, c] = softcap * t
                 slope[r, c] = 1.0 - t * t
-    _apply_tile_masks(
-        s,
-        b,
-        hk,
-        group,
-        i0,
-        npos,
-        j0,
-        n,
-        query_shift,
-        win_left,
-        win_right,
-        has_mask,
-        mask_bool,
-        mask,
-        mask_is_bool,
-        mask_limit,
-        1.0,
-        has_alibi,
-        alibi,
-        length,
-        has_bias,
-        bias,
-        bias_offset,
-    )
+    _apply_tile_masks(s, mods, b, hk, group, i0, npos, j0, n, query_shift, length)
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
         shift = ref[r]
@@ -128,10 +91,10 @@ def _backward_tile(
         for c in range(n):
             dp[r, c] = p[r, c] * (dp[r, c] - dr)
     ds = dp
-    if has_bias:
+    if mods.has_bias:
         for r in range(m):
             g = r // npos
-            base = bias_offset - (i0 + r - g * npos + query_shift) + j0
+            base = mods.bias_offset - (i0 + r - g * npos + query_shift) + j0
             for c in range(n):
                 dbias[g, base + c] += ds[r, c]
     if softcap > 0.0:
@@ -159,22 +122,9 @@ def _backward_item(
     b,
     hk,
     n_splits,
-    scale,
-    win_left,
-    win_right,
-    softcap,
+    mods,
     query_shift,
     key_len,
-    has_mask,
-    mask_bool,
-    mask,
-    mask_is_bool,
-    mask_limit,
-    has_alibi,
-    alibi,
-    has_bias,
-    bias,
-    bias_offset,
     block_m,
     block_n,
 ):
@@ -198,8 +148,8 @@ def _backward_item(
     v_tile = np.empty((block_n, dvd), dtype=dtype)
     # queries that can see a key of [j_begin, j_stop): position p = i + shift with
     # j - win_right <= p <= j + win_left
-    i_lo = max(j_begin - win_right - shift, 0)
-    i_hi = min(j_stop - 1 + win_left - shift + 1, sq)
+    i_lo = max(j_begin - mods.win_right - shift, 0)
+    i_hi = min(j_stop - 1 + mods.win_left - shift + 1, sq)
     for i0 in range(i_lo, i_hi, block_m):
         npos = min(block_m, i_hi - i0)
         m = group * npos
@@ -212,7 +162,7 @@ def _backward_item(
             for r in range(npos):
                 row = g * npos + r
                 for c in range(d):
-                    qs[row, c] = _widen(q[b, h, i0 + r, c]) * scale
+                    qs[row, c] = _widen(q[b, h, i0 + r, c]) * mods.scale
                 for c in range(dvd):
                     go[row, c] = grad_out[b, h, i0 + r, c]
                 lse_row = lse[b, h, i0 + r]
@@ -220,13 +170,13 @@ def _backward_item(
                     ref[row] = np.inf  # the row saw nothing: every weight is 0
                 else:
                     ref[row] = lse_row
-                    if has_alibi:  # the kernel's scores leave out the row's nearest distance
-                        ref[row] += alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
+                    if mods.has_alibi:  # the scores leave out the row's nearest distance
+                        ref[row] += mods.alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
                 row_delta[row] = delta[b, h, i0 + r]
         dq_acc = np.zeros((m, d), dtype=dtype)
         first_pos = i0 + shift
-        j_lo = max(j_begin, first_pos - win_left)
-        j_end = min(j_stop, first_pos + npos + win_right)
+        j_lo = max(j_begin, first_pos - mods.win_left)
+        j_end = min(j_stop, first_pos + npos + mods.win_right)
         for j0 in range(j_lo, j_end, block_n):
             n = min(block_n, j_end - j0)
             off = j0 - j_begin
@@ -241,6 +191,7 @@ def _backward_item(
                 dk_acc[off : off + n],
                 dv_acc[off : off + n],
                 dbias,
+                mods,
                 b,
                 hk,
                 group,
@@ -248,25 +199,14 @@ def _backward_item(
                 npos,
                 j0,
                 shift,
-                win_left,
-                win_right,
-                softcap,
-                has_mask,
-                mask_bool,
-                mask,
-                mask_is_bool,
-                mask_limit,
-                has_alibi,
-                alibi,
                 length,
-                has_bias,
-                bias,
-                bias_offset,
             )
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
-                    dq_part[split, b, hk * group + g, i0 + r, c] = dq_acc[g * npos + r, c] * scale
+                    dq_part[split, b, hk * group + g, i0 + r, c] = (
+                        dq_acc[g * npos + r, c] * mods.scale
+                    )
     for j in range(j_stop - j_begin):
         for c in range(d):
             dk[b, hk, j_begin + j, c] = dk_acc[j, c]
@@ -286,22 +226,9 @@ def _attention_backward_numba(
     dk,
     dv,
     dbias_part,
-    scale,
-    win_left,
-    win_right,
-    softcap,
+    mods,
     query_shift,
     key_len,
-    has_mask,
-    mask_bool,
-    mask,
-    mask_is_bool,
-    mask_limit,
-    has_alibi,
-    alibi,
-    has_bias,
-    bias,
-    bias_offset,
     block_m,
     block_n,
 ):
@@ -326,22 +253,9 @@ def _attention_backward_numba(
             b,
             hk,
             n_splits,
-            scale,
-            win_left,
-            win_right,
-            softcap,
+            mods,
             query_shift,
             key_len,
-            has_mask,
-            mask_bool,
-            mask,
-            mask_is_bool,
-            mask_limit,
-            has_alibi,
-            alibi,
-            has_bias,
-            bias,
-            bias_offset,
             block_m,
             block_n,
         )
@@ -400,33 +314,24 @@ def attention_backward_numba(
         dsinks = -(sink_weight * delta).sum(axis=(0, 2))
 
     key_len, query_shift = key_lengths_and_shift(key_lengths, batch, sq, sk, bottom_right)
-    win_left, win_right = window_edges(window, causal, unbounded=sq + sk + 1)
-    mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
-    mask_is_bool = mask is not None and mask.dtype == np.bool_
-    if mask is not None:
-        if mask_is_bool:
-            mask_bool = mask
-        else:
-            mask_add = mask
-    alibi = (
-        _dummy(dtype, 2)
-        if alibi_slopes is None
-        else np.ascontiguousarray(alibi_slopes, dtype=dtype)
+    # scores in natural units, as the forward's lse that P = exp(S - lse) is taken against
+    mods = score_mods(
+        dtype,
+        1.0,
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        query_shift=query_shift,
+        sq=sq,
+        sk=sk,
+        unbounded=sq + sk + 1,
     )
-    bias, bias_offset, count = _dummy(dtype, 2), 0, 1
-    if relative_bias is not None:
-        table, num_buckets, max_distance, bidirectional = relative_bias
-        first = -(int(query_shift.max(initial=0)) + sq - 1)
-        count = sk - int(query_shift.min(initial=0)) - first
-        bias = _relative_bias_by_distance_numba(
-            np.ascontiguousarray(table, dtype=dtype),
-            first,
-            count,
-            bidirectional,
-            num_buckets,
-            max_distance,
-        )
-        bias_offset = -first
+    # T5's bias is held by key-minus-query distance first … first + count - 1
+    first, count = -mods.bias_offset, mods.bias.shape[1]
 
     block_m = max(1, min(sq, max(128 // group, 16)))
     block_n = max(1, min(256, sk))
@@ -453,22 +358,9 @@ def attention_backward_numba(
                 dk,
                 dv,
                 dbias_part,
-                dtype.type(scale),
-                win_left,
-                win_right,
-                0.0 if softcap is None else float(softcap),
+                mods,
                 query_shift,
                 key_len,
-                mask is not None,
-                mask_bool,
-                mask_add,
-                mask_is_bool,
-                float(np.finfo(dtype).max),
-                alibi_slopes is not None,
-                alibi,
-                relative_bias is not None,
-                bias,
-                bias_offset,
                 block_m,
                 block_n,
             )
@@ -477,6 +369,7 @@ def attention_backward_numba(
     if relative_bias is not None:
         # per distance and head -> per bucket: the bucket of each distance is the table lookup
         # of a table holding its own bucket index
+        _, num_buckets, max_distance, bidirectional = relative_bias
         dist = dbias_part.astype(np.float64).reshape(batch * hkv * n_splits, group, count)
         dist = dist.reshape(batch, hkv, n_splits, group, count).sum(axis=(0, 2))
         dist = dist.reshape(hq, count)
