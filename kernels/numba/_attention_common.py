@@ -173,12 +173,15 @@ class ScoreMods(NamedTuple):
     argument count at which Numba's calls stop accepting conditional arguments).
 
     Scores are in ``unit``s per natural unit (log2 e: log2 scores; or 1); ``alibi`` [B, Hq] and
-    ``bias`` [Hq, distances] come already multiplied by it; ``sinks`` stay natural. Query i sits at key position
-    p = i + shift and may see keys p - win_left … p + win_right (causal: win_right = 0). The
-    arrays of an absent modifier are 1-element placeholders that are never read.
+    ``bias`` [Hq, distances] come already multiplied by it; ``sinks`` stay natural. Query i of
+    sequence b sits at key position p = i + query_shift[b] and may see keys p - win_left …
+    p + win_right (causal: win_right = 0) below key_len[b]. The arrays of an absent modifier are
+    1-element placeholders that are never read.
     """
 
     scale: np.floating  # in the compute dtype, as the queries are scaled
+    query_shift: np.ndarray  # int64 [B]
+    key_len: np.ndarray  # int64 [B]
     unit: float
     softcap: float  # 0: none
     win_left: int
@@ -197,6 +200,18 @@ class ScoreMods(NamedTuple):
     sinks: np.ndarray  # float64 [Hq]: one more logit per head, with no value
 
 
+class RowTile(NamedTuple):
+    """A tile of query rows: the ``group`` query heads hk·group … of kv head ``hk`` at
+    positions i0 … i0 + npos - 1 of sequence ``b``; row r is head hk·group + r // npos at
+    position i0 + r % npos."""
+
+    b: int
+    hk: int
+    group: int
+    i0: int
+    npos: int
+
+
 def _dummy(dtype, ndim):
     return np.zeros((1,) * ndim, dtype=dtype)
 
@@ -206,6 +221,8 @@ def score_mods(
     unit,
     *,
     scale,
+    query_shift,
+    key_len,
     causal,
     window,
     softcap,
@@ -213,14 +230,13 @@ def score_mods(
     alibi_slopes=None,
     relative_bias=None,
     sinks=None,
-    query_shift=None,
     sq=0,
     sk=0,
     unbounded,
 ):
     """The ``ScoreMods`` of a launcher's arguments (as ``attention_numba`` takes them), in
-    ``unit``s and the compute ``dtype``; ``query_shift`` [B], ``sq`` and ``sk`` are needed with
-    ``relative_bias`` only (its distances span every query and key of the call), ``unbounded``
+    ``unit``s and the compute ``dtype``; ``sq`` and ``sk`` are needed with ``relative_bias``
+    only (its distances span every query and key of the call), ``unbounded``
     as in ``window_edges``."""
     win_left, win_right = window_edges(window, causal, unbounded)
     mask_is_bool = mask is not None and mask.dtype == np.bool_
@@ -244,6 +260,8 @@ def score_mods(
         bias_offset = -first
     return ScoreMods(
         scale=dtype.type(scale),
+        query_shift=query_shift,
+        key_len=key_len,
         unit=unit,
         softcap=0.0 if softcap is None else float(softcap),
         win_left=win_left,
@@ -264,12 +282,11 @@ def score_mods(
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _apply_tile_masks(s, mods, b, hk, group, i0, npos, j0, n, query_shift, length):
-    """Add biases and set -inf where a row may not attend, on one (group·npos, n) tile.
-
-    Row r is query head hk·group + r // npos at position i0 + r % npos (key position
-    + query_shift); column c is key j0 + c; ``length`` is sequence b's number of keys.
-    """
+def _apply_tile_masks(s, mods, tile, j0, n):
+    """Add biases and set -inf where a row of a ``RowTile`` may not attend, on its scores
+    against keys j0 … j0 + n - 1 (s [group·npos, n])."""
+    b, hk, group, i0, npos = tile
+    query_shift = mods.query_shift[b]
     m = group * npos
     if mods.has_alibi or mods.has_bias or mods.has_mask:
         for r in range(m):
@@ -281,7 +298,7 @@ def _apply_tile_masks(s, mods, b, hk, group, i0, npos, j0, n, query_shift, lengt
                 # distances less the row's nearest visible one: that common part would only
                 # cost float32 precision here (it cancels in softmax; lse adds it back)
                 slope = mods.alibi[b, h]
-                near = _nearest_key_distance(qpos, length)
+                near = _nearest_key_distance(qpos, mods.key_len[b])
                 for c in range(n):
                     s[r, c] -= slope * (abs(qpos - (j0 + c)) - near)
             if mods.has_bias:

@@ -121,30 +121,9 @@ def _add_weighted_values_small(p, col, vt, hk, acc):
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _attend_tile(
-    qt,
-    kt,
-    vt,
-    s,
-    p,
-    pv,
-    acc,
-    row_max,
-    row_sum,
-    work,
-    mods,
-    b,
-    hk,
-    group,
-    i0,
-    npos,
-    j0,
-    shift,
-    length,
-    is_f32,
-):
-    """One key tile for one row tile: S = Q·Kᵀ, soft-cap, masks, online-softmax update,
-    O += P·V."""
+def _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
+    """Keys j0 … j0 + n - 1 for one ``RowTile``: S = Q·Kᵀ, soft-cap, masks, online-softmax
+    update, O += P·V."""
     m, n = s.shape
     if m <= SMALL_ROWS:
         _scores_small(qt, kt[:, None], 0, s, 0)
@@ -152,7 +131,7 @@ def _attend_tile(
         np.dot(qt, kt.T, s)
     if mods.softcap > 0.0:
         _softcap(s, mods.softcap, is_f32, mods.unit)
-    _apply_tile_masks(s, mods, b, hk, group, i0, npos, j0, n, shift, length)
+    _apply_tile_masks(s, mods, tile, j0, n)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
     if m <= SMALL_ROWS:
         _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
@@ -164,10 +143,33 @@ def _attend_tile(
 
 
 @njit(cache=True)
-def _split_key_range(first_pos, npos, length, win_left, win_right, block_n, split, n_splits):
-    """[j_begin, j_stop): split ``split`` of ``n_splits`` of the keys that ``npos`` queries
-    from position ``first_pos`` on can see (below ``length`` and within their windows), cut in
-    whole key tiles of ``block_n``."""
+def _row_buffers(like, m, dv, block_n, tail):
+    """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
+    [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
+    and shift of the current tile), P·V [m, Dv], and the S and P tiles at full width [m,
+    block_n] and for the last partial key tile [m, tail] (separate arrays: Numba's parallel
+    array analysis forbids re-binding a name to a differently shaped array)."""
+    dtype = like.dtype
+    acc = np.zeros((m, dv), dtype=dtype)
+    row_max = np.full(m, -np.inf, dtype=dtype)
+    row_sum = np.zeros(m, dtype=dtype)
+    work = np.empty((4, m), dtype=dtype)
+    pv = np.empty((m, dv), dtype=dtype)
+    s_full = np.empty((m, block_n), dtype=dtype)
+    p_full = np.empty((m, block_n), dtype=dtype)
+    s_tail = np.empty((m, tail), dtype=dtype)
+    p_tail = np.empty((m, tail), dtype=dtype)
+    return acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail
+
+
+@njit(cache=True)
+def _split_key_range(mods, tile, block_n, split, n_splits):
+    """[j_begin, j_stop): split ``split`` of ``n_splits`` of the keys that the queries of a
+    ``RowTile`` can see (below its sequence's length and within their windows), cut in whole
+    key tiles of ``block_n``."""
+    b, _, _, i0, npos = tile
+    first_pos, length = i0 + mods.query_shift[b], mods.key_len[b]
+    win_left, win_right = mods.win_left, mods.win_right
     j_lo = max(first_pos - win_left, 0)
     j_end = max(min(length, first_pos + npos + win_right), j_lo)
     tiles = (j_end - j_lo + block_n - 1) // block_n
@@ -177,13 +179,12 @@ def _split_key_range(first_pos, npos, length, win_left, win_right, block_n, spli
 
 
 @njit(cache=True)
-def _finish_rows(
-    acc, row_max, row_sum, out, lse, row0, hk, group, npos, first_pos, length, b, mods, first_split
-):
-    """out[row0 + r, h] = acc / row sum and lse[row0 + r, h] for one kv head's rows (its
-    ``group`` query heads h x ``npos`` queries from key position ``first_pos``); out
+def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split):
+    """out[row0 + r, h] = acc / row sum and lse[row0 + r, h] for the rows of a ``RowTile``
+    (its query heads h x its queries r); out
     [rows, Hq, Dv] and lse [rows, Hq] are views of a split's part. The heads' sinks join the
     first split only: merged, a sink counts once."""
+    b, hk, group, i0, npos = tile
     for g in range(group):
         h = hk * group + g
         for r in range(npos):
@@ -193,7 +194,7 @@ def _finish_rows(
             if total != 0.0:  # NaN too (an overflowed score): it must show, as in SDPA
                 lse_row = row_max[row] / mods.unit + math.log(total)
                 if mods.has_alibi:  # the common ALiBi part the tile step leaves out
-                    near = _nearest_key_distance(first_pos + r, length)
+                    near = _nearest_key_distance(i0 + r + mods.query_shift[b], mods.key_len[b])
                     lse_row -= mods.alibi[b, h] / mods.unit * near
                 inv = 1.0 / total
                 if sink > -np.inf:  # out · exp(lse_keys - lse) with lse = logaddexp(·, sink)

@@ -15,6 +15,10 @@ diagonal, or before a sliding window) are never visited; only tiles crossing an 
 When B·Hkv·(query blocks) leaves cores idle (decoding), keys are split across items and the
 partial results are merged with the log-sum-exp rule of ``merge_attention``; an attention sink
 joins the first split's result only, so that it counts once.
+
+The score modifiers travel as one ``ScoreMods`` record and the score math lives in
+``_attention_common`` (exp2, soft-cap, masks, online softmax), the tile steps in
+``_attention_tiles``: the paged/varlen and backward kernels share both.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ import contextlib
 
 import numba
 import numpy as np
-from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, key_lengths_and_shift, score_mods
+from fastpe.kernels.numba._attention_common import (
+    _FLAGS,
+    LOG2E,
+    RowTile,
+    key_lengths_and_shift,
+    score_mods,
+)
 from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _attend_tile,
@@ -31,6 +41,7 @@ from fastpe.kernels.numba._attention_tiles import (
     _is_half,
     _load_tile,
     _merge_splits_numba,
+    _row_buffers,
     _split_key_range,
     key_splits,
 )
@@ -40,9 +51,7 @@ from numba import prange
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
-def _attention_numba(
-    q, k, v, part_out, part_lse, mods, query_shift, key_len, block_m, block_n, n_splits, is_f32
-):
+def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32):
     batch, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     group = hq // hkv
@@ -57,16 +66,8 @@ def _attention_numba(
         i0 = mb * block_m
         npos = min(block_m, sq - i0)
         m = group * npos
-        j_begin, j_stop = _split_key_range(
-            i0 + query_shift[b],
-            npos,
-            key_len[b],
-            mods.win_left,
-            mods.win_right,
-            block_n,
-            split,
-            n_splits,
-        )
+        tile = RowTile(b, hk, group, i0, npos)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
 
         qt = np.empty((m, d), dtype=part_out.dtype)
         scale_units = part_out.dtype.type(mods.scale * mods.unit)
@@ -74,64 +75,23 @@ def _attention_numba(
             for r in range(npos):
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
-        acc = np.zeros((m, dv), dtype=part_out.dtype)
-        row_max = np.full(m, -np.inf, dtype=part_out.dtype)
-        row_sum = np.zeros(m, dtype=part_out.dtype)
-        # per-row alpha, sum and shift of the current tile
-        work = np.empty((4, m), dtype=part_out.dtype)
-        pv = np.empty((m, dv), dtype=part_out.dtype)
-        # full-width tile buffers, and separate ones for the last partial tile (Numba's parallel
-        # array analysis forbids re-binding a name to a differently shaped array)
-        s_full = np.empty((m, block_n), dtype=part_out.dtype)
-        p_full = np.empty((m, block_n), dtype=part_out.dtype)
         tail = (j_stop - j_begin) % block_n
-        s_tail = np.empty((m, tail), dtype=part_out.dtype)
-        p_tail = np.empty((m, tail), dtype=part_out.dtype)
+        acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
+            part_out, m, dv, block_n, tail
+        )
         # widened k/v tiles for half inputs (empty, and unused, for float ones)
         k_tile = np.empty((block_n if _is_half(k) else 0, d), dtype=part_out.dtype)
         v_tile = np.empty((block_n if _is_half(v) else 0, dv), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             full = j_stop - j0 >= block_n
             n = block_n if full else tail
-            _attend_tile(
-                qt,
-                _load_tile(k[b, hk, j0 : j0 + n], k_tile),
-                _load_tile(v[b, hk, j0 : j0 + n], v_tile),
-                s_full if full else s_tail,
-                p_full if full else p_tail,
-                pv,
-                acc,
-                row_max,
-                row_sum,
-                work,
-                mods,
-                b,
-                hk,
-                group,
-                i0,
-                npos,
-                j0,
-                query_shift[b],
-                key_len[b],
-                is_f32,
-            )
-        # out [Sq, Hq, Dv] and lse [Sq, Hq] views of this split's part, as _finish_rows writes
-        _finish_rows(
-            acc,
-            row_max,
-            row_sum,
-            part_out[split, b].transpose(1, 0, 2),
-            part_lse[split, b].T,
-            i0,
-            hk,
-            group,
-            npos,
-            i0 + query_shift[b],
-            key_len[b],
-            b,
-            mods,
-            split == 0,
-        )
+            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
+            s, p = (s_full, p_full) if full else (s_tail, p_tail)
+            _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+        # out [Sq, Hq, Dv] and lse [Sq, Hq]: views of this split's part as _finish_rows writes
+        out, lse = part_out[split, b].transpose(1, 0, 2), part_lse[split, b].T
+        _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, split == 0)
 
 
 # Calls with at most this many multiply-adds (B·Hq·Sq·Sk·(D + Dv): a decode step) run on the
@@ -230,6 +190,8 @@ def attention_numba(
         dtype,
         unit,
         scale=scale,
+        query_shift=query_shift,
+        key_len=key_len,
         causal=causal,
         window=window,
         softcap=softcap,
@@ -237,7 +199,6 @@ def attention_numba(
         alibi_slopes=alibi_slopes,
         relative_bias=relative_bias,
         sinks=sinks,
-        query_shift=query_shift,
         sq=sq,
         sk=sk,
         unbounded=sq + sk + 1,
@@ -252,20 +213,7 @@ def attention_numba(
     # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads
     uses_blas = group * block_m > SMALL_ROWS
     with _single_threaded_blas() if uses_blas else contextlib.nullcontext():
-        kernel(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            mods,
-            query_shift,
-            key_len,
-            block_m,
-            block_n,
-            n_splits,
-            dtype == np.float32,
-        )
+        kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

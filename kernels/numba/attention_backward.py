@@ -13,18 +13,22 @@ dK and dV of its keys in accumulators, and writes dQ of each query block
 into its own slice's partial buffer; the partial dQs are summed afterwards in slice order.
 No two items write one element, so the result does not depend on thread timing.
 
-The tile helpers (masks, exp2, the half-precision reads) are the forward's
-(``fastpe.kernels.numba.attention``): one definition of what a score is (fastpe's cache key
-covers every kernel file, so a change there recompiles this one too: ``_runtime._KernelCache``).
+The score modifiers (``ScoreMods``: masks, ALiBi, relative bias, window, soft-cap), exp2 and the
+half-precision reads are the forward's (``_attention_common``, ``_attention_tiles``): one
+definition of what a score is (fastpe's cache key covers every kernel file, so a change there
+recompiles this one too: ``_runtime._KernelCache``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
+    RowTile,
     _apply_tile_masks,
     _exp2,
     _nearest_key_distance,
@@ -39,31 +43,12 @@ from numba import prange
 
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def _backward_tile(
-    qs,
-    kt,
-    vt,
-    go,
-    ref,
-    delta,
-    dq_acc,
-    dk_acc,
-    dv_acc,
-    dbias,
-    mods,
-    b,
-    hk,
-    group,
-    i0,
-    npos,
-    j0,
-    query_shift,
-    length,
-):
+def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mods, tile, j0):
     """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), soft-cap, masks, P = exp(S - ref),
     dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘(1 - tanh²); dV += Pᵀ·dO, dK += dSᵀ·Qs,
     dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
     m, n = qs.shape[0], kt.shape[0]
+    npos, query_shift = tile.npos, mods.query_shift[tile.b]
     s = np.empty((m, n), dtype=qs.dtype)
     np.dot(qs, kt.T, s)
     softcap = mods.softcap
@@ -76,7 +61,7 @@ def _backward_tile(
                 t = np.tanh(s[r, c] * inv)
                 s[r, c] = softcap * t
                 slope[r, c] = 1.0 - t * t
-    _apply_tile_masks(s, mods, b, hk, group, i0, npos, j0, n, query_shift, length)
+    _apply_tile_masks(s, mods, tile, j0, n)
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
         shift = ref[r]
@@ -94,7 +79,7 @@ def _backward_tile(
     if mods.has_bias:
         for r in range(m):
             g = r // npos
-            base = mods.bias_offset - (i0 + r - g * npos + query_shift) + j0
+            base = mods.bias_offset - (tile.i0 + r - g * npos + query_shift) + j0
             for c in range(n):
                 dbias[g, base + c] += ds[r, c]
     if softcap > 0.0:
@@ -106,35 +91,31 @@ def _backward_tile(
     dq_acc += np.dot(ds, kt)
 
 
+class BackwardGrads(NamedTuple):
+    """The kernel's outputs: dq_part [splits, B, Hq, Sq, D] (each key slice's share of dQ),
+    dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv], dbias_part [items, group, distances] (each work
+    item's gradient of the relative bias by distance)."""
+
+    dq_part: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias_part: np.ndarray
+
+
 @njit(cache=True, fastmath=_FLAGS)
-def _backward_item(
-    q,
-    k,
-    v,
-    grad_out,
-    lse,
-    delta,
-    dq_part,
-    dk,
-    dv,
-    dbias,
-    split,
-    b,
-    hk,
-    n_splits,
-    mods,
-    query_shift,
-    key_len,
-    block_m,
-    block_n,
-):
-    """Gradients from one (batch, kv head, key slice): dK, dV of the slice's keys and this
-    slice's share of dQ."""
+def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
+    """Gradients from work item ``item`` = (batch, kv head, key slice): dK, dV of the slice's
+    keys and this slice's share of dQ."""
+    hkv, n_splits = k.shape[1], grads.dq_part.shape[0]
+    split = item % n_splits
+    hk = (item // n_splits) % hkv
+    b = item // (n_splits * hkv)
+    dq_part, dk, dv, dbias = grads.dq_part, grads.dk, grads.dv, grads.dbias_part[item]
     hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
     dvd = v.shape[3]
     group = hq // k.shape[1]
-    length = key_len[b]
-    shift = query_shift[b]
+    length = mods.key_len[b]
+    shift = mods.query_shift[b]
     tiles = (length + block_n - 1) // block_n
     per_split = (tiles + n_splits - 1) // n_splits
     j_begin = min(split * per_split * block_n, length)
@@ -174,32 +155,18 @@ def _backward_item(
                         ref[row] += mods.alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
                 row_delta[row] = delta[b, h, i0 + r]
         dq_acc = np.zeros((m, d), dtype=dtype)
+        tile = RowTile(b, hk, group, i0, npos)
         first_pos = i0 + shift
         j_lo = max(j_begin, first_pos - mods.win_left)
         j_end = min(j_stop, first_pos + npos + mods.win_right)
         for j0 in range(j_lo, j_end, block_n):
             n = min(block_n, j_end - j0)
             off = j0 - j_begin
+            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
+            dk_tile, dv_tile = dk_acc[off : off + n], dv_acc[off : off + n]
             _backward_tile(
-                qs,
-                _load_tile(k[b, hk, j0 : j0 + n], k_tile),
-                _load_tile(v[b, hk, j0 : j0 + n], v_tile),
-                go,
-                ref,
-                row_delta,
-                dq_acc,
-                dk_acc[off : off + n],
-                dv_acc[off : off + n],
-                dbias,
-                mods,
-                b,
-                hk,
-                group,
-                i0,
-                npos,
-                j0,
-                shift,
-                length,
+                qs, kt, vt, go, ref, row_delta, dq_acc, dk_tile, dv_tile, dbias, mods, tile, j0
             )
         for g in range(group):
             for r in range(npos):
@@ -215,50 +182,10 @@ def _backward_item(
 
 
 @njit(parallel=True, cache=True)
-def _attention_backward_numba(
-    q,
-    k,
-    v,
-    grad_out,
-    lse,
-    delta,
-    dq_part,
-    dk,
-    dv,
-    dbias_part,
-    mods,
-    query_shift,
-    key_len,
-    block_m,
-    block_n,
-):
-    batch, hkv = k.shape[0], k.shape[1]
-    n_splits = dq_part.shape[0]
+def _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n):
+    batch, hkv, n_splits = k.shape[0], k.shape[1], grads.dq_part.shape[0]
     for item in prange(batch * hkv * n_splits):
-        split = item % n_splits
-        hk = (item // n_splits) % hkv
-        b = item // (n_splits * hkv)
-        _backward_item(
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            dq_part,
-            dk,
-            dv,
-            dbias_part[item],
-            split,
-            b,
-            hk,
-            n_splits,
-            mods,
-            query_shift,
-            key_len,
-            block_m,
-            block_n,
-        )
+        _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
 
 
 def _widened(x):
@@ -319,13 +246,14 @@ def attention_backward_numba(
         dtype,
         1.0,
         scale=scale,
+        query_shift=query_shift,
+        key_len=key_len,
         causal=causal,
         window=window,
         softcap=softcap,
         mask=mask,
         alibi_slopes=alibi_slopes,
         relative_bias=relative_bias,
-        query_shift=query_shift,
         sq=sq,
         sk=sk,
         unbounded=sq + sk + 1,
@@ -347,23 +275,8 @@ def attention_backward_numba(
     )
     if batch * hq * sq > 0 and sk > 0:
         with single_threaded_blas():
-            _attention_backward_numba(
-                q,
-                k,
-                v,
-                grad_out,
-                lse,
-                delta,
-                dq_part,
-                dk,
-                dv,
-                dbias_part,
-                mods,
-                query_shift,
-                key_len,
-                block_m,
-                block_n,
-            )
+            grads = BackwardGrads(dq_part, dk, dv, dbias_part)
+            _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n)
     dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
     dtable = None
     if relative_bias is not None:

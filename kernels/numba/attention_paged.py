@@ -27,7 +27,8 @@ sequence's length and unused block-table entries are never touched):
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
   and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
 
-Both share the soft-cap, ALiBi, window/causal edges and online softmax of the forward kernel.
+Both share the soft-cap, ALiBi, window/causal edges (``ScoreMods``), online softmax and final
+normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
+    RowTile,
     _apply_tile_masks,
     _softcap,
     _softmax_update,
@@ -51,6 +53,7 @@ from fastpe.kernels.numba._attention_tiles import (
     _attend_tile,
     _finish_rows,
     _merge_splits_numba,
+    _row_buffers,
     _scores_small,
     _split_key_range,
     key_splits,
@@ -223,61 +226,32 @@ class PagedRows(NamedTuple):
 
     q_start: np.ndarray  # int64 [B]
     q_len: np.ndarray  # int64 [B]
-    k_len: np.ndarray  # int64 [B]
     page_start: np.ndarray  # int64 [B, pages]
     page_size: int
     item_seq: np.ndarray  # int64 [items]
     item_i0: np.ndarray  # int64 [items]
-    bottom_right: bool
 
 
 @njit(cache=True)
-def _item_span(rows, item, split, n_splits, block_m, block_n, mods):
-    """(b, i0, npos, length, shift, j_begin, j_stop, row0) of work item ``item``'s split
-    ``split``: its sequence, first query and number of queries, the sequence's keys, the
-    queries' offset on the key axis, the keys the split visits and the first query's row."""
+def _item_span(rows, item, hk, group, block_m):
+    """(``RowTile`` of work item ``item`` for kv head ``hk``, row of its first query in q)."""
     b = rows.item_seq[item]
     i0 = rows.item_i0[item]
-    npos = min(block_m, rows.q_len[b] - i0)
-    length = rows.k_len[b]
-    shift = length - rows.q_len[b] if rows.bottom_right else 0
-    j_begin, j_stop = _split_key_range(
-        i0 + shift, npos, length, mods.win_left, mods.win_right, block_n, split, n_splits
-    )
-    return b, i0, npos, length, shift, j_begin, j_stop, rows.q_start[b] + i0
+    return RowTile(b, hk, group, i0, min(block_m, rows.q_len[b] - i0)), rows.q_start[b] + i0
 
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
-    qt,
-    k,
-    v,
-    b,
-    j0,
-    n,
-    rows,
-    s,
-    p,
-    acc,
-    row_max,
-    row_sum,
-    work,
-    group,
-    i0,
-    npos,
-    shift,
-    length,
-    mods,
-    is_f32,
-    scratch,
+    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, is_f32, scratch
 ):
-    """One key tile for thin row tiles of every kv head at once (qt [Hkv, m, D], s/p
-    [Hkv, m, n], acc [Hkv, m, Dv]), reading k and v through the page table in place, a run of
-    rows at a time: a cache row holds all kv heads side by side, so every head of a run is
-    consumed before the next run is touched, and the next run is prefetched head by head while
-    the current one is multiplied (the hardware cannot guess where the next page lies)."""
+    """Keys j0 … j0 + n - 1 for the thin row tiles of every kv head at once (``tile`` names
+    the sequence and queries; qt [Hkv, m, D], s/p [Hkv, m, n], acc [Hkv, m, Dv]), reading k and
+    v through the page table in place, a run of rows at a time: a cache row holds all kv heads
+    side by side, so every head of a run is consumed before the next run is touched, and the
+    next run is prefetched head by head while the current one is multiplied (the hardware
+    cannot guess where the next page lies)."""
     hkv = qt.shape[0]
-    page_start, page_size = rows.page_start, rows.page_size
+    b, page_start, page_size = tile.b, rows.page_start, rows.page_size
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
@@ -297,7 +271,7 @@ def _attend_direct(
     for hk in range(hkv):
         if mods.softcap > 0.0:
             _softcap(s[hk], mods.softcap, is_f32, mods.unit)
-        _apply_tile_masks(s[hk], mods, b, hk, group, i0, npos, j0, n, shift, length)
+        _apply_tile_masks(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n)
         _softmax_update(
             s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit, is_f32
         )
@@ -323,9 +297,10 @@ def _attention_paged_direct_numba(
     group = hq // hkv
     for work_item in prange(rows.item_seq.shape[0] * n_splits):
         split = work_item % n_splits
-        b, i0, npos, length, shift, j_begin, j_stop, row0 = _item_span(
-            rows, work_item // n_splits, split, n_splits, block_m, block_n, mods
-        )
+        # the tile of kv head 0: its sequence and queries, which every kv head shares here
+        tile, row0 = _item_span(rows, work_item // n_splits, 0, group, block_m)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        npos = tile.npos
         m = group * npos
         qt = np.empty((hkv, m, d), dtype=part_out.dtype)
         scale_units = part_out.dtype.type(mods.scale * mods.unit)
@@ -352,46 +327,30 @@ def _attention_paged_direct_numba(
         p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             full = j_stop - j0 >= block_n
+            n = block_n if full else tail
+            s, p = (s_full, p_full) if full else (s_tail, p_tail)
             _attend_direct(
                 qt,
                 k,
                 v,
-                b,
-                j0,
-                block_n if full else tail,
                 rows,
-                s_full if full else s_tail,
-                p_full if full else p_tail,
+                tile,
+                j0,
+                n,
+                s,
+                p,
                 acc,
                 row_max,
                 row_sum,
                 work,
-                group,
-                i0,
-                npos,
-                shift,
-                length,
                 mods,
                 is_f32,
                 scratch,
             )
         for hk in range(hkv):
-            _finish_rows(
-                acc[hk],
-                row_max[hk],
-                row_sum[hk],
-                part_out[split],
-                part_lse[split],
-                row0,
-                hk,
-                group,
-                npos,
-                i0 + shift,
-                length,
-                b,
-                mods,
-                split == 0,
-            )
+            head = RowTile(tile.b, hk, group, tile.i0, npos)
+            out, lse = part_out[split], part_lse[split]
+            _finish_rows(acc[hk], row_max[hk], row_sum[hk], out, lse, row0, head, mods, split == 0)
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
@@ -405,9 +364,9 @@ def _attention_paged_numba(
         split = work_item % n_splits
         rest = work_item // n_splits
         hk = rest % hkv
-        b, i0, npos, length, shift, j_begin, j_stop, row0 = _item_span(
-            rows, rest // hkv, split, n_splits, block_m, block_n, mods
-        )
+        tile, row0 = _item_span(rows, rest // hkv, hk, group, block_m)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        b, npos = tile.b, tile.npos
         m = group * npos
         qt = np.empty((m, d), dtype=part_out.dtype)
         scale_units = part_out.dtype.type(mods.scale * mods.unit)
@@ -415,59 +374,20 @@ def _attention_paged_numba(
             for r in range(npos):
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
-        acc = np.zeros((m, dv), dtype=part_out.dtype)
-        row_max = np.full(m, -np.inf, dtype=part_out.dtype)
-        row_sum = np.zeros(m, dtype=part_out.dtype)
-        work = np.empty((4, m), dtype=part_out.dtype)
-        pv = np.empty((m, dv), dtype=part_out.dtype)
-        s_full = np.empty((m, block_n), dtype=part_out.dtype)
-        p_full = np.empty((m, block_n), dtype=part_out.dtype)
         tail = (j_stop - j_begin) % block_n
-        s_tail = np.empty((m, tail), dtype=part_out.dtype)
-        p_tail = np.empty((m, tail), dtype=part_out.dtype)
+        acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
+            part_out, m, dv, block_n, tail
+        )
         k_tile = np.empty((block_n, d), dtype=part_out.dtype)
         v_tile = np.empty((block_n, dv), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             n = min(block_n, j_stop - j0)
-            full = n == block_n
-            _attend_tile(
-                qt,
-                _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile),
-                _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile),
-                s_full if full else s_tail,
-                p_full if full else p_tail,
-                pv,
-                acc,
-                row_max,
-                row_sum,
-                work,
-                mods,
-                b,
-                hk,
-                group,
-                i0,
-                npos,
-                j0,
-                shift,
-                length,
-                is_f32,
-            )
-        _finish_rows(
-            acc,
-            row_max,
-            row_sum,
-            part_out[split],
-            part_lse[split],
-            row0,
-            hk,
-            group,
-            npos,
-            i0 + shift,
-            length,
-            b,
-            mods,
-            split == 0,
-        )
+            kt = _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile)
+            vt = _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile)
+            s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
+            _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+        out, lse = part_out[split], part_lse[split]
+        _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
 
 def attention_paged_numba(
@@ -532,6 +452,8 @@ def attention_paged_numba(
         dtype,
         LOG2E,
         scale=scale,
+        query_shift=k_len - q_len if bottom_right else np.zeros(batch, np.int64),
+        key_len=k_len,
         causal=causal,
         window=window,
         softcap=softcap,
@@ -542,12 +464,10 @@ def attention_paged_numba(
     rows = PagedRows(
         np.ascontiguousarray(q_start, np.int64),
         q_len,
-        k_len,
         np.ascontiguousarray(page_start, np.int64),
         int(page_size),
         item_seq,
         item_i0,
-        bool(bottom_right),
     )
     part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
     # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
