@@ -178,12 +178,44 @@ def _split_key_range(mods, tile, block_n, split, n_splits):
     return j_begin, min(j_lo + (split + 1) * per_split * block_n, j_end)
 
 
+# The dense kernel's parts are [B, Hq, Sq, Dv] and [B, Hq, Sq], the packed ones' [Tq, Hq, Dv]
+# and [Tq, Hq]: one finishing step for both, by index (transposed views of the dense parts
+# would cost a second of compile time each, in Numba's general transpose).
+def _out_row(out, b, row, h):
+    """out's output vector of query ``row`` (of sequence b) and head h."""
+
+
+@overload(_out_row, inline="always")
+def _out_row_impl(out, b, row, h):
+    if out.ndim == 4:
+        return lambda out, b, row, h: out[b, h, row]
+    return lambda out, b, row, h: out[row, h]
+
+
+def _set_lse(lse, b, row, h, value):
+    """lse of query ``row`` (of sequence b) and head h = value."""
+
+
+@overload(_set_lse, inline="always")
+def _set_lse_impl(lse, b, row, h, value):
+    if lse.ndim == 3:
+
+        def dense(lse, b, row, h, value):
+            lse[b, h, row] = value
+
+        return dense
+
+    def packed(lse, b, row, h, value):
+        lse[row, h] = value
+
+    return packed
+
+
 @njit(cache=True)
 def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split):
-    """out[row0 + r, h] = acc / row sum and lse[row0 + r, h] for the rows of a ``RowTile``
-    (its query heads h x its queries r); out
-    [rows, Hq, Dv] and lse [rows, Hq] are views of a split's part. The heads' sinks join the
-    first split only: merged, a sink counts once."""
+    """out = acc / row sum and lse for the rows of a ``RowTile`` (its query heads h x its
+    queries r, at rows row0 + r of a split's part out and lse: dense or packed). The heads'
+    sinks join the first split only: merged, a sink counts once."""
     b, hk, group, i0, npos = tile
     for g in range(group):
         h = hk * group + g
@@ -202,13 +234,15 @@ def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split)
                     lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
                     inv *= math.exp(lse_row - lse_with)
                     lse_row = lse_with
-                for c in range(out.shape[2]):
-                    out[row0 + r, h, c] = acc[row, c] * inv
-                lse[row0 + r, h] = lse_row
+                dst = _out_row(out, b, row0 + r, h)
+                for c in range(dst.shape[0]):
+                    dst[c] = acc[row, c] * inv
+                _set_lse(lse, b, row0 + r, h, lse_row)
             else:  # no key to attend: zeros, lse = -inf (or the sink)
-                for c in range(out.shape[2]):
-                    out[row0 + r, h, c] = 0.0
-                lse[row0 + r, h] = sink
+                dst = _out_row(out, b, row0 + r, h)
+                for c in range(dst.shape[0]):
+                    dst[c] = 0.0
+                _set_lse(lse, b, row0 + r, h, sink)
 
 
 @njit(parallel=True, cache=True)

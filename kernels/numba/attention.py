@@ -89,8 +89,7 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
             vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
             s, p = (s_full, p_full) if full else (s_tail, p_tail)
             _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
-        # out [Sq, Hq, Dv] and lse [Sq, Hq]: views of this split's part as _finish_rows writes
-        out, lse = part_out[split, b].transpose(1, 0, 2), part_lse[split, b].T
+        out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, split == 0)
 
 
