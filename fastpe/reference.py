@@ -198,24 +198,12 @@ def t5_bucket(relative_position, bidirectional: bool, num_buckets: int, max_dist
     return buckets + np.where(rel < max_exact, rel, large)
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    scale: float,
-    causal: bool,
-    bottom_right: bool,
-    mask=None,
-    key_lengths=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-):
+def attention(q, k, v, *, sinks=None, **options):
     """Materialised softmax attention on float64 arrays.
 
+    Keywords: ``scale``, ``causal`` and ``bottom_right`` (required), ``mask``, ``key_lengths``,
+    ``alibi_slopes``, ``relative_bias``, ``window``, ``softcap`` (``options``, which
+    ``_attention_logits`` takes: listed once for this function and its backward) and ``sinks``.
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]. Query i of sequence b sits at key
     position i + L_b - Sq when ``bottom_right`` (the queries are the last Sq of the L_b keys,
     L_b = key_lengths[b], or Sk without key lengths: FlashAttention's rule for a ragged KV
@@ -231,20 +219,7 @@ def attention(
     -inf, False, beyond its length or after it under the causal rule; or Sk = 0) has out = 0
     and lse = -inf: the empty sum.
     """
-    scores, v_full, _, _ = _attention_logits(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=causal,
-        bottom_right=bottom_right,
-        mask=mask,
-        key_lengths=key_lengths,
-        alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias,
-        window=window,
-        softcap=softcap,
-    )
+    scores, v_full, _, _ = _attention_logits(q, k, v, **options)
 
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     # rows with at least one visible key; a NaN (or +inf) score among them makes the row NaN
@@ -262,28 +237,10 @@ def attention(
     return out, lse
 
 
-def attention_backward(
-    q,
-    k,
-    v,
-    grad_out,
-    grad_lse=None,
-    *,
-    scale: float,
-    causal: bool,
-    bottom_right: bool,
-    mask=None,
-    key_lengths=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-):
+def attention_backward(q, k, v, grad_out, grad_lse=None, *, sinks=None, **options):
     """Gradients of ``attention`` (docs/math.md#attention-backward), materialised in float64.
 
-    Takes ``attention``'s arguments and the gradients of its outputs, grad_out [B, Hq, Sq, Dv]
-    and grad_lse [B, Hq, Sq] (None: zero). With P = exp(z - lse) the softmax weights (sink
+    Takes ``attention``'s arguments and the gradients of its outputs, grad_out [B, Hq, Sq, Dv] and grad_lse [B, Hq, Sq] (None: zero). With P = exp(z - lse) the softmax weights (sink
     included in lse), D_i = Σ_d dO_id·O_id - dlse_i and dP = dO·Vᵀ:
     dV = Pᵀ·dO, dZ = P ∘ (dP - D), dS = dZ ∘ (1 - tanh²(s/c)) under a softcap (else dZ),
     dQ = scale·dS·K, dK = scale·dSᵀ·Q (GQA: dK, dV summed over each group's query heads),
@@ -294,21 +251,12 @@ def attention_backward(
     batch, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
+    scale, softcap = options["scale"], options.get("softcap")
+    key_lengths, relative_bias = options.get("key_lengths"), options.get("relative_bias")
     if key_lengths is not None:
         # padding is never read: 0·NaN in a padded key would still reach dq
         is_key = (np.arange(sk)[None, :] < np.asarray(key_lengths)[:, None])[:, None, :, None]
         k, v = np.where(is_key, k, 0.0), np.where(is_key, v, 0.0)
-    options = dict(
-        scale=scale,
-        causal=causal,
-        bottom_right=bottom_right,
-        mask=mask,
-        key_lengths=key_lengths,
-        alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias,
-        window=window,
-        softcap=softcap,
-    )
     out, lse = attention(q, k, v, sinks=sinks, **options)
     scores, v_full, softcap_slope, bucket = _attention_logits(q, k, v, **options)
     k_full = np.repeat(k, group, axis=1)
@@ -353,12 +301,12 @@ def _attention_logits(
     scale,
     causal,
     bottom_right,
-    mask,
-    key_lengths,
-    alibi_slopes,
-    relative_bias,
-    window,
-    softcap,
+    mask=None,
+    key_lengths=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    window=None,
+    softcap=None,
 ):
     """The logits of ``attention`` before the softmax: (scores [B, Hq, Sq, Sk] with -inf where a
     query may not attend, v repeated to Hq heads with padding keys zeroed, the softcap's slope

@@ -13,73 +13,45 @@ dK and dV of its keys in accumulators, and writes dQ of each query block
 into its own slice's partial buffer; the partial dQs are summed afterwards in slice order.
 No two items write one element, so the result does not depend on thread timing.
 
-The tile helpers (masks, exp2, the half-precision reads) are the forward's
-(``fastpe.kernels.numba.attention``): one definition of what a score is (fastpe's cache key
-covers every kernel file, so a change there recompiles this one too: ``_runtime._KernelCache``).
+The score modifiers (``ScoreMods``: masks, ALiBi, relative bias, window, soft-cap), exp2 and the
+half-precision reads are the forward's (``_attention_common``, ``_attention_tiles``): one
+definition of what a score is (fastpe's cache key covers every kernel file, so a change there
+recompiles this one too: ``_runtime._KernelCache``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
-from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from fastpe.kernels.numba.attention import (
+from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
+    RowTile,
     _apply_tile_masks,
-    _dummy,
     _exp2,
-    _load_tile,
     _nearest_key_distance,
     _relative_bias_by_distance_numba,
     key_lengths_and_shift,
-    key_splits,
-    window_edges,
+    score_mods,
 )
+from fastpe.kernels.numba._attention_tiles import _load_tile, key_splits
+from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from numba import prange
 
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def _backward_tile(
-    qs,
-    kt,
-    vt,
-    go,
-    ref,
-    delta,
-    dq_acc,
-    dk_acc,
-    dv_acc,
-    dbias,
-    b,
-    hk,
-    group,
-    i0,
-    npos,
-    j0,
-    query_shift,
-    win_left,
-    win_right,
-    softcap,
-    has_mask,
-    mask_bool,
-    mask,
-    mask_is_bool,
-    mask_limit,
-    has_alibi,
-    alibi,
-    length,
-    has_bias,
-    bias,
-    bias_offset,
-):
+def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mods, tile, j0):
     """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), soft-cap, masks, P = exp(S - ref),
     dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘(1 - tanh²); dV += Pᵀ·dO, dK += dSᵀ·Qs,
     dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
     m, n = qs.shape[0], kt.shape[0]
+    npos, query_shift = tile.npos, mods.query_shift[tile.b]
     s = np.empty((m, n), dtype=qs.dtype)
     np.dot(qs, kt.T, s)
+    softcap = mods.softcap
     slope = np.empty((m, n) if softcap > 0.0 else (0, 0), dtype=qs.dtype)
     if softcap > 0.0:
         # clamped: the reciprocal of a subnormal cap is inf, and 0·inf (a zero score) NaN
@@ -89,31 +61,7 @@ def _backward_tile(
                 t = np.tanh(s[r, c] * inv)
                 s[r, c] = softcap * t
                 slope[r, c] = 1.0 - t * t
-    _apply_tile_masks(
-        s,
-        b,
-        hk,
-        group,
-        i0,
-        npos,
-        j0,
-        n,
-        query_shift,
-        win_left,
-        win_right,
-        has_mask,
-        mask_bool,
-        mask,
-        mask_is_bool,
-        mask_limit,
-        1.0,
-        has_alibi,
-        alibi,
-        length,
-        has_bias,
-        bias,
-        bias_offset,
-    )
+    _apply_tile_masks(s, mods, tile, j0, n)
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
         shift = ref[r]
@@ -128,10 +76,10 @@ def _backward_tile(
         for c in range(n):
             dp[r, c] = p[r, c] * (dp[r, c] - dr)
     ds = dp
-    if has_bias:
+    if mods.has_bias:
         for r in range(m):
             g = r // npos
-            base = bias_offset - (i0 + r - g * npos + query_shift) + j0
+            base = mods.bias_offset - (tile.i0 + r - g * npos + query_shift) + j0
             for c in range(n):
                 dbias[g, base + c] += ds[r, c]
     if softcap > 0.0:
@@ -143,48 +91,31 @@ def _backward_tile(
     dq_acc += np.dot(ds, kt)
 
 
+class BackwardGrads(NamedTuple):
+    """The kernel's outputs: dq_part [splits, B, Hq, Sq, D] (each key slice's share of dQ),
+    dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv], dbias_part [items, group, distances] (each work
+    item's gradient of the relative bias by distance)."""
+
+    dq_part: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dbias_part: np.ndarray
+
+
 @njit(cache=True, fastmath=_FLAGS)
-def _backward_item(
-    q,
-    k,
-    v,
-    grad_out,
-    lse,
-    delta,
-    dq_part,
-    dk,
-    dv,
-    dbias,
-    split,
-    b,
-    hk,
-    n_splits,
-    scale,
-    win_left,
-    win_right,
-    softcap,
-    query_shift,
-    key_len,
-    has_mask,
-    mask_bool,
-    mask,
-    mask_is_bool,
-    mask_limit,
-    has_alibi,
-    alibi,
-    has_bias,
-    bias,
-    bias_offset,
-    block_m,
-    block_n,
-):
-    """Gradients from one (batch, kv head, key slice): dK, dV of the slice's keys and this
-    slice's share of dQ."""
+def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
+    """Gradients from work item ``item`` = (batch, kv head, key slice): dK, dV of the slice's
+    keys and this slice's share of dQ."""
+    hkv, n_splits = k.shape[1], grads.dq_part.shape[0]
+    split = item % n_splits
+    hk = (item // n_splits) % hkv
+    b = item // (n_splits * hkv)
+    dq_part, dk, dv, dbias = grads.dq_part, grads.dk, grads.dv, grads.dbias_part[item]
     hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
     dvd = v.shape[3]
     group = hq // k.shape[1]
-    length = key_len[b]
-    shift = query_shift[b]
+    length = mods.key_len[b]
+    shift = mods.query_shift[b]
     tiles = (length + block_n - 1) // block_n
     per_split = (tiles + n_splits - 1) // n_splits
     j_begin = min(split * per_split * block_n, length)
@@ -198,8 +129,8 @@ def _backward_item(
     v_tile = np.empty((block_n, dvd), dtype=dtype)
     # queries that can see a key of [j_begin, j_stop): position p = i + shift with
     # j - win_right <= p <= j + win_left
-    i_lo = max(j_begin - win_right - shift, 0)
-    i_hi = min(j_stop - 1 + win_left - shift + 1, sq)
+    i_lo = max(j_begin - mods.win_right - shift, 0)
+    i_hi = min(j_stop - 1 + mods.win_left - shift + 1, sq)
     for i0 in range(i_lo, i_hi, block_m):
         npos = min(block_m, i_hi - i0)
         m = group * npos
@@ -212,7 +143,7 @@ def _backward_item(
             for r in range(npos):
                 row = g * npos + r
                 for c in range(d):
-                    qs[row, c] = _widen(q[b, h, i0 + r, c]) * scale
+                    qs[row, c] = _widen(q[b, h, i0 + r, c]) * mods.scale
                 for c in range(dvd):
                     go[row, c] = grad_out[b, h, i0 + r, c]
                 lse_row = lse[b, h, i0 + r]
@@ -220,53 +151,29 @@ def _backward_item(
                     ref[row] = np.inf  # the row saw nothing: every weight is 0
                 else:
                     ref[row] = lse_row
-                    if has_alibi:  # the kernel's scores leave out the row's nearest distance
-                        ref[row] += alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
+                    if mods.has_alibi:  # the scores leave out the row's nearest distance
+                        ref[row] += mods.alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
                 row_delta[row] = delta[b, h, i0 + r]
         dq_acc = np.zeros((m, d), dtype=dtype)
+        tile = RowTile(b, hk, group, i0, npos)
         first_pos = i0 + shift
-        j_lo = max(j_begin, first_pos - win_left)
-        j_end = min(j_stop, first_pos + npos + win_right)
+        j_lo = max(j_begin, first_pos - mods.win_left)
+        j_end = min(j_stop, first_pos + npos + mods.win_right)
         for j0 in range(j_lo, j_end, block_n):
             n = min(block_n, j_end - j0)
             off = j0 - j_begin
+            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
+            dk_tile, dv_tile = dk_acc[off : off + n], dv_acc[off : off + n]
             _backward_tile(
-                qs,
-                _load_tile(k[b, hk, j0 : j0 + n], k_tile),
-                _load_tile(v[b, hk, j0 : j0 + n], v_tile),
-                go,
-                ref,
-                row_delta,
-                dq_acc,
-                dk_acc[off : off + n],
-                dv_acc[off : off + n],
-                dbias,
-                b,
-                hk,
-                group,
-                i0,
-                npos,
-                j0,
-                shift,
-                win_left,
-                win_right,
-                softcap,
-                has_mask,
-                mask_bool,
-                mask,
-                mask_is_bool,
-                mask_limit,
-                has_alibi,
-                alibi,
-                length,
-                has_bias,
-                bias,
-                bias_offset,
+                qs, kt, vt, go, ref, row_delta, dq_acc, dk_tile, dv_tile, dbias, mods, tile, j0
             )
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
-                    dq_part[split, b, hk * group + g, i0 + r, c] = dq_acc[g * npos + r, c] * scale
+                    dq_part[split, b, hk * group + g, i0 + r, c] = (
+                        dq_acc[g * npos + r, c] * mods.scale
+                    )
     for j in range(j_stop - j_begin):
         for c in range(d):
             dk[b, hk, j_begin + j, c] = dk_acc[j, c]
@@ -275,76 +182,10 @@ def _backward_item(
 
 
 @njit(parallel=True, cache=True)
-def _attention_backward_numba(
-    q,
-    k,
-    v,
-    grad_out,
-    lse,
-    delta,
-    dq_part,
-    dk,
-    dv,
-    dbias_part,
-    scale,
-    win_left,
-    win_right,
-    softcap,
-    query_shift,
-    key_len,
-    has_mask,
-    mask_bool,
-    mask,
-    mask_is_bool,
-    mask_limit,
-    has_alibi,
-    alibi,
-    has_bias,
-    bias,
-    bias_offset,
-    block_m,
-    block_n,
-):
-    batch, hkv = k.shape[0], k.shape[1]
-    n_splits = dq_part.shape[0]
+def _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n):
+    batch, hkv, n_splits = k.shape[0], k.shape[1], grads.dq_part.shape[0]
     for item in prange(batch * hkv * n_splits):
-        split = item % n_splits
-        hk = (item // n_splits) % hkv
-        b = item // (n_splits * hkv)
-        _backward_item(
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            dq_part,
-            dk,
-            dv,
-            dbias_part[item],
-            split,
-            b,
-            hk,
-            n_splits,
-            scale,
-            win_left,
-            win_right,
-            softcap,
-            query_shift,
-            key_len,
-            has_mask,
-            mask_bool,
-            mask,
-            mask_is_bool,
-            mask_limit,
-            has_alibi,
-            alibi,
-            has_bias,
-            bias,
-            bias_offset,
-            block_m,
-            block_n,
-        )
+        _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
 
 
 def _widened(x):
@@ -400,33 +241,25 @@ def attention_backward_numba(
         dsinks = -(sink_weight * delta).sum(axis=(0, 2))
 
     key_len, query_shift = key_lengths_and_shift(key_lengths, batch, sq, sk, bottom_right)
-    win_left, win_right = window_edges(window, causal, unbounded=sq + sk + 1)
-    mask_bool, mask_add = _dummy(np.bool_, 4), _dummy(dtype, 4)
-    mask_is_bool = mask is not None and mask.dtype == np.bool_
-    if mask is not None:
-        if mask_is_bool:
-            mask_bool = mask
-        else:
-            mask_add = mask
-    alibi = (
-        _dummy(dtype, 2)
-        if alibi_slopes is None
-        else np.ascontiguousarray(alibi_slopes, dtype=dtype)
+    # scores in natural units, as the forward's lse that P = exp(S - lse) is taken against
+    mods = score_mods(
+        dtype,
+        1.0,
+        scale=scale,
+        query_shift=query_shift,
+        key_len=key_len,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        relative_bias=relative_bias,
+        sq=sq,
+        sk=sk,
+        unbounded=sq + sk + 1,
     )
-    bias, bias_offset, count = _dummy(dtype, 2), 0, 1
-    if relative_bias is not None:
-        table, num_buckets, max_distance, bidirectional = relative_bias
-        first = -(int(query_shift.max(initial=0)) + sq - 1)
-        count = sk - int(query_shift.min(initial=0)) - first
-        bias = _relative_bias_by_distance_numba(
-            np.ascontiguousarray(table, dtype=dtype),
-            first,
-            count,
-            bidirectional,
-            num_buckets,
-            max_distance,
-        )
-        bias_offset = -first
+    # T5's bias is held by key-minus-query distance first … first + count - 1
+    first, count = -mods.bias_offset, mods.bias.shape[1]
 
     block_m = max(1, min(sq, max(128 // group, 16)))
     block_n = max(1, min(256, sk))
@@ -442,41 +275,14 @@ def attention_backward_numba(
     )
     if batch * hq * sq > 0 and sk > 0:
         with single_threaded_blas():
-            _attention_backward_numba(
-                q,
-                k,
-                v,
-                grad_out,
-                lse,
-                delta,
-                dq_part,
-                dk,
-                dv,
-                dbias_part,
-                dtype.type(scale),
-                win_left,
-                win_right,
-                0.0 if softcap is None else float(softcap),
-                query_shift,
-                key_len,
-                mask is not None,
-                mask_bool,
-                mask_add,
-                mask_is_bool,
-                float(np.finfo(dtype).max),
-                alibi_slopes is not None,
-                alibi,
-                relative_bias is not None,
-                bias,
-                bias_offset,
-                block_m,
-                block_n,
-            )
+            grads = BackwardGrads(dq_part, dk, dv, dbias_part)
+            _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n)
     dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
     dtable = None
     if relative_bias is not None:
         # per distance and head -> per bucket: the bucket of each distance is the table lookup
         # of a table holding its own bucket index
+        _, num_buckets, max_distance, bidirectional = relative_bias
         dist = dbias_part.astype(np.float64).reshape(batch * hkv * n_splits, group, count)
         dist = dist.reshape(batch, hkv, n_splits, group, count).sum(axis=(0, 2))
         dist = dist.reshape(hq, count)

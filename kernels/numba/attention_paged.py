@@ -27,35 +27,40 @@ sequence's length and unused block-table entries are never touched):
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
   and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
 
-Both share the soft-cap, ALiBi, window/causal edges and online softmax of the forward kernel.
+Both share the soft-cap, ALiBi, window/causal edges (``ScoreMods``), online softmax and final
+normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
-from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from fastpe.kernels.numba.attention import (
+from fastpe.kernels.numba._attention_common import (
     _FLAGS,
-    SERIAL_WORK,
-    SMALL_ROWS,
-    _add_weighted_values_small,
+    LOG2E,
+    RowTile,
     _apply_tile_masks,
-    _attend_tile,
-    _dummy,
-    _merge_splits_numba,
-    _nearest_key_distance,
-    _scores_small,
     _softcap,
     _softmax_update,
+    score_mods,
+)
+from fastpe.kernels.numba._attention_tiles import (
+    SMALL_ROWS,
+    _add_weighted_values_small,
+    _attend_tile,
+    _finish_rows,
+    _merge_splits_numba,
+    _row_buffers,
+    _scores_small,
     _split_key_range,
     key_splits,
-    window_edges,
 )
+from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from fastpe.kernels.numba.attention import SERIAL_WORK
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
@@ -215,45 +220,38 @@ def _loop_rows_impl(rows, scratch):
     return lambda rows, scratch: rows
 
 
+class PagedRows(NamedTuple):
+    """Where the rows of a call lie (module docstring) and its work items: item t is the query
+    block of sequence item_seq[t] from its query item_i0[t] on."""
+
+    q_start: np.ndarray  # int64 [B]
+    q_len: np.ndarray  # int64 [B]
+    page_start: np.ndarray  # int64 [B, pages]
+    page_size: int
+    item_seq: np.ndarray  # int64 [items]
+    item_i0: np.ndarray  # int64 [items]
+
+
+@njit(cache=True)
+def _item_span(rows, item, hk, group, block_m):
+    """(``RowTile`` of work item ``item`` for kv head ``hk``, row of its first query in q)."""
+    b = rows.item_seq[item]
+    i0 = rows.item_i0[item]
+    return RowTile(b, hk, group, i0, min(block_m, rows.q_len[b] - i0)), rows.q_start[b] + i0
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
-    qt,
-    k,
-    v,
-    b,
-    j0,
-    n,
-    page_start,
-    page_size,
-    s,
-    p,
-    acc,
-    row_max,
-    row_sum,
-    work,
-    group,
-    i0,
-    npos,
-    shift,
-    win_left,
-    win_right,
-    softcap,
-    unit,
-    has_alibi,
-    alibi,
-    length,
-    mask_bool,
-    mask_add,
-    bias,
-    is_f32,
-    scratch,
+    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, is_f32, scratch
 ):
-    """One key tile for thin row tiles of every kv head at once (qt [Hkv, m, D], s/p
-    [Hkv, m, n], acc [Hkv, m, Dv]), reading k and v through the page table in place, a run of
-    rows at a time: a cache row holds all kv heads side by side, so every head of a run is
-    consumed before the next run is touched, and the next run is prefetched head by head while
-    the current one is multiplied (the hardware cannot guess where the next page lies)."""
+    """Keys j0 … j0 + n - 1 for the thin row tiles of every kv head at once (``tile`` names
+    the sequence and queries; qt [Hkv, m, D], s/p [Hkv, m, n], acc [Hkv, m, Dv]), reading k and
+    v through the page table in place, a run of rows at a time: a cache row holds all kv heads
+    side by side, so every head of a run is consumed before the next run is touched, and the
+    next run is prefetched head by head while the current one is multiplied (the hardware
+    cannot guess where the next page lies)."""
     hkv = qt.shape[0]
+    b, page_start, page_size = tile.b, rows.page_start, rows.page_size
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
@@ -270,36 +268,13 @@ def _attend_direct(
                 _prefetch_rows(k, ahead, ahead_rows, hk)
             _scores_small(qt[hk], keys, hk, s[hk], c0)
         c0 += run
-    mask_limit = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308
     for hk in range(hkv):
-        if softcap > 0.0:
-            _softcap(s[hk], softcap, is_f32, unit)
-        _apply_tile_masks(
-            s[hk],
-            b,
-            hk,
-            group,
-            i0,
-            npos,
-            j0,
-            n,
-            shift,
-            win_left,
-            win_right,
-            False,
-            mask_bool,
-            mask_add,
-            False,
-            mask_limit,
-            unit,
-            has_alibi,
-            alibi,
-            length,
-            False,
-            bias,
-            0,
+        if mods.softcap > 0.0:
+            _softcap(s[hk], mods.softcap, is_f32, mods.unit)
+        _apply_tile_masks(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n)
+        _softmax_update(
+            s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit, is_f32
         )
-        _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, unit, is_f32)
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
@@ -311,109 +286,24 @@ def _attend_direct(
         c0 += run
 
 
-@njit(cache=True)
-def _finish_rows(
-    acc,
-    row_max,
-    row_sum,
-    part_out,
-    part_lse,
-    split,
-    row0,
-    hk,
-    group,
-    npos,
-    i0,
-    shift,
-    length,
-    b,
-    unit,
-    has_alibi,
-    alibi,
-    has_sinks,
-    sinks,
-):
-    """out = acc / row sum and lse for one kv head's rows (group heads x npos queries)."""
-    dv = acc.shape[1]
-    for g in range(group):
-        h = hk * group + g
-        for r in range(npos):
-            row = g * npos + r
-            total = row_sum[row]
-            sink = sinks[h] if has_sinks and split == 0 else -np.inf  # counted once
-            if total != 0.0:  # NaN too: an overflowed score must show
-                lse_row = row_max[row] / unit + math.log(total)
-                if has_alibi:  # the common ALiBi part the tile step leaves out
-                    lse_row -= alibi[b, h] / unit * _nearest_key_distance(i0 + r + shift, length)
-                inv = 1.0 / total
-                if sink > -np.inf:
-                    top = max(lse_row, sink)
-                    lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
-                    inv *= math.exp(lse_row - lse_with)
-                    lse_row = lse_with
-                for c in range(dv):
-                    part_out[split, row0 + r, h, c] = acc[row, c] * inv
-                part_lse[split, row0 + r, h] = lse_row
-            else:
-                for c in range(dv):
-                    part_out[split, row0 + r, h, c] = 0.0
-                part_lse[split, row0 + r, h] = sink
-
-
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
-    q,
-    k,
-    v,
-    part_out,
-    part_lse,
-    q_start,
-    q_len,
-    k_len,
-    page_start,
-    page_size,
-    item_seq,
-    item_i0,
-    scale,
-    win_left,
-    win_right,
-    softcap,
-    bottom_right,
-    unit,
-    has_alibi,
-    alibi,
-    has_sinks,
-    sinks,
-    block_m,
-    block_n,
-    n_splits,
-    is_f32,
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
     kv head, so that each cache row is read once, in order."""
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
-    n_items = item_seq.shape[0]
-    mask_bool = np.zeros((1, 1, 1, 1), dtype=np.bool_)
-    mask_add = np.zeros((1, 1, 1, 1), dtype=part_out.dtype)
-    bias = np.zeros((1, 1), dtype=part_out.dtype)
-    for work_item in prange(n_items * n_splits):
+    for work_item in prange(rows.item_seq.shape[0] * n_splits):
         split = work_item % n_splits
-        item = work_item // n_splits
-        b = item_seq[item]
-        i0 = item_i0[item]
-        npos = min(block_m, q_len[b] - i0)
+        # the tile of kv head 0: its sequence and queries, which every kv head shares here
+        tile, row0 = _item_span(rows, work_item // n_splits, 0, group, block_m)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        npos = tile.npos
         m = group * npos
-        length = k_len[b]
-        shift = length - q_len[b] if bottom_right else 0
-        j_begin, j_stop = _split_key_range(
-            i0 + shift, npos, length, win_left, win_right, block_n, split, n_splits
-        )
-
-        row0 = q_start[b] + i0
         qt = np.empty((hkv, m, d), dtype=part_out.dtype)
-        scale_units = part_out.dtype.type(scale * unit)
+        scale_units = part_out.dtype.type(mods.scale * mods.unit)
         for hk in range(hkv):
             for g in range(group):
                 for r in range(npos):
@@ -436,261 +326,68 @@ def _attention_paged_direct_numba(
         s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
         p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
-            if j_stop - j0 >= block_n:
-                _attend_direct(
-                    qt,
-                    k,
-                    v,
-                    b,
-                    j0,
-                    block_n,
-                    page_start,
-                    page_size,
-                    s_full,
-                    p_full,
-                    acc,
-                    row_max,
-                    row_sum,
-                    work,
-                    group,
-                    i0,
-                    npos,
-                    shift,
-                    win_left,
-                    win_right,
-                    softcap,
-                    unit,
-                    has_alibi,
-                    alibi,
-                    length,
-                    mask_bool,
-                    mask_add,
-                    bias,
-                    is_f32,
-                    scratch,
-                )
-            else:
-                _attend_direct(
-                    qt,
-                    k,
-                    v,
-                    b,
-                    j0,
-                    tail,
-                    page_start,
-                    page_size,
-                    s_tail,
-                    p_tail,
-                    acc,
-                    row_max,
-                    row_sum,
-                    work,
-                    group,
-                    i0,
-                    npos,
-                    shift,
-                    win_left,
-                    win_right,
-                    softcap,
-                    unit,
-                    has_alibi,
-                    alibi,
-                    length,
-                    mask_bool,
-                    mask_add,
-                    bias,
-                    is_f32,
-                    scratch,
-                )
-        for hk in range(hkv):
-            _finish_rows(
-                acc[hk],
-                row_max[hk],
-                row_sum[hk],
-                part_out,
-                part_lse,
-                split,
-                row0,
-                hk,
-                group,
-                npos,
-                i0,
-                shift,
-                length,
-                b,
-                unit,
-                has_alibi,
-                alibi,
-                has_sinks,
-                sinks,
+            full = j_stop - j0 >= block_n
+            n = block_n if full else tail
+            s, p = (s_full, p_full) if full else (s_tail, p_tail)
+            _attend_direct(
+                qt,
+                k,
+                v,
+                rows,
+                tile,
+                j0,
+                n,
+                s,
+                p,
+                acc,
+                row_max,
+                row_sum,
+                work,
+                mods,
+                is_f32,
+                scratch,
             )
+        for hk in range(hkv):
+            head = RowTile(tile.b, hk, group, tile.i0, npos)
+            out, lse = part_out[split], part_lse[split]
+            _finish_rows(acc[hk], row_max[hk], row_sum[hk], out, lse, row0, head, mods, split == 0)
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_numba(
-    q,
-    k,
-    v,
-    part_out,
-    part_lse,
-    q_start,
-    q_len,
-    k_len,
-    page_start,
-    page_size,
-    item_seq,
-    item_i0,
-    scale,
-    win_left,
-    win_right,
-    softcap,
-    bottom_right,
-    unit,
-    has_alibi,
-    alibi,
-    has_sinks,
-    sinks,
-    block_m,
-    block_n,
-    n_splits,
-    is_f32,
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32
 ):
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
-    n_items = item_seq.shape[0]
-    mask_bool = np.zeros((1, 1, 1, 1), dtype=np.bool_)
-    mask_add = np.zeros((1, 1, 1, 1), dtype=part_out.dtype)
-    bias = np.zeros((1, 1), dtype=part_out.dtype)
-    for work_item in prange(n_items * hkv * n_splits):
+    for work_item in prange(rows.item_seq.shape[0] * hkv * n_splits):
         split = work_item % n_splits
         rest = work_item // n_splits
         hk = rest % hkv
-        item = rest // hkv
-        b = item_seq[item]
-        i0 = item_i0[item]
-        npos = min(block_m, q_len[b] - i0)
+        tile, row0 = _item_span(rows, rest // hkv, hk, group, block_m)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        b, npos = tile.b, tile.npos
         m = group * npos
-        length = k_len[b]
-        shift = length - q_len[b] if bottom_right else 0
-        j_begin, j_stop = _split_key_range(
-            i0 + shift, npos, length, win_left, win_right, block_n, split, n_splits
-        )
-
-        row0 = q_start[b] + i0
         qt = np.empty((m, d), dtype=part_out.dtype)
-        scale_units = part_out.dtype.type(scale * unit)
+        scale_units = part_out.dtype.type(mods.scale * mods.unit)
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
-        acc = np.zeros((m, dv), dtype=part_out.dtype)
-        row_max = np.full(m, -np.inf, dtype=part_out.dtype)
-        row_sum = np.zeros(m, dtype=part_out.dtype)
-        work = np.empty((4, m), dtype=part_out.dtype)
-        pv = np.empty((m, dv), dtype=part_out.dtype)
-        s_full = np.empty((m, block_n), dtype=part_out.dtype)
-        p_full = np.empty((m, block_n), dtype=part_out.dtype)
         tail = (j_stop - j_begin) % block_n
-        s_tail = np.empty((m, tail), dtype=part_out.dtype)
-        p_tail = np.empty((m, tail), dtype=part_out.dtype)
+        acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
+            part_out, m, dv, block_n, tail
+        )
         k_tile = np.empty((block_n, d), dtype=part_out.dtype)
         v_tile = np.empty((block_n, dv), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             n = min(block_n, j_stop - j0)
-            kt = _gather_keys(k, hk, b, j0, n, page_start, page_size, k_tile)
-            vt = _gather_keys(v, hk, b, j0, n, page_start, page_size, v_tile)
-            if n == block_n:
-                _attend_tile(
-                    qt,
-                    kt,
-                    vt,
-                    s_full,
-                    p_full,
-                    pv,
-                    acc,
-                    row_max,
-                    row_sum,
-                    work,
-                    b,
-                    hk,
-                    group,
-                    i0,
-                    npos,
-                    j0,
-                    shift,
-                    win_left,
-                    win_right,
-                    softcap,
-                    False,
-                    mask_bool,
-                    mask_add,
-                    False,
-                    unit,
-                    has_alibi,
-                    alibi,
-                    length,
-                    False,
-                    bias,
-                    0,
-                    is_f32,
-                )
-            else:
-                _attend_tile(
-                    qt,
-                    kt,
-                    vt,
-                    s_tail,
-                    p_tail,
-                    pv,
-                    acc,
-                    row_max,
-                    row_sum,
-                    work,
-                    b,
-                    hk,
-                    group,
-                    i0,
-                    npos,
-                    j0,
-                    shift,
-                    win_left,
-                    win_right,
-                    softcap,
-                    False,
-                    mask_bool,
-                    mask_add,
-                    False,
-                    unit,
-                    has_alibi,
-                    alibi,
-                    length,
-                    False,
-                    bias,
-                    0,
-                    is_f32,
-                )
-        _finish_rows(
-            acc,
-            row_max,
-            row_sum,
-            part_out,
-            part_lse,
-            split,
-            row0,
-            hk,
-            group,
-            npos,
-            i0,
-            shift,
-            length,
-            b,
-            unit,
-            has_alibi,
-            alibi,
-            has_sinks,
-            sinks,
-        )
+            kt = _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile)
+            vt = _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile)
+            s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
+            _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+        out, lse = part_out[split], part_lse[split]
+        _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
 
 def attention_paged_numba(
@@ -750,47 +447,37 @@ def attention_paged_numba(
     items = item_seq.shape[0] * (1 if direct else hkv)
     key_tiles = -(-max_k // block_n)
     n_splits = key_splits(items, key_tiles, threads)
-    win_left, win_right = window_edges(window, causal, unbounded=max_q + max_k + 1)
-    unit = 1.4426950408889634  # scores in log2 units, as the forward kernel
-    alibi = _dummy(dtype, 2)
-    if alibi_slopes is not None:
-        alibi = np.ascontiguousarray(alibi_slopes * unit, dtype=dtype)
+    # scores in log2 units, as the forward kernel's without a float mask
+    mods = score_mods(
+        dtype,
+        LOG2E,
+        scale=scale,
+        query_shift=k_len - q_len if bottom_right else np.zeros(batch, np.int64),
+        key_len=k_len,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        unbounded=max_q + max_k + 1,
+    )
+    rows = PagedRows(
+        np.ascontiguousarray(q_start, np.int64),
+        q_len,
+        np.ascontiguousarray(page_start, np.int64),
+        int(page_size),
+        item_seq,
+        item_i0,
+    )
     part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
     # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
     part_lse = np.empty((n_splits, total_q, hq), dtype=np.float64 if n_splits > 1 else np.float32)
-    has_sinks = sinks is not None
-    sinks = _dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64)
     kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
     if serial:
         kernel = kernel.serial
     with contextlib.nullcontext() if direct else single_threaded_blas():
         kernel(
-            q,
-            k,
-            v,
-            part_out,
-            part_lse,
-            np.ascontiguousarray(q_start, np.int64),
-            q_len,
-            k_len,
-            np.ascontiguousarray(page_start, np.int64),
-            int(page_size),
-            item_seq,
-            item_i0,
-            dtype.type(scale),
-            win_left,
-            win_right,
-            0.0 if softcap is None else float(softcap),
-            bool(bottom_right),
-            unit,
-            alibi_slopes is not None,
-            alibi,
-            has_sinks,
-            sinks,
-            block_m,
-            block_n,
-            n_splits,
-            dtype == np.float32,
+            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, dtype == np.float32
         )
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]

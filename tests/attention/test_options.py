@@ -331,7 +331,7 @@ def test_numba_softcap_tanh_accuracy():
     float32 range that matters (tiny to saturated scores, both signs): within 4e-7 of the cap,
     never above it, and exactly odd."""
     pytest.importorskip("numba")
-    from fastpe.kernels.numba.attention import _softcap
+    from fastpe.kernels.numba._attention_common import _softcap
 
     mags = np.concatenate([np.geomspace(1e-30, 1e4, 200_000), np.linspace(0, 12, 200_001)])
     s = np.concatenate([mags, -mags]).astype(np.float32)

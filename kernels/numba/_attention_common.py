@@ -1,0 +1,476 @@
+"""What turns Q·Kᵀ into attention weights, shared by every Numba attention kernel (dense,
+paged/varlen, backward): the score modifiers (soft-cap, masks, ALiBi, T5 relative bias, window
+and causal edges) grouped in one ``ScoreMods`` record, the vectorisable exp2 and the online
+softmax. One definition of what a score is, so that the forward and backward kernels agree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from fastpe.kernels.numba._runtime import njit
+
+LOG2E = 1.4426950408889634
+
+# 2**f for f in [0, 1): degree-6 Chebyshev fit (fitted for fastpe), max relative error 1e-7 when
+# evaluated in float32 Horner form — about 1.6 ulp, below float32 attention's own rounding.
+_P0, _P1, _P2, _P3 = (
+    1.0000000061582057,
+    0.6931468377006627,
+    0.24023109676226764,
+    0.05547891246003817,
+)
+_P4, _P5, _P6 = 0.009686186295582436, 0.001238241549274018, 0.00021871262471017766
+
+
+# Flags: contraction and reassociation let LLVM fuse and vectorise the row reductions. Not
+# nnan/ninf: -inf marks masked scores and must compare and propagate exactly.
+_FLAGS = {"contract", "reassoc", "nsz", "arcp"}
+
+
+@njit(cache=True, fastmath=_FLAGS, inline="always")
+def _exp2(x):
+    """2**x in float32, exact 0 at or below -127 (also for -inf, a masked score), clamped at
+    2**127 above. Range reduction x = k + f (k = floor x via the vectorisable np.floor, f in
+    [0, 1)), 2**f by polynomial, 2**k by writing k into the exponent bits: plain arithmetic
+    that LLVM vectorises (Numba's math.exp is a scalar libm call without Intel SVML, which
+    PyPI's llvmlite lacks). Relative error <= 1e-7. NaN gives NaN (a NaN score must reach its
+    row's sum, as in SDPA), through a final select: the clamps map it to a finite value first
+    so that the int conversion below stays defined."""
+    y = x if x > -127.0 else np.float32(-127.0)
+    y = y if y < 127.0 else np.float32(127.0)
+    k = np.floor(y)
+    f = y - k
+    poly = np.float32(_P6)
+    poly = poly * f + np.float32(_P5)
+    poly = poly * f + np.float32(_P4)
+    poly = poly * f + np.float32(_P3)
+    poly = poly * f + np.float32(_P2)
+    poly = poly * f + np.float32(_P1)
+    poly = poly * f + np.float32(_P0)
+    power = poly * np.int32((np.int32(k) + 127) << 23).view(np.float32)
+    return power if x == x else x
+
+
+# tanh(x)/x = P(x²)/Q(x²) on |x| <= 9 (beyond, tanh rounds to ±1 in float32): a degree 4/4
+# rational in x² fitted for fastpe (Lawson-reweighted least squares on the relative error over
+# [0, 9]); relative error 2.1e-8. Evaluated in float64 even for float32 scores: float32 Horner
+# steps alone cost 3 ulp of tanh, and a soft-capped score's rounding error, scaled by the scores'
+# size, was the largest term of float32 attention's error (2x torch's with softcap); in float64
+# the capped score is rounded once, within 0.85 ulp, for about 6 µs more per 128 x 256 tile.
+_TP = (
+    0.9999999794671105,
+    0.13381017025367345,
+    0.003495577585278725,
+    2.060889880275588e-05,
+    1.3354396314089421e-08,
+)
+_TQ = (1.0, 0.4671433262729406, 0.025876942889573283, 0.00032856171000776, 7.776451609754166e-07)
+
+
+@njit(cache=True, fastmath=_FLAGS, inline="always")
+def _tanh_ratio64(t):
+    """tanh(x)/x for t = x² <= 81 in float64: one rational, no exp and no branch."""
+    p = _TP[4]
+    p = p * t + _TP[3]
+    p = p * t + _TP[2]
+    p = p * t + _TP[1]
+    p = p * t + _TP[0]
+    q = _TQ[4]
+    q = q * t + _TQ[3]
+    q = q * t + _TQ[2]
+    q = q * t + _TQ[1]
+    q = q * t + _TQ[0]
+    return p / q
+
+
+# error_model="numpy": Python's error model guards every division against zero with a branch,
+# which stops LLVM vectorising the loop (20x slower); here the divisor Q(x²) is >= 1.
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
+def _softcap(s, cap, is_f32, unit=1.0):
+    """s = c·tanh(s / c) on a tile of scores in ``unit``s per natural unit, c = cap·unit.
+
+    Computed as s·(tanh(x)/x) with x = s·(1/c), never as c·tanh(x): c and 1/c are each clamped
+    to the compute dtype's largest finite value, so that any finite positive cap works (a huge
+    cap's c overflowing to inf made inf·0 = NaN; a tiny one's 1/c likewise), and the product
+    with c costs no rounding. Where c overflowed, |x| < 1 for every finite score, so c is only
+    ever used finite: for |x| > 9 (float32, where tanh rounds to ±1) or > 1 (float64). A NaN
+    score stays NaN; an overflowed (infinite) one becomes ±c.
+    """
+    big = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
+    capped = min(cap * unit, big)
+    inv = min(1.0 / cap / unit, big)
+    if is_f32:
+        for r in range(s.shape[0]):
+            for c in range(s.shape[1]):
+                v = np.float64(s[r, c])
+                x = v * inv
+                t = x * x
+                t = t if t < 81.0 else 81.0  # NaN goes on to v·ratio = NaN
+                saturated = abs(x) > 9.0
+                s[r, c] = (capped if v > 0.0 else -capped) if saturated else v * _tanh_ratio64(t)
+    else:
+        for r in range(s.shape[0]):
+            for c in range(s.shape[1]):
+                v = s[r, c]
+                x = v * inv
+                if abs(x) > 1.0:
+                    s[r, c] = capped * math.tanh(x)
+                elif x != 0.0:  # tanh(x)/x is accurate down to the smallest subnormal x
+                    s[r, c] = v * (math.tanh(x) / x)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _exp_shifted(s, row_max, p, r0, r1, n, totals, to_log2):
+    """p[r, c] = 2 ** ((s[r, c] - row_max[r])·to_log2) for rows r0 … r1-1; totals[r] =
+    Σ_c p[r, c] (fused: one less pass over the tile), NaN when row_max[r] is +inf (a score
+    overflowed float32: there is no float32 answer, and SDPA too returns NaN).
+
+    to_log2 is 1 when the scores are in log2 units (the usual case, with its own loop: the
+    multiply costs ~15% of this pass), log2 e when natural (the difference is taken first, so
+    that scores near ±float32 max never overflow on the way).
+    """
+    for r in range(r0, r1):
+        mx = row_max[r]
+        total = np.float32(0.0)
+        if to_log2 == 1.0:
+            for c in range(n):
+                value = _exp2(s[r, c] - mx)
+                p[r, c] = value
+                total += value
+        else:
+            for c in range(n):
+                value = _exp2((s[r, c] - mx) * to_log2)
+                p[r, c] = value
+                total += value
+        totals[r] = total if mx < np.inf else np.nan
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _exp_shifted_f64(s, row_max, p, r0, r1, n, totals, to_nat):
+    """float64 inputs keep float64 throughout: libm exp (scalar, accurate)."""
+    for r in range(r0, r1):
+        mx = row_max[r]
+        total = 0.0
+        for c in range(n):
+            value = math.exp((s[r, c] - mx) * to_nat)
+            p[r, c] = value
+            total += value
+        totals[r] = total
+
+
+@njit(cache=True)
+def _nearest_key_distance(qpos, length):
+    """Distance from a query at key position qpos to the nearest of keys 0 … length-1."""
+    return max(0, qpos - (length - 1), -qpos)
+
+
+class ScoreMods(NamedTuple):
+    """The score modifiers of one call, one argument for every kernel helper (Numba passes a
+    namedtuple by value, field by field: no indirection, and the helpers stay far below the
+    argument count at which Numba's calls stop accepting conditional arguments).
+
+    Scores are in ``unit``s per natural unit (log2 e: log2 scores; or 1); ``alibi`` [B, Hq] and
+    ``bias`` [Hq, distances] come already multiplied by it; ``sinks`` stay natural. Query i of
+    sequence b sits at key position p = i + query_shift[b] and may see keys p - win_left …
+    p + win_right (causal: win_right = 0) below key_len[b]. The arrays of an absent modifier are
+    1-element placeholders that are never read.
+    """
+
+    scale: np.floating  # in the compute dtype, as the queries are scaled
+    query_shift: np.ndarray  # int64 [B]
+    key_len: np.ndarray  # int64 [B]
+    unit: float
+    softcap: float  # 0: none
+    win_left: int
+    win_right: int
+    has_mask: bool
+    mask_is_bool: bool
+    mask_bool: np.ndarray  # [B, Hq, Sq, Sk] bool, True = attend
+    mask: np.ndarray  # [B, Hq, Sq, Sk] float, added (in natural units)
+    mask_limit: float  # the compute dtype's largest finite value: a finite mask saturates there
+    has_alibi: bool
+    alibi: np.ndarray
+    has_bias: bool
+    bias: np.ndarray  # bias[h, bias_offset + j - p]: T5's bias by distance j - p
+    bias_offset: int
+    has_sinks: bool
+    sinks: np.ndarray  # float64 [Hq]: one more logit per head, with no value
+
+
+class RowTile(NamedTuple):
+    """A tile of query rows: the ``group`` query heads hk·group … of kv head ``hk`` at
+    positions i0 … i0 + npos - 1 of sequence ``b``; row r is head hk·group + r // npos at
+    position i0 + r % npos."""
+
+    b: int
+    hk: int
+    group: int
+    i0: int
+    npos: int
+
+
+def _dummy(dtype, ndim):
+    return np.zeros((1,) * ndim, dtype=dtype)
+
+
+def score_mods(
+    dtype,
+    unit,
+    *,
+    scale,
+    query_shift,
+    key_len,
+    causal,
+    window,
+    softcap,
+    mask=None,
+    alibi_slopes=None,
+    relative_bias=None,
+    sinks=None,
+    sq=0,
+    sk=0,
+    unbounded,
+):
+    """The ``ScoreMods`` of a launcher's arguments (as ``attention_numba`` takes them), in
+    ``unit``s and the compute ``dtype``; ``sq`` and ``sk`` are needed with ``relative_bias``
+    only (its distances span every query and key of the call), ``unbounded``
+    as in ``window_edges``."""
+    win_left, win_right = window_edges(window, causal, unbounded)
+    mask_is_bool = mask is not None and mask.dtype == np.bool_
+    alibi = _dummy(dtype, 2)
+    if alibi_slopes is not None:
+        alibi = np.ascontiguousarray(alibi_slopes * unit, dtype=dtype)
+    bias, bias_offset = _dummy(dtype, 2), 0
+    if relative_bias is not None:
+        table, num_buckets, max_distance, bidirectional = relative_bias
+        # distances j - (i + query_shift) over the whole call; O((Sq + Sk)·H), never [Sq, Sk]
+        first = -(int(query_shift.max(initial=0)) + sq - 1)
+        count = sk - int(query_shift.min(initial=0)) - first
+        bias = _relative_bias_by_distance_numba(
+            np.ascontiguousarray(table * unit, dtype=dtype),
+            first,
+            count,
+            bidirectional,
+            num_buckets,
+            max_distance,
+        )
+        bias_offset = -first
+    return ScoreMods(
+        scale=dtype.type(scale),
+        query_shift=query_shift,
+        key_len=key_len,
+        unit=unit,
+        softcap=0.0 if softcap is None else float(softcap),
+        win_left=win_left,
+        win_right=win_right,
+        has_mask=mask is not None,
+        mask_is_bool=mask_is_bool,
+        mask_bool=mask if mask_is_bool else _dummy(np.bool_, 4),
+        mask=mask if mask is not None and not mask_is_bool else _dummy(dtype, 4),
+        mask_limit=float(np.finfo(dtype).max),
+        has_alibi=alibi_slopes is not None,
+        alibi=alibi,
+        has_bias=relative_bias is not None,
+        bias=bias,
+        bias_offset=bias_offset,
+        has_sinks=sinks is not None,
+        sinks=_dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
+    )
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _apply_tile_masks(s, mods, tile, j0, n):
+    """Add biases and set -inf where a row of a ``RowTile`` may not attend, on its scores
+    against keys j0 … j0 + n - 1 (s [group·npos, n])."""
+    b, hk, group, i0, npos = tile
+    query_shift = mods.query_shift[b]
+    m = group * npos
+    if mods.has_alibi or mods.has_bias or mods.has_mask:
+        for r in range(m):
+            g = r // npos
+            h = hk * group + g
+            i = i0 + r - g * npos
+            qpos = i + query_shift
+            if mods.has_alibi:
+                # distances less the row's nearest visible one: that common part would only
+                # cost float32 precision here (it cancels in softmax; lse adds it back)
+                slope = mods.alibi[b, h]
+                near = _nearest_key_distance(qpos, mods.key_len[b])
+                for c in range(n):
+                    s[r, c] -= slope * (abs(qpos - (j0 + c)) - near)
+            if mods.has_bias:
+                base = mods.bias_offset - qpos + j0  # index of distance (j - qpos) in bias[h]
+                for c in range(n):
+                    s[r, c] += mods.bias[h, base + c]
+            if mods.has_mask:
+                if mods.mask_is_bool:
+                    for c in range(n):
+                        if not mods.mask_bool[b, h, i, j0 + c]:
+                            s[r, c] = -np.inf
+                else:
+                    # a finite mask is a score however large: one beyond the compute dtype
+                    # (float64 masks on float32) saturates at its largest finite value
+                    for c in range(n):
+                        x = mods.mask[b, h, i, j0 + c] * mods.unit
+                        x = mods.mask_limit if x > mods.mask_limit else x
+                        x = -mods.mask_limit if -mods.mask_limit > x > -np.inf else x
+                        s[r, c] += x
+    # Window (and causal rule): only tiles crossing an edge need masking (the caller never
+    # visits tiles wholly outside; key lengths already bound the key range).
+    first_pos = i0 + query_shift
+    if j0 < first_pos + npos - 1 - mods.win_left or j0 + n - 1 > first_pos + mods.win_right:
+        for r in range(m):
+            qpos = first_pos + r % npos
+            first_seen = min(max(qpos - mods.win_left - j0, 0), n)
+            for c in range(first_seen):
+                s[r, c] = -np.inf
+            for c in range(max(qpos + mods.win_right + 1 - j0, first_seen), n):
+                s[r, c] = -np.inf
+
+
+@njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
+def _row_max(s, r, n):
+    """max of s[r, :n], -inf for an empty or fully masked row.
+
+    LLVM does not vectorise a float max *reduction* from Numba's IR (it emits a serial chain of
+    scalar maxss), nor running maxima kept in a scratch array (a store per element); eight
+    independent running maxima in locals, as selects, it does (3.5x faster than 16 in an array,
+    as fast as the exp pass). Padding is never read and masks are validated, so a NaN score comes
+    only from NaN in q or k; whether it wins this max (``nnan``) does not matter, since the exp
+    pass turns it into a NaN row sum either way. -inf compares exactly.
+    """
+    full = n - n % 8
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s.dtype.type(-np.inf)
+    for c0 in range(0, full, 8):
+        v = s[r, c0]
+        m0 = v if v > m0 else m0
+        v = s[r, c0 + 1]
+        m1 = v if v > m1 else m1
+        v = s[r, c0 + 2]
+        m2 = v if v > m2 else m2
+        v = s[r, c0 + 3]
+        m3 = v if v > m3 else m3
+        v = s[r, c0 + 4]
+        m4 = v if v > m4 else m4
+        v = s[r, c0 + 5]
+        m5 = v if v > m5 else m5
+        v = s[r, c0 + 6]
+        m6 = v if v > m6 else m6
+        v = s[r, c0 + 7]
+        m7 = v if v > m7 else m7
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    m4 = m5 if m5 > m4 else m4
+    m6 = m7 if m7 > m6 else m6
+    m0 = m2 if m2 > m0 else m0
+    m4 = m6 if m6 > m4 else m4
+    mx = m4 if m4 > m0 else m0
+    for c in range(full, n):
+        v = s[r, c]
+        mx = v if v > mx else mx
+    return mx
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
+    """The online-softmax step on one row tile's masked scores s [m, n]: p = the weights
+    against each row's running reference, row sums updated, acc rescaled to the new reference
+    (the caller then adds P·V). work [4, m] is scratch.
+
+    The reference is lazy: each row's scores are exponentiated against its running reference
+    row_max, which is the exact max of the row's first tile with a visible key (so that tile's
+    largest weight is exactly 1: a rounded dominant weight roughly doubled the worst-case
+    float32 error) but afterwards need not be the exact max — the max reduction costs more
+    than the exp pass — only never far below it: whenever a score outruns it so far that the
+    tile's sum exceeds the tile's width n (a bound the exact max would keep; read for free from
+    the sums the exp pass computes), the row is redone against its exact max. So the running
+    sum stays below Sk as with an exact max, and P·V cannot overflow where the exact
+    computation does not (|v| within float32 max / Sk).
+    """
+    m = s.shape[0]
+    alpha, totals, ref = work[0], work[1], work[3]
+    to_nat = 1.0 / unit
+    to_log2 = s.dtype.type(LOG2E * to_nat)
+    for r in range(m):
+        alpha[r] = 1.0
+        if row_max[r] == -np.inf:
+            row_max[r] = _row_max(s, r, n)
+        ref[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
+    if is_f32:
+        _exp_shifted(s, ref, p, 0, m, n, totals, to_log2)
+    else:
+        _exp_shifted_f64(s, ref, p, 0, m, n, totals, to_nat)
+    for r in range(m):
+        if totals[r] > n:  # the reference fell behind: redo this row exactly
+            mx = max(row_max[r], _row_max(s, r, n))
+            alpha[r] = math.exp((row_max[r] - mx) * to_nat)
+            row_max[r] = mx
+            ref[r] = mx
+            if is_f32:
+                _exp_shifted(s, ref, p, r, r + 1, n, totals, to_log2)
+            else:
+                _exp_shifted_f64(s, ref, p, r, r + 1, n, totals, to_nat)
+        row_sum[r] = row_sum[r] * alpha[r] + totals[r]
+        a = alpha[r]
+        if a != 1.0:
+            for c in range(acc.shape[1]):
+                acc[r, c] *= a
+
+
+def key_lengths_and_shift(key_lengths, batch: int, sq: int, sk: int, bottom_right: bool):
+    """(key lengths int64 [B], each query's offset on the key axis [B]). FlashAttention's rule
+    for a ragged KV cache when ``bottom_right``: the queries are the last Sq of each sequence."""
+    key_len = (
+        np.full(batch, sk, dtype=np.int64)
+        if key_lengths is None
+        else np.ascontiguousarray(key_lengths, dtype=np.int64)
+    )
+    return key_len, key_len - sq if bottom_right else np.zeros(batch, np.int64)
+
+
+def window_edges(window, causal: bool, unbounded: int) -> tuple[int, int]:
+    """(left, right) window edges as offsets from each query's position; -1 (unbounded on that
+    side) becomes ``unbounded``, any offset that reaches past every key from every query (e.g.
+    Sq + Sk + 1); the causal rule is a right edge of 0."""
+    left, right = (-1, -1) if window is None else window
+    left = unbounded if left < 0 else left
+    right = unbounded if right < 0 else right
+    return left, 0 if causal else right
+
+
+@njit(cache=True)
+def _relative_bias_by_distance_numba(table, first, count, bidirectional, num_buckets, max_distance):
+    """bias[h, t] = table[bucket(first + t), h] for key-minus-query distances first … first+count-1.
+
+    T5's bucketing: half the buckets (per direction when bidirectional) are exact distances, the
+    rest logarithmic up to max_distance; the log is taken in float32 as T5 does, so the bucket
+    edges land where the trained tables expect them.
+    """
+    heads = table.shape[1]
+    out = np.empty((heads, count), dtype=table.dtype)
+    buckets = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = buckets // 2
+    log_span = np.float32(math.log(max_distance / max_exact))
+    for t in range(count):
+        rel = first + t
+        bucket = 0
+        if bidirectional:
+            if rel > 0:
+                bucket = buckets
+            rel = abs(rel)
+        else:
+            rel = -min(rel, 0)
+        if rel < max_exact:
+            bucket += rel
+        else:
+            ratio = np.float32(np.float32(rel) / np.float32(max_exact))
+            large = max_exact + int(
+                np.float32(np.log(ratio) / log_span * np.float32(buckets - max_exact))
+            )
+            bucket += min(large, buckets - 1)
+        for h in range(heads):
+            out[h, t] = table[bucket, h]
+    return out

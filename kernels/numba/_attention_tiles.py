@@ -1,0 +1,283 @@
+"""The tile steps shared by the dense and paged/varlen Numba attention kernels: half-precision
+reads, the few-row products of decoding, one key tile's update of a row tile's online softmax,
+the key range of a split, the rows' final normalisation, and the merge of split results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from fastpe.kernels.numba._attention_common import (
+    _FLAGS,
+    _apply_tile_masks,
+    _nearest_key_distance,
+    _softcap,
+    _softmax_update,
+)
+from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._runtime import njit
+from numba import prange, types
+from numba.extending import overload
+
+
+# Half-precision q/k/v travel as their bits (bfloat16 as uint16, float16 as int16: Numba has
+# neither type) and are widened to float32 as they are read, one query block and one key tile at
+# a time, into the scratch tiles BLAS multiplies: the full tensors are never converted.
+def _load_tile(src, scratch):
+    """A [n, d] tile of k or v as the compute dtype: ``src`` itself for float arrays, else
+    widened into ``scratch[:n]``."""
+
+
+def _is_half(array):
+    """True for arrays of half bits (a compile-time constant)."""
+
+
+@overload(_is_half, inline="always")
+def _is_half_impl(array):
+    half = array.dtype in (types.uint16, types.int16)
+    return lambda array: half
+
+
+@overload(_load_tile, inline="always")
+def _load_tile_impl(src, scratch):
+    if src.dtype in (types.uint16, types.int16):
+
+        def widen_into(src, scratch):
+            n, d = src.shape
+            for r in range(n):
+                for c in range(d):
+                    scratch[r, c] = _widen(src[r, c])
+            return scratch[:n]
+
+        return widen_into
+    return lambda src, scratch: src
+
+
+# Row tiles up to this many rows (decoding: the query heads of one kv head at one position)
+# multiply by plain loops instead of BLAS: OpenBLAS packs the whole K / V tile on every call,
+# which for a few rows costs several times the multiply itself (measured 12 µs against 2-2.5 µs
+# per 4 x 256 x 128 product); from about 32 rows BLAS is faster.
+SMALL_ROWS = 16
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _scores_small(qt, kt, hk, s, col):
+    """s[:, col + c] = qt·kt[c, hk] for a few query rows, four keys at a time: each query
+    element read serves four independent sums (one key at a time was 2x slower: a horizontal
+    sum per score).
+
+    qt [m, D]; kt [n, H, D]: n key rows each holding H heads side by side (H = 1 for one
+    head's tile, H = Hkv for rows of a paged cache, read in place); s [m, >= col + n]. All
+    C-contiguous: on a strided 2D view of one head (layout 'A') the loop over D does not know
+    its unit stride and ran 9x slower. Half-precision bits are widened as read."""
+    m, d = qt.shape
+    n = kt.shape[0]
+    full = n - n % 4
+    zero = s.dtype.type(0.0)
+    for c in range(0, full, 4):
+        for r in range(m):
+            s0 = s1 = s2 = s3 = zero
+            for e in range(d):
+                x = qt[r, e]
+                s0 += x * _widen(kt[c, hk, e])
+                s1 += x * _widen(kt[c + 1, hk, e])
+                s2 += x * _widen(kt[c + 2, hk, e])
+                s3 += x * _widen(kt[c + 3, hk, e])
+            j = col + c
+            s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3] = s0, s1, s2, s3
+    for c in range(full, n):
+        for r in range(m):
+            total = zero
+            for e in range(d):
+                total += qt[r, e] * _widen(kt[c, hk, e])
+            s[r, col + c] = total
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _add_weighted_values_small(p, col, vt, hk, acc):
+    """acc += p[:, col : col + n]·vt[:, hk] for a few rows, four value rows at a time (they
+    stay in L1 across the rows; one at a time, the load and store of acc per multiply-add made
+    it 2.5x slower). vt [n, H, Dv] as kt in ``_scores_small``."""
+    m = p.shape[0]
+    n, dv = vt.shape[0], vt.shape[2]
+    full = n - n % 4
+    for c in range(0, full, 4):
+        j = col + c
+        for r in range(m):
+            w0, w1, w2, w3 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
+            for e in range(dv):
+                acc[r, e] += (
+                    w0 * _widen(vt[c, hk, e])
+                    + w1 * _widen(vt[c + 1, hk, e])
+                    + w2 * _widen(vt[c + 2, hk, e])
+                    + w3 * _widen(vt[c + 3, hk, e])
+                )
+    for c in range(full, n):
+        for r in range(m):
+            w = p[r, col + c]
+            for e in range(dv):
+                acc[r, e] += w * _widen(vt[c, hk, e])
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
+    """Keys j0 … j0 + n - 1 for one ``RowTile``: S = Q·Kᵀ, soft-cap, masks, online-softmax
+    update, O += P·V."""
+    m, n = s.shape
+    if m <= SMALL_ROWS:
+        _scores_small(qt, kt[:, None], 0, s, 0)
+    else:
+        np.dot(qt, kt.T, s)
+    if mods.softcap > 0.0:
+        _softcap(s, mods.softcap, is_f32, mods.unit)
+    _apply_tile_masks(s, mods, tile, j0, n)
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+    if m <= SMALL_ROWS:
+        _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
+    else:
+        np.dot(p, vt, pv)
+        for r in range(m):
+            for c in range(acc.shape[1]):
+                acc[r, c] += pv[r, c]
+
+
+@njit(cache=True)
+def _row_buffers(like, m, dv, block_n, tail):
+    """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
+    [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
+    and shift of the current tile), P·V [m, Dv], and the S and P tiles at full width [m,
+    block_n] and for the last partial key tile [m, tail] (separate arrays: Numba's parallel
+    array analysis forbids re-binding a name to a differently shaped array)."""
+    dtype = like.dtype
+    acc = np.zeros((m, dv), dtype=dtype)
+    row_max = np.full(m, -np.inf, dtype=dtype)
+    row_sum = np.zeros(m, dtype=dtype)
+    work = np.empty((4, m), dtype=dtype)
+    pv = np.empty((m, dv), dtype=dtype)
+    s_full = np.empty((m, block_n), dtype=dtype)
+    p_full = np.empty((m, block_n), dtype=dtype)
+    s_tail = np.empty((m, tail), dtype=dtype)
+    p_tail = np.empty((m, tail), dtype=dtype)
+    return acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail
+
+
+@njit(cache=True)
+def _split_key_range(mods, tile, block_n, split, n_splits):
+    """[j_begin, j_stop): split ``split`` of ``n_splits`` of the keys that the queries of a
+    ``RowTile`` can see (below its sequence's length and within their windows), cut in whole
+    key tiles of ``block_n``."""
+    b, _, _, i0, npos = tile
+    first_pos, length = i0 + mods.query_shift[b], mods.key_len[b]
+    win_left, win_right = mods.win_left, mods.win_right
+    j_lo = max(first_pos - win_left, 0)
+    j_end = max(min(length, first_pos + npos + win_right), j_lo)
+    tiles = (j_end - j_lo + block_n - 1) // block_n
+    per_split = (tiles + n_splits - 1) // n_splits
+    j_begin = min(j_lo + split * per_split * block_n, j_end)
+    return j_begin, min(j_lo + (split + 1) * per_split * block_n, j_end)
+
+
+# The dense kernel's parts are [B, Hq, Sq, Dv] and [B, Hq, Sq], the packed ones' [Tq, Hq, Dv]
+# and [Tq, Hq]: one finishing step for both, by index (transposed views of the dense parts
+# would cost a second of compile time each, in Numba's general transpose).
+def _out_row(out, b, row, h):
+    """out's output vector of query ``row`` (of sequence b) and head h."""
+
+
+@overload(_out_row, inline="always")
+def _out_row_impl(out, b, row, h):
+    if out.ndim == 4:
+        return lambda out, b, row, h: out[b, h, row]
+    return lambda out, b, row, h: out[row, h]
+
+
+def _set_lse(lse, b, row, h, value):
+    """lse of query ``row`` (of sequence b) and head h = value."""
+
+
+@overload(_set_lse, inline="always")
+def _set_lse_impl(lse, b, row, h, value):
+    if lse.ndim == 3:
+
+        def dense(lse, b, row, h, value):
+            lse[b, h, row] = value
+
+        return dense
+
+    def packed(lse, b, row, h, value):
+        lse[row, h] = value
+
+    return packed
+
+
+@njit(cache=True)
+def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split):
+    """out = acc / row sum and lse for the rows of a ``RowTile`` (its query heads h x its
+    queries r, at rows row0 + r of a split's part out and lse: dense or packed). The heads'
+    sinks join the first split only: merged, a sink counts once."""
+    b, hk, group, i0, npos = tile
+    for g in range(group):
+        h = hk * group + g
+        for r in range(npos):
+            row = g * npos + r
+            total = row_sum[row]
+            sink = mods.sinks[h] if mods.has_sinks and first_split else -np.inf
+            if total != 0.0:  # NaN too (an overflowed score): it must show, as in SDPA
+                lse_row = row_max[row] / mods.unit + math.log(total)
+                if mods.has_alibi:  # the common ALiBi part the tile step leaves out
+                    near = _nearest_key_distance(i0 + r + mods.query_shift[b], mods.key_len[b])
+                    lse_row -= mods.alibi[b, h] / mods.unit * near
+                inv = 1.0 / total
+                if sink > -np.inf:  # out · exp(lse_keys - lse) with lse = logaddexp(·, sink)
+                    top = max(lse_row, sink)
+                    lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
+                    inv *= math.exp(lse_row - lse_with)
+                    lse_row = lse_with
+                dst = _out_row(out, b, row0 + r, h)
+                for c in range(dst.shape[0]):
+                    dst[c] = acc[row, c] * inv
+                _set_lse(lse, b, row0 + r, h, lse_row)
+            else:  # no key to attend: zeros, lse = -inf (or the sink)
+                dst = _out_row(out, b, row0 + r, h)
+                for c in range(dst.shape[0]):
+                    dst[c] = 0.0
+                _set_lse(lse, b, row0 + r, h, sink)
+
+
+@njit(parallel=True, cache=True)
+def _merge_splits_numba(part_out, part_lse, out, lse):
+    """out = Σ_s part_out[s]·exp(part_lse[s] - lse), lse = log Σ_s exp(part_lse[s])."""
+    n_splits, batch, hq, sq, dv = part_out.shape
+    for row in prange(batch * hq * sq):
+        i = row % sq
+        h = (row // sq) % hq
+        b = row // (sq * hq)
+        top = -np.inf
+        for sp in range(n_splits):
+            top = max(top, part_lse[sp, b, h, i])
+        if top == -np.inf:
+            lse[b, h, i] = -np.inf
+            for c in range(dv):
+                out[b, h, i, c] = 0.0
+            continue
+        total = 0.0
+        for sp in range(n_splits):
+            total += math.exp(part_lse[sp, b, h, i] - top)
+        lse_row = top + math.log(total)
+        lse[b, h, i] = lse_row
+        for c in range(dv):
+            out[b, h, i, c] = 0.0
+        for sp in range(n_splits):
+            w = math.exp(part_lse[sp, b, h, i] - lse_row)
+            if w != 0.0:  # a part that saw no key (lse -inf) adds nothing; NaN shows
+                for c in range(dv):
+                    out[b, h, i, c] += w * part_out[sp, b, h, i, c]
+
+
+def key_splits(items: int, key_tiles: int, threads: int) -> int:
+    """Parts to split each work item's keys into: when the items alone cannot keep every thread
+    busy (twice over, for balance), never more parts than key tiles."""
+    if items < 2 * threads and key_tiles > 1:
+        return min(key_tiles, -(-2 * threads // items))
+    return 1
