@@ -28,38 +28,25 @@ def embed_op(
     token_type_weight: Tensor | None,
     backend: str,
 ) -> Tensor:
-    inputs = EmbedInputs.build(
+    inputs = _embed_inputs(
         ids,
         weight,
-        positions=Positions.unflatten(positions, offset),
-        pe=pe or None,
-        pe_table=pe_table,
-        scale=scale,
+        positions,
+        offset,
+        pe,
+        pe_table,
+        scale,
+        token_type_ids,
+        token_type_weight,
         base=base,
         layout=layout,
         freq=freq,
-        token_type_ids=token_type_ids,
-        token_type_weight=token_type_weight,
     )
     return dispatch.run(inputs, _backend(backend))
 
 
 @embed_op.register_fake
-def _(
-    ids,
-    weight,
-    positions,
-    offset,
-    pe,
-    pe_table,
-    scale,
-    base,
-    layout,
-    freq,
-    token_type_ids,
-    token_type_weight,
-    backend,
-):
+def _(ids, weight, *_):
     return weight.new_empty((ids.shape[0], ids.shape[1], weight.shape[1]))
 
 
@@ -82,18 +69,20 @@ def embed_backward_op(
 ) -> list[Tensor]:
     """The gradients of ``embed`` w.r.t. weight, pe_table and token_type_weight (those asked
     for, in that order): scatter-adds of ``grad`` over ids / positions / token types."""
-    forward = EmbedInputs.build(
+    # the gradients do not depend on the sinusoidal encoding's options: any valid ones do
+    forward = _embed_inputs(
         ids,
         weight,
-        positions=Positions.unflatten(positions, offset),
-        pe=pe or None,
-        pe_table=pe_table,
-        scale=scale,
+        positions,
+        offset,
+        pe,
+        pe_table,
+        scale,
+        token_type_ids,
+        token_type_weight,
         base=10000.0,
         layout="interleaved",
         freq="paper",
-        token_type_ids=token_type_ids,
-        token_type_weight=token_type_weight,
     )
     inputs = EmbedBackwardInputs.build(
         forward,
@@ -104,6 +93,23 @@ def embed_backward_op(
     )
     grads = dispatch.run(inputs, _backend(backend))
     return [g for g in grads if g is not None]
+
+
+def _embed_inputs(
+    ids, weight, positions, offset, pe, pe_table, scale, tt_ids, tt_weight, **pe_options
+):
+    """The forward's record from the schema's arguments (``pe_options``: base, layout, freq)."""
+    return EmbedInputs.build(
+        ids,
+        weight,
+        positions=Positions.unflatten(positions, offset),
+        pe=pe or None,
+        pe_table=pe_table,
+        scale=scale,
+        token_type_ids=tt_ids,
+        token_type_weight=tt_weight,
+        **pe_options,
+    )
 
 
 @embed_backward_op.register_fake

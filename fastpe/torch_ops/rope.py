@@ -25,20 +25,12 @@ def apply_rope_op(
     layout: str,
     backend: str,
 ) -> Tensor:
-    inputs = ApplyRopeInputs.build(
-        x,
-        cos,
-        sin,
-        positions=Positions.unflatten(positions, offset),
-        interleaved=interleaved,
-        layout=layout,
-        inplace=False,
-    )
+    inputs = _rope_inputs(x, cos, sin, positions, offset, interleaved, layout)
     return dispatch.run(inputs, _backend(backend))
 
 
 @apply_rope_op.register_fake
-def _(x, cos, sin, positions, offset, interleaved, layout, backend):
+def _(x, *_):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -58,7 +50,7 @@ def apply_rope_group_op(
 
 
 @apply_rope_group_op.register_fake
-def _(xs, cos, sin, positions, offset, interleaved, layout, backend):
+def _(xs, *_):
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
 
 
@@ -79,13 +71,14 @@ def apply_rope_backward_op(
 
 
 @apply_rope_backward_op.register_fake
-def _(grads, cos, sin, positions, offset, interleaved, layout, backend):
+def _(grads, *_):
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
 
 
-def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, inverse):
-    first = ApplyRopeInputs.build(
-        xs[0],
+def _rope_inputs(x, cos, sin, positions, offset, interleaved, layout):
+    """The record of one rotation from the schema's arguments (the op returns a new tensor)."""
+    return ApplyRopeInputs.build(
+        x,
         cos,
         sin,
         positions=Positions.unflatten(positions, offset),
@@ -93,6 +86,10 @@ def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend,
         layout=layout,
         inplace=False,
     )
+
+
+def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, inverse):
+    first = _rope_inputs(xs[0], cos, sin, positions, offset, interleaved, layout)
     if inverse:
         first = dataclasses.replace(first, inverse=True)
     group = [first, *(first.with_x(x) for x in xs[1:])]
