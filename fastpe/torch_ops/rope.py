@@ -13,20 +13,19 @@ from fastpe._inputs import ApplyRopeInputs
 from fastpe._options import Positions
 from fastpe.torch_ops._common import _backend, _refuse_grad, register_autograd
 
+# The rotation: everything after the rotated tensor(s) in the three ops' schemas
+_ROTATION = (
+    "Tensor cos, Tensor sin, Tensor? positions, int offset, bool interleaved, str layout, "
+    "str backend"
+)
 
-@torch.library.custom_op("fastpe::apply_rope", mutates_args=())
-def apply_rope_op(
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    interleaved: bool,
-    layout: str,
-    backend: str,
-) -> Tensor:
-    inputs = _rope_inputs(x, cos, sin, positions, offset, interleaved, layout)
-    return dispatch.run(inputs, _backend(backend))
+
+@torch.library.custom_op(
+    "fastpe::apply_rope", mutates_args=(), schema=f"(Tensor x, {_ROTATION}) -> Tensor"
+)
+def apply_rope_op(x, *rotation):
+    *rotation, backend = rotation
+    return dispatch.run(_rope_inputs(x, *rotation), _backend(backend))
 
 
 @apply_rope_op.register_fake
@@ -34,19 +33,12 @@ def _(x, *_):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("fastpe::apply_rope_group", mutates_args=())
-def apply_rope_group_op(
-    xs: list[Tensor],
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    interleaved: bool,
-    layout: str,
-    backend: str,
-) -> list[Tensor]:
+@torch.library.custom_op(
+    "fastpe::apply_rope_group", mutates_args=(), schema=f"(Tensor[] xs, {_ROTATION}) -> Tensor[]"
+)
+def apply_rope_group_op(xs, *rotation):
     """``apply_rope((q, k), ...)``: the tensors of one call in one op (one launch on Triton)."""
-    return _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, False)
+    return _rotate_group(xs, rotation, inverse=False)
 
 
 @apply_rope_group_op.register_fake
@@ -54,20 +46,15 @@ def _(xs, *_):
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
 
 
-@torch.library.custom_op("fastpe::apply_rope_backward", mutates_args=())
-def apply_rope_backward_op(
-    grads: list[Tensor],
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    interleaved: bool,
-    layout: str,
-    backend: str,
-) -> list[Tensor]:
+@torch.library.custom_op(
+    "fastpe::apply_rope_backward",
+    mutates_args=(),
+    schema=f"(Tensor[] grads, {_ROTATION}) -> Tensor[]",
+)
+def apply_rope_backward_op(grads, *rotation):
     """The gradients w.r.t. x of ``apply_rope`` / ``apply_rope_group``: each output gradient
     rotated by -θ (docs/math.md#gradients), all of them in one kernel call."""
-    return _rotate_group(grads, cos, sin, positions, offset, interleaved, layout, backend, True)
+    return _rotate_group(grads, rotation, inverse=True)
 
 
 @apply_rope_backward_op.register_fake
@@ -88,8 +75,9 @@ def _rope_inputs(x, cos, sin, positions, offset, interleaved, layout):
     )
 
 
-def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, inverse):
-    first = _rope_inputs(xs[0], cos, sin, positions, offset, interleaved, layout)
+def _rotate_group(xs, rotation, *, inverse):
+    *rotation, backend = rotation
+    first = _rope_inputs(xs[0], *rotation)
     if inverse:
         first = dataclasses.replace(first, inverse=True)
     group = [first, *(first.with_x(x) for x in xs[1:])]
