@@ -96,34 +96,18 @@ def _embed_backward(ctx, grad):
 register_autograd("embed", _embed_backward)
 
 
-def call_embed(
-    ids,
-    weight,
-    *,
-    positions,
-    pe,
-    pe_table,
-    scale,
-    base,
-    layout,
-    freq,
-    token_type_ids,
-    token_type_weight,
-    backend,
-):
+def call_embed(ids, weight, *, positions, pe, scale, base, backend, **as_given):
+    """``embed``'s public arguments in the schema's order (``as_given``: pe_table, layout, freq,
+    token_type_ids, token_type_weight, passed as they are)."""
     tensor, offset = Positions.flatten("positions", positions, weight.device)
-    return embed_op(
-        ids,
-        weight,
-        tensor,
-        offset or 0,
-        pe or "",
-        pe_table,
-        float(scale),
-        float(base),
-        layout,
-        freq,
-        token_type_ids,
-        token_type_weight,
-        backend or "",
+    named = dict(
+        as_given,
+        ids=ids,
+        weight=weight,
+        positions=tensor,
+        offset=offset or 0,
+        pe=pe or "",
+        scale=float(scale),
+        base=float(base),
     )
+    return embed_op(*(named[name] for name in _NAMES), backend or "")
