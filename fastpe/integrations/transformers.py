@@ -196,6 +196,20 @@ def _kernel_can_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, l
     return seen.shape[-1] == kv_length and bool(seen.all())
 
 
+def config_attention_options(config: dict) -> dict:
+    """The options of ``fastpe.attention`` that a transformers model of ``config`` (a config's
+    dict) passes in its attention layers, each None or False where the config does not turn it
+    on: ``window``, its ``sliding_window`` W (``window=(W - 1, 0)`` in a causal call),
+    ``softcap``, Gemma 2's ``attn_logit_softcapping``, and ``sinks``, True for gpt-oss, whose
+    learned sink per head no config field names."""
+    window, softcap = config.get("sliding_window"), config.get("attn_logit_softcapping")
+    return {
+        "window": int(window) if window else None,
+        "softcap": float(softcap) if softcap else None,
+        "sinks": config.get("model_type") == "gpt_oss" or bool(config.get("sinks")),
+    }
+
+
 # Compile ahead (register(warmup=...)): the register functions that asked to warm up on their
 # first call, and the configs already warmed up in this process
 _warm_on_first_use: set[str] = set()
