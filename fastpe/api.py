@@ -45,9 +45,8 @@ def _torch_graph(*arrays, device=None) -> bool:
 def _route(record, args, options, backend, *, nested=()):
     """One public call, its arguments said once: through the custom op ``torch_ops.call_<op>``
     when ``_torch_graph`` asks for it, else validated into ``record`` and dispatched. Every
-    tensor among the arguments counts, and ``nested``: the tables inside option dicts (a learned
-    T5 table alone must be recorded); a ``device`` option sends a table built under
-    torch.compile to the op."""
+    tensor among the arguments counts, and those in ``nested`` (tables inside option dicts); a
+    ``device`` option sends a table built under torch.compile to the op."""
     if _torch_graph(*args, *options.values(), *nested, device=options.get("device")):
         from fastpe import torch_ops
 
