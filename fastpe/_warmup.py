@@ -94,19 +94,14 @@ def read_model_config(source) -> dict:
         raise ValueError(f"{_name(source)}: the config has neither head_dim nor hidden_size")
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     dtype = dtype.removeprefix("torch.")
-    window = config.get("sliding_window")
-    # gpt-oss has a learned sink per head in every attention layer (no config field says so)
-    sinks = config.get("model_type") == "gpt_oss" or bool(config.get("sinks"))
+    from fastpe.integrations.transformers import config_attention_options
+
     return {
         "name": _name(source),
         "heads": int(heads),
         "kv_heads": int(kv_heads),
         "head_dim": int(head_dim),
-        "window": int(window) if window else None,
-        "softcap": float(config["attn_logit_softcapping"])
-        if config.get("attn_logit_softcapping")
-        else None,
-        "sinks": sinks,
+        **config_attention_options(config),
         "dtype": dtype if dtype in DTYPES else "float32",
     }
 
@@ -162,15 +157,13 @@ def plan(ops=None, dtypes=None, features=None, model_config=None, flash=False) -
     if model_config is not None:
         model = read_model_config(model_config)
         shape = {k: model[k] for k in ("heads", "kv_heads", "head_dim")}
-        if model["window"]:
-            shape["window"] = model["window"]
-        if model["softcap"]:
-            shape["softcap"] = model["softcap"]
+        # the options the config turns on are features, with their values (sinks: a flag; the
+        # calls make their own)
+        options = {name: model[name] for name in _OPTIONS if model.get(name)}
+        shape |= {name: value for name, value in options.items() if value is not True}
         ops = ops or (["attention_varlen", "attention"] if flash else ["attention"])
         dtypes = dtypes or [model["dtype"]]
-        chosen = {"causal", "decode", *(features or ())}
-        chosen |= {name for name in ("window", "softcap", "sinks") if model[name]}
-        features = chosen
+        features = {"causal", "decode", *(features or ()), *options}
     ops = list(dict.fromkeys(ops or ["attention"]))
     dtypes = list(dict.fromkeys(dtypes or ["float32"]))
     features = set(features or ())

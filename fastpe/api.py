@@ -42,6 +42,18 @@ def _torch_graph(*arrays, device=None) -> bool:
     )
 
 
+def _route(record, args, options, backend, *, nested=()):
+    """One public call, its arguments said once: through the custom op ``torch_ops.call_<op>``
+    when ``_torch_graph`` asks for it, else validated into ``record`` and dispatched. Every
+    tensor among the arguments counts, and those in ``nested`` (tables inside option dicts); a
+    ``device`` option sends a table built under torch.compile to the op."""
+    if _torch_graph(*args, *options.values(), *nested, device=options.get("device")):
+        from fastpe import torch_ops
+
+        return getattr(torch_ops, f"call_{record.op}")(*args, **options, backend=backend)
+    return dispatch.run(record.build(*args, **options), backend)
+
+
 def sinusoidal_table(
     num_positions,
     dim,
@@ -67,31 +79,8 @@ def sinusoidal_table(
     NumPy, otherwise a torch tensor on that device. Matches transformers' XLM / Marian / M2M100
     tables.
     """
-    if _torch_graph(device=device):
-        from fastpe import torch_ops
-
-        return torch_ops.call_sinusoidal_table(
-            num_positions,
-            dim,
-            base=base,
-            layout=layout,
-            freq=freq,
-            offset=offset,
-            dtype=dtype,
-            device=device,
-            backend=backend,
-        )
-    inputs = SinusoidalTableInputs.build(
-        num_positions,
-        dim,
-        base=base,
-        layout=layout,
-        freq=freq,
-        offset=offset,
-        dtype=dtype,
-        device=device,
-    )
-    return dispatch.run(inputs, backend)
+    options = dict(base=base, layout=layout, freq=freq, offset=offset, dtype=dtype, device=device)
+    return _route(SinusoidalTableInputs, (num_positions, dim), options, backend)
 
 
 def relative_transform(k, dim, *, base=10000.0, freq="paper", layout="interleaved"):
@@ -131,29 +120,8 @@ def rope_table(
     longrope, llama3) gives the same frequencies as transformers; dynamic NTK and longrope choose
     their parameters from the table's length, as transformers does for that sequence length.
     """
-    if _torch_graph(device=device):
-        from fastpe import torch_ops
-
-        return torch_ops.call_rope_table(
-            num_positions,
-            rotary_dim,
-            base=base,
-            scaling=scaling,
-            offset=offset,
-            dtype=dtype,
-            device=device,
-            backend=backend,
-        )
-    inputs = RopeTableInputs.build(
-        num_positions,
-        rotary_dim,
-        base=base,
-        scaling=scaling,
-        offset=offset,
-        dtype=dtype,
-        device=device,
-    )
-    return dispatch.run(inputs, backend)
+    options = dict(base=base, scaling=scaling, offset=offset, dtype=dtype, device=device)
+    return _route(RopeTableInputs, (num_positions, rotary_dim), options, backend)
 
 
 def apply_rope(
@@ -179,43 +147,18 @@ def apply_rope(
     Differentiable w.r.t. ``x`` under torch autograd (the gradient is rotated back by -θ);
     cos/sin are constants and raise if backward needs their gradient (docs/math.md#gradients).
     """
+    options = dict(positions=positions, interleaved=interleaved, layout=layout, inplace=inplace)
     if isinstance(x, (tuple, list)):
-        return _apply_rope_group(
-            tuple(x),
-            cos,
-            sin,
-            positions=positions,
-            interleaved=interleaved,
-            layout=layout,
-            inplace=inplace,
-            backend=backend,
-        )
-    if _torch_graph(x, cos, sin, positions):
-        from fastpe import torch_ops
-
-        return torch_ops.call_apply_rope(
-            x,
-            cos,
-            sin,
-            positions=positions,
-            interleaved=interleaved,
-            layout=layout,
-            inplace=inplace,
-            backend=backend,
-        )
-    inputs = ApplyRopeInputs.build(
-        x, cos, sin, positions=positions, interleaved=interleaved, layout=layout, inplace=inplace
-    )
-    return dispatch.run(inputs, backend)
+        return _apply_rope_group(tuple(x), cos, sin, options, backend)
+    return _route(ApplyRopeInputs, (x, cos, sin), options, backend)
 
 
-def _apply_rope_group(xs, cos, sin, **options):
+def _apply_rope_group(xs, cos, sin, options, backend):
     """``apply_rope`` on a tuple such as (q, k): each tensor validated as in a single call, one
     backend chosen for all, and the group handed to it at once (one launch on Triton)."""
     if not xs:
         raise ValueError("x must be an array or a non-empty tuple of arrays (such as (q, k))")
     _check_shared_batch_and_seq(xs, options["layout"])  # shapes only: runs under compile too
-    backend = options.pop("backend")
     if _torch_graph(*xs, cos, sin, options["positions"]):
         from fastpe import torch_ops
 
@@ -266,26 +209,7 @@ def embed(
     Differentiable w.r.t. ``weight``, ``pe_table`` and ``token_type_weight`` under torch autograd
     (deterministic scatter-adds, docs/math.md#embedding-gradients).
     """
-    if _torch_graph(ids, weight, pe_table, positions, token_type_ids, token_type_weight):
-        from fastpe import torch_ops
-
-        return torch_ops.call_embed(
-            ids,
-            weight,
-            positions=positions,
-            pe=pe,
-            pe_table=pe_table,
-            scale=scale,
-            base=base,
-            layout=layout,
-            freq=freq,
-            token_type_ids=token_type_ids,
-            token_type_weight=token_type_weight,
-            backend=backend,
-        )
-    inputs = EmbedInputs.build(
-        ids,
-        weight,
+    options = dict(
         positions=positions,
         pe=pe,
         pe_table=pe_table,
@@ -296,7 +220,7 @@ def embed(
         token_type_ids=token_type_ids,
         token_type_weight=token_type_weight,
     )
-    return dispatch.run(inputs, backend)
+    return _route(EmbedInputs, (ids, weight), options, backend)
 
 
 def attention(
@@ -374,11 +298,7 @@ def attention(
         sinks=sinks,
         return_lse=return_lse,
     )
-    if _torch_graph(q, k, v, mask, key_lengths, alibi_slopes, sinks, *tables):
-        from fastpe import torch_ops
-
-        return torch_ops.call_attention(q, k, v, **options, backend=backend)
-    return dispatch.run(AttentionInputs.build(q, k, v, **options), backend)
+    return _route(AttentionInputs, (q, k, v), options, backend, nested=tables)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
@@ -389,11 +309,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, backend=None):
     returns ``(out, lse)`` with lse float32. The primitive for split-KV decoding and for
     sharding a context over devices. Rows empty on both sides stay 0 with lse = -inf.
     """
-    if _torch_graph(out_a, lse_a, out_b, lse_b):
-        from fastpe import torch_ops
-
-        return torch_ops.call_merge_attention(out_a, lse_a, out_b, lse_b, backend=backend)
-    return dispatch.run(MergeAttentionInputs.build(out_a, lse_a, out_b, lse_b), backend)
+    return _route(MergeAttentionInputs, (out_a, lse_a, out_b, lse_b), {}, backend)
 
 
 def attention_varlen(
@@ -451,11 +367,7 @@ def attention_varlen(
         return_lse=return_lse,
     )
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if _torch_graph(*arrays, alibi_slopes, sinks, *tables):
-        from fastpe import torch_ops
-
-        return torch_ops.call_attention_varlen(*arrays, **options, backend=backend)
-    return dispatch.run(AttentionVarlenInputs.build(*arrays, **options), backend)
+    return _route(AttentionVarlenInputs, arrays, options, backend, nested=tables)
 
 
 def attention_kvcache(
@@ -512,6 +424,8 @@ def attention_kvcache(
     (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
     """
     options = dict(
+        k=k,
+        v=v,
         cache_seqlens=cache_seqlens,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
@@ -526,20 +440,17 @@ def attention_kvcache(
         sinks=sinks,
         return_lse=return_lse,
     )
-    if _torch_graph(q, k_cache, v_cache, k, v, alibi_slopes, sinks, rotary_cos, rotary_sin):
-        torch = sys.modules["torch"]
-        if not torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "attention_kvcache has no autograd support (an inference op that writes its "
-                "caches); call it under torch.no_grad() or with inputs that do not require grad"
-            )
-        from fastpe import torch_ops
-
-        return torch_ops.call_attention_kvcache(
-            q, k_cache, v_cache, k, v, **options, backend=backend
+    arrays = (q, k_cache, v_cache)
+    # autograd would record an op that writes its caches: torch's graph only under compile
+    if (
+        _torch_graph(*arrays, *options.values())
+        and not sys.modules["torch"].compiler.is_compiling()
+    ):
+        raise NotImplementedError(
+            "attention_kvcache has no autograd support (an inference op that writes its "
+            "caches); call it under torch.no_grad() or with inputs that do not require grad"
         )
-    inputs = AttentionKVCacheInputs.build(q, k_cache, v_cache, k=k, v=v, **options)
-    return dispatch.run(inputs, backend)
+    return _route(AttentionKVCacheInputs, arrays, options, backend)
 
 
 OPS = (

@@ -157,20 +157,7 @@ def flash_attn_qkvpacked_func(
 ):
     """qkv [B, S, 3, H, D] -> out [B, S, H, D]."""
     qkv = _packed("qkv", qkv, 3, ndim=5)
-    return flash_attn_func(
-        qkv[:, :, 0],
-        qkv[:, :, 1],
-        qkv[:, :, 2],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        s_aux=s_aux,
-    )
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], **_passed_on(locals()))
 
 
 def flash_attn_kvpacked_func(
@@ -189,20 +176,27 @@ def flash_attn_kvpacked_func(
 ):
     """q [B, Sq, Hq, D], kv [B, Sk, 2, Hkv, D] -> out [B, Sq, Hq, D]."""
     kv = _packed("kv", kv, 2, ndim=5)
-    return flash_attn_func(
-        q,
-        kv[:, :, 0],
-        kv[:, :, 1],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        s_aux=s_aux,
-    )
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], **_passed_on(locals()))
+
+
+# What every packed variant passes on, unchanged and by name, to the function it unpacks for
+_PASSED_ON = (
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size",
+    "softcap",
+    "alibi_slopes",
+    "deterministic",
+    "return_attn_probs",
+    "s_aux",
+)
+
+
+def _passed_on(arguments, *names) -> dict:
+    """The packed variant's arguments (its ``locals()``) that ``_PASSED_ON`` and ``names`` list:
+    its signature stays FlashAttention's, spelled out, and its call does not restate it."""
+    return {name: arguments[name] for name in (*names, *_PASSED_ON)}
 
 
 def _packed(name, x, count, *, ndim):
@@ -292,15 +286,7 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens,
         max_seqlen,
         max_seqlen,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        s_aux=s_aux,
+        **_passed_on(locals()),
     )
 
 
@@ -328,19 +314,7 @@ def flash_attn_varlen_kvpacked_func(
         q,
         kv[:, 0],
         kv[:, 1],
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        s_aux=s_aux,
+        **_passed_on(locals(), "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import fastpe
+from fastpe._options import AttentionOptions
 
 from .cases import Case
 
@@ -158,8 +159,16 @@ def _torch_sdpa(case: Case, x: dict):
     )
 
 
+# The attention options torch SDPA can express: is_causal, and a window as a boolean mask
+_SDPA_OPTIONS = frozenset({"causal", "window"})
+
+
 def _sdpa_cannot_run(case: Case) -> str | None:
-    missing = [name for name in ("softcap", "sinks") if case.params.get(name)]
+    missing = [
+        name
+        for name in AttentionOptions.FEATURES
+        if case.params.get(name) and name not in _SDPA_OPTIONS
+    ]
     return f"SDPA has no {' or '.join(missing)}" if missing else None
 
 

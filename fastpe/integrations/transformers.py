@@ -78,32 +78,26 @@ def fastpe_attention_forward(
         raise NotImplementedError(
             f"fastpe attention has no dropout (got dropout={dropout} in training mode)"
         )
+    # the masking the kernel does itself: causal, bottom-right aligned (keys end at the last
+    # query), and the sliding window (kv > q - W  <=>  kv >= q - (W - 1))
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = (int(sliding_window) - 1, 0) if causal and sliding_window is not None else None
+    options = dict(
+        causal=causal,
+        causal_alignment="bottom_right",
+        scale=scaling,
+        window=window,
+        softcap=softcap,
+        sinks=s_aux,
+    )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
-        return _packed_forward(
-            module,
-            query,
-            key,
-            value,
-            cu_q,
-            cu_k,
-            kwargs,
-            scaling,
-            is_causal,
-            sliding_window,
-            softcap,
-            s_aux,
-        )
+        return _packed_forward(query, key, value, cu_q, cu_k, kwargs, options)
     position_bias = kwargs.get("position_bias")
-    causal = False
-    window = None
     mask = attention_mask
-    if mask is None:
-        # fastpe_mask built nothing: plain causal (or sliding-window causal) with the keys ending
-        # at the last query, i.e. bottom-right alignment; the window is left to the kernel
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-        if causal and sliding_window is not None:
-            window = (int(sliding_window) - 1, 0)  # kv > q - W  <=>  kv >= q - (W - 1)
+    if mask is not None:
+        # fastpe_mask built SDPA's mask: it holds the causal rule and the window
+        options.update(causal=False, window=None)
     if position_bias is not None and position_bias.requires_grad:
         raise NotImplementedError(
             "fastpe attention cannot train T5's relative attention bias: position_bias reaches "
@@ -117,35 +111,11 @@ def fastpe_attention_forward(
         elif mask is not None:
             bias = bias + mask
         mask = bias
-    out = fastpe.attention(
-        query,
-        key,
-        value,
-        causal=causal,
-        causal_alignment="bottom_right",
-        mask=mask,
-        scale=scaling,
-        window=window,
-        softcap=softcap,
-        sinks=s_aux,
-    )
+    out = fastpe.attention(query, key, value, mask=mask, **options)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed_forward(
-    module,
-    query,
-    key,
-    value,
-    cu_q,
-    cu_k,
-    kwargs,
-    scaling,
-    is_causal,
-    sliding_window,
-    softcap,
-    s_aux,
-):
+def _packed_forward(query, key, value, cu_q, cu_k, kwargs, options):
     """A padding-free packed batch: query [1, Hq, total_q, D], key/value [1, Hkv, total_k, D],
     sequence boundaries cu_q/cu_k (FlashAttention's varlen convention, bottom-right causal)."""
     if cu_q is None or cu_k is None:
@@ -156,8 +126,6 @@ def _packed_forward(
         )
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("a T5 position_bias with packed sequences is not supported")
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    window = (int(sliding_window) - 1, 0) if causal and sliding_window is not None else None
     out = fastpe.attention_varlen(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
@@ -166,12 +134,7 @@ def _packed_forward(
         cu_k,
         max_seqlen_q=kwargs.get("max_length_q"),
         max_seqlen_k=kwargs.get("max_length_k"),
-        causal=causal,
-        causal_alignment="bottom_right",
-        scale=scaling,
-        window=window,
-        softcap=softcap,
-        sinks=s_aux,
+        **options,
     )
     return out[None], None
 
@@ -231,6 +194,20 @@ def _kernel_can_mask(q_length, kv_length, q_offset, kv_offset, attention_mask, l
         return False
     seen = attention_mask[:, kv_offset : kv_offset + kv_length]
     return seen.shape[-1] == kv_length and bool(seen.all())
+
+
+def config_attention_options(config: dict) -> dict:
+    """The options of ``fastpe.attention`` that a transformers model of ``config`` (a config's
+    dict) passes in its attention layers, each None or False where the config does not turn it
+    on: ``window``, its ``sliding_window`` W (``window=(W - 1, 0)`` in a causal call),
+    ``softcap``, Gemma 2's ``attn_logit_softcapping``, and ``sinks``, True for gpt-oss, whose
+    learned sink per head no config field names."""
+    window, softcap = config.get("sliding_window"), config.get("attn_logit_softcapping")
+    return {
+        "window": int(window) if window else None,
+        "softcap": float(softcap) if softcap else None,
+        "sinks": config.get("model_type") == "gpt_oss" or bool(config.get("sinks")),
+    }
 
 
 # Compile ahead (register(warmup=...)): the register functions that asked to warm up on their
@@ -411,23 +388,9 @@ def _flash_varlen_func(
 ):
     """fastpe.flash_attn.flash_attn_varlen_func as transformers calls it: q [total_q, Hq, D],
     k/v [total_k, Hkv, D]; max_seqlen_q/k None for the longest sequence."""
-    if _warm_on_first_use:
-        _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
-    return flash_attn.flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        s_aux=s_aux,
-    )
+    arguments = dict(locals())  # passed on by name: the signature above is what transformers reads
+    _flash_warmup(q)
+    return flash_attn.flash_attn_varlen_func(**arguments)
 
 
 def _flash_func(
@@ -443,11 +406,14 @@ def _flash_func(
 ):
     """fastpe.flash_attn.flash_attn_func as transformers calls it: q [B, Sq, Hq, D], k/v
     [B, Sk, Hkv, D]."""
+    arguments = dict(locals())  # passed on by name: the signature above is what transformers reads
+    _flash_warmup(q)
+    return flash_attn.flash_attn_func(**arguments)
+
+
+def _flash_warmup(q) -> None:
     if _warm_on_first_use:
         _first_use_warmup("register_flash", _flash_config(q), q, flash=True)
-    return flash_attn.flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, s_aux=s_aux
-    )
 
 
 def _flash_config(q) -> dict:

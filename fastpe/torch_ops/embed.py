@@ -4,99 +4,61 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from fastpe import dispatch
 from fastpe._inputs import EmbedBackwardInputs, EmbedInputs
 from fastpe._options import Positions
-from fastpe.torch_ops._common import _backend, register_autograd
+from fastpe.torch_ops._common import _backend, register_autograd, schema_names
+
+# The forward's arguments, the first in both ops' schemas (the backward rebuilds the forward's
+# record from them)
+_ARGUMENTS = (
+    "Tensor ids, Tensor weight, Tensor? positions, int offset, str pe, Tensor? pe_table, "
+    "float scale, float base, str layout, str freq, Tensor? token_type_ids, "
+    "Tensor? token_type_weight"
+)
+_NAMES = schema_names(_ARGUMENTS)
+# weight, pe_table and token_type_weight: the arguments that get a gradient (ids, positions and
+# token types are integers; the sinusoidal PE has no parameters)
+_TABLES = tuple(_NAMES.index(name) for name in ("weight", "pe_table", "token_type_weight"))
 
 
-@torch.library.custom_op("fastpe::embed", mutates_args=())
-def embed_op(
-    ids: Tensor,
-    weight: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    pe: str,
-    pe_table: Tensor | None,
-    scale: float,
-    base: float,
-    layout: str,
-    freq: str,
-    token_type_ids: Tensor | None,
-    token_type_weight: Tensor | None,
-    backend: str,
-) -> Tensor:
-    inputs = EmbedInputs.build(
-        ids,
-        weight,
-        positions=Positions.unflatten(positions, offset),
-        pe=pe or None,
-        pe_table=pe_table,
-        scale=scale,
-        base=base,
-        layout=layout,
-        freq=freq,
-        token_type_ids=token_type_ids,
-        token_type_weight=token_type_weight,
-    )
-    return dispatch.run(inputs, _backend(backend))
+def _embed_inputs(arguments) -> EmbedInputs:
+    """The validated forward record of the schema's ``_ARGUMENTS``."""
+    named = dict(zip(_NAMES, arguments, strict=True))
+    ids, weight = named.pop("ids"), named.pop("weight")
+    positions = Positions.unflatten(named.pop("positions"), named.pop("offset"))
+    pe = named.pop("pe") or None
+    return EmbedInputs.build(ids, weight, positions=positions, pe=pe, **named)
+
+
+@torch.library.custom_op(
+    "fastpe::embed", mutates_args=(), schema=f"({_ARGUMENTS}, str backend) -> Tensor"
+)
+def embed_op(*arguments):
+    *arguments, backend = arguments
+    return dispatch.run(_embed_inputs(arguments), _backend(backend))
 
 
 @embed_op.register_fake
-def _(
-    ids,
-    weight,
-    positions,
-    offset,
-    pe,
-    pe_table,
-    scale,
-    base,
-    layout,
-    freq,
-    token_type_ids,
-    token_type_weight,
-    backend,
-):
+def _(ids, weight, *_):
     return weight.new_empty((ids.shape[0], ids.shape[1], weight.shape[1]))
 
 
-@torch.library.custom_op("fastpe::embed_backward", mutates_args=())
-def embed_backward_op(
-    grad: Tensor,
-    ids: Tensor,
-    weight: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    pe: str,
-    pe_table: Tensor | None,
-    scale: float,
-    token_type_ids: Tensor | None,
-    token_type_weight: Tensor | None,
-    need_weight: bool,
-    need_pe_table: bool,
-    need_token_type_weight: bool,
-    backend: str,
-) -> list[Tensor]:
+@torch.library.custom_op(
+    "fastpe::embed_backward",
+    mutates_args=(),
+    schema=(
+        f"(Tensor grad, {_ARGUMENTS}, bool need_weight, bool need_pe_table, "
+        "bool need_token_type_weight, str backend) -> Tensor[]"
+    ),
+)
+def embed_backward_op(grad, *arguments):
     """The gradients of ``embed`` w.r.t. weight, pe_table and token_type_weight (those asked
     for, in that order): scatter-adds of ``grad`` over ids / positions / token types."""
-    forward = EmbedInputs.build(
-        ids,
-        weight,
-        positions=Positions.unflatten(positions, offset),
-        pe=pe or None,
-        pe_table=pe_table,
-        scale=scale,
-        base=10000.0,
-        layout="interleaved",
-        freq="paper",
-        token_type_ids=token_type_ids,
-        token_type_weight=token_type_weight,
-    )
+    *arguments, need_weight, need_pe_table, need_token_type_weight, backend = arguments
     inputs = EmbedBackwardInputs.build(
-        forward,
+        _embed_inputs(arguments),
         grad,
         weight=need_weight,
         pe_table=need_pe_table,
@@ -107,61 +69,24 @@ def embed_backward_op(
 
 
 @embed_backward_op.register_fake
-def _(
-    grad,
-    ids,
-    weight,
-    positions,
-    offset,
-    pe,
-    pe_table,
-    scale,
-    token_type_ids,
-    token_type_weight,
-    need_weight,
-    need_pe_table,
-    need_token_type_weight,
-    backend,
-):
-    tables = (
-        (need_weight, weight),
-        (need_pe_table, pe_table),
-        (need_token_type_weight, token_type_weight),
-    )
+def _(grad, *arguments):
+    *arguments, need_weight, need_pe_table, need_token_type_weight, _ = arguments
+    tables = [arguments[i] for i in _TABLES]
     return [
         torch.empty_like(t, memory_format=torch.contiguous_format)
-        for need, t in tables
+        for need, t in zip(
+            (need_weight, need_pe_table, need_token_type_weight), tables, strict=True
+        )
         if need and t is not None
     ]
 
 
-# weight, pe_table and token_type_weight: the arguments that get a gradient (ids, positions and
-# token types are integers; the sinusoidal PE has no parameters)
-_TABLES = (1, 5, 11)
-
-
 def _embed_backward(ctx, grad):
-    wanted = [ctx.needs_input_grad[i] for i in _TABLES]
-    grads = [None] * 13
+    wanted = [bool(ctx.needs_input_grad[i]) for i in _TABLES]
+    grads = [None] * (len(_NAMES) + 1)  # and the backend's
     if not any(wanted):
         return tuple(grads)
-    ids, weight, positions, offset, pe, pe_table, scale, _, _, _, tt_ids, tt_weight = ctx.args
-    found = iter(
-        embed_backward_op(
-            grad,
-            ids,
-            weight,
-            positions,
-            offset,
-            pe,
-            pe_table,
-            scale,
-            tt_ids,
-            tt_weight,
-            *(bool(w) for w in wanted),
-            ctx.backend,
-        )
-    )
+    found = iter(embed_backward_op(grad, *ctx.args, *wanted, ctx.backend))
     for index, want in zip(_TABLES, wanted, strict=True):
         if want:
             grads[index] = next(found)
@@ -171,34 +96,18 @@ def _embed_backward(ctx, grad):
 register_autograd("embed", _embed_backward)
 
 
-def call_embed(
-    ids,
-    weight,
-    *,
-    positions,
-    pe,
-    pe_table,
-    scale,
-    base,
-    layout,
-    freq,
-    token_type_ids,
-    token_type_weight,
-    backend,
-):
+def call_embed(ids, weight, *, positions, pe, scale, base, backend, **as_given):
+    """``embed``'s public arguments in the schema's order (``as_given``: pe_table, layout, freq,
+    token_type_ids, token_type_weight, passed as they are)."""
     tensor, offset = Positions.flatten("positions", positions, weight.device)
-    return embed_op(
-        ids,
-        weight,
-        tensor,
-        offset or 0,
-        pe or "",
-        pe_table,
-        float(scale),
-        float(base),
-        layout,
-        freq,
-        token_type_ids,
-        token_type_weight,
-        backend or "",
+    named = dict(
+        as_given,
+        ids=ids,
+        weight=weight,
+        positions=tensor,
+        offset=offset or 0,
+        pe=pe or "",
+        scale=float(scale),
+        base=float(base),
     )
+    return embed_op(*(named[name] for name in _NAMES), backend or "")

@@ -13,19 +13,58 @@ from fastpe._inputs import ApplyRopeInputs
 from fastpe._options import Positions
 from fastpe.torch_ops._common import _backend, _refuse_grad, register_autograd
 
+# The rotation: everything after the rotated tensor(s) in the three ops' schemas
+_ROTATION = (
+    "Tensor cos, Tensor sin, Tensor? positions, int offset, bool interleaved, str layout, "
+    "str backend"
+)
 
-@torch.library.custom_op("fastpe::apply_rope", mutates_args=())
-def apply_rope_op(
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    interleaved: bool,
-    layout: str,
-    backend: str,
-) -> Tensor:
-    inputs = ApplyRopeInputs.build(
+
+@torch.library.custom_op(
+    "fastpe::apply_rope", mutates_args=(), schema=f"(Tensor x, {_ROTATION}) -> Tensor"
+)
+def apply_rope_op(x, *rotation):
+    *rotation, backend = rotation
+    return dispatch.run(_rope_inputs(x, *rotation), _backend(backend))
+
+
+@apply_rope_op.register_fake
+def _(x, *_):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(
+    "fastpe::apply_rope_group", mutates_args=(), schema=f"(Tensor[] xs, {_ROTATION}) -> Tensor[]"
+)
+def apply_rope_group_op(xs, *rotation):
+    """``apply_rope((q, k), ...)``: the tensors of one call in one op (one launch on Triton)."""
+    return _rotate_group(xs, rotation, inverse=False)
+
+
+@apply_rope_group_op.register_fake
+def _(xs, *_):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+@torch.library.custom_op(
+    "fastpe::apply_rope_backward",
+    mutates_args=(),
+    schema=f"(Tensor[] grads, {_ROTATION}) -> Tensor[]",
+)
+def apply_rope_backward_op(grads, *rotation):
+    """The gradients w.r.t. x of ``apply_rope`` / ``apply_rope_group``: each output gradient
+    rotated by -θ (docs/math.md#gradients), all of them in one kernel call."""
+    return _rotate_group(grads, rotation, inverse=True)
+
+
+@apply_rope_backward_op.register_fake
+def _(grads, *_):
+    return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
+
+
+def _rope_inputs(x, cos, sin, positions, offset, interleaved, layout):
+    """The record of one rotation from the schema's arguments (the op returns a new tensor)."""
+    return ApplyRopeInputs.build(
         x,
         cos,
         sin,
@@ -34,65 +73,11 @@ def apply_rope_op(
         layout=layout,
         inplace=False,
     )
-    return dispatch.run(inputs, _backend(backend))
 
 
-@apply_rope_op.register_fake
-def _(x, cos, sin, positions, offset, interleaved, layout, backend):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("fastpe::apply_rope_group", mutates_args=())
-def apply_rope_group_op(
-    xs: list[Tensor],
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    interleaved: bool,
-    layout: str,
-    backend: str,
-) -> list[Tensor]:
-    """``apply_rope((q, k), ...)``: the tensors of one call in one op (one launch on Triton)."""
-    return _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, False)
-
-
-@apply_rope_group_op.register_fake
-def _(xs, cos, sin, positions, offset, interleaved, layout, backend):
-    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
-
-
-@torch.library.custom_op("fastpe::apply_rope_backward", mutates_args=())
-def apply_rope_backward_op(
-    grads: list[Tensor],
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor | None,
-    offset: int,
-    interleaved: bool,
-    layout: str,
-    backend: str,
-) -> list[Tensor]:
-    """The gradients w.r.t. x of ``apply_rope`` / ``apply_rope_group``: each output gradient
-    rotated by -θ (docs/math.md#gradients), all of them in one kernel call."""
-    return _rotate_group(grads, cos, sin, positions, offset, interleaved, layout, backend, True)
-
-
-@apply_rope_backward_op.register_fake
-def _(grads, cos, sin, positions, offset, interleaved, layout, backend):
-    return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
-
-
-def _rotate_group(xs, cos, sin, positions, offset, interleaved, layout, backend, inverse):
-    first = ApplyRopeInputs.build(
-        xs[0],
-        cos,
-        sin,
-        positions=Positions.unflatten(positions, offset),
-        interleaved=interleaved,
-        layout=layout,
-        inplace=False,
-    )
+def _rotate_group(xs, rotation, *, inverse):
+    *rotation, backend = rotation
+    first = _rope_inputs(xs[0], *rotation)
     if inverse:
         first = dataclasses.replace(first, inverse=True)
     group = [first, *(first.with_x(x) for x in xs[1:])]
