@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing.forkserver
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -77,12 +76,6 @@ def _worker(rank, world, init_method, phases, outdir):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_group(world, phases, tmp_path, timeout=SPAWN_TIMEOUT_S):
     """Run ``phases`` on a fresh gloo group of ``world`` processes; returns per-rank results
     (case name -> outcome). Workers still running after ``timeout`` seconds are killed and the
@@ -103,7 +96,9 @@ def spawn_group(world, phases, tmp_path, timeout=SPAWN_TIMEOUT_S):
             else:
                 os.environ[key] = value
     warm_numba()  # while the server imports
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # a file store, not a TCP port picked beforehand: another process (the other test worker)
+    # may take a free port between the pick and rank 0's listen
+    init_method = f"file://{tmp_path / 'rendezvous'}"
     procs = [
         ctx.Process(target=_worker, args=(r, world, init_method, phases, str(tmp_path)))
         for r in range(world)

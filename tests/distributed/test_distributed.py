@@ -26,7 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from _spawn import SPAWN_TIMEOUT_S, Phase, free_port, members  # noqa: E402
+from _spawn import SPAWN_TIMEOUT_S, Phase, members  # noqa: E402
 
 from fastpe import distributed as fd  # noqa: E402
 
@@ -592,10 +592,9 @@ def test_overlap_benchmark_runs_under_torchrun():
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",  # torchrun picks its own free port
             "--nproc-per-node",
             "2",
-            "--master-port",
-            str(free_port()),
             os.path.join(root, "bench", "distributed_overlap.py"),
             "--seq",
             "64",
