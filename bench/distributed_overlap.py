@@ -162,6 +162,7 @@ def main():
             f"median of {args.repeats}"
         )
         print("\n".join(lines))
+    dist.barrier()  # no rank tears down its gloo pairs while the other still uses them
     dist.destroy_process_group()
 
 
