@@ -95,3 +95,12 @@ def require(backend, op, *args, **kwargs):
     report = fastpe.explain(op, *args, backend=backend, **kwargs)
     if report.chosen is None:
         pytest.skip(str(report).splitlines()[1])
+
+
+def schema_options(**public) -> dict:
+    """The attention options as the torch ops' schema arguments, by name, for ``opcheck`` calls
+    (which take the schema's arguments; their order is the op's own business)."""
+    from fastpe._options import AttentionOptions
+
+    values = AttentionOptions.flatten("cpu", **public)
+    return dict(zip(AttentionOptions.SCHEMA_NAMES, values, strict=True))

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from _testkit import KERNEL_BACKENDS, grid
+from _testkit import KERNEL_BACKENDS, grid, schema_options
 
 torch = pytest.importorskip("torch")
 
@@ -460,21 +460,7 @@ def test_opcheck_with_autograd():
         relative_bias_num_buckets=32,
         relative_bias_max_distance=20,
         relative_bias_bidirectional=True,
-        causal=True,
-        causal_alignment="bottom_right",
-        scale=None,
-        window_left=4,
-        window_right=-1,
-        softcap=2.0,
-        sinks=sinks,
-        alibi_slopes=None,
-        rope_cos=None,
-        rope_sin=None,
-        rope_interleaved=False,
-        rope_q_positions=None,
-        rope_q_positions_offset=None,
-        rope_k_positions=None,
-        rope_k_positions_offset=None,
+        **schema_options(causal=True, window=(4, -1), softcap=2.0, sinks=sinks),
         backend="",
     )
     torch.library.opcheck(torch.ops.fastpe.attention.default, (q, k, v), options)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _testkit import KERNEL_BACKENDS
+from _testkit import KERNEL_BACKENDS, schema_options
 
 torch = pytest.importorskip("torch")
 
@@ -250,21 +250,7 @@ def test_opcheck_with_autograd():
     options = dict(
         max_seqlen_q=None,
         max_seqlen_k=None,
-        causal=True,
-        causal_alignment="bottom_right",
-        scale=None,
-        window_left=3,
-        window_right=-1,
-        softcap=2.0,
-        sinks=sinks,
-        alibi_slopes=None,
-        rope_cos=None,
-        rope_sin=None,
-        rope_interleaved=False,
-        rope_q_positions=None,
-        rope_q_positions_offset=None,
-        rope_k_positions=None,
-        rope_k_positions_offset=None,
+        **schema_options(causal=True, window=(3, -1), softcap=2.0, sinks=sinks),
         backend="",
     )
     args = (q, k, v, cu_q, cu_k)
