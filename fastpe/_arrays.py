@@ -51,6 +51,7 @@ NUMPY = Placement("numpy")
 # building them (str() of a device or dtype) was a visible part of a one-token call's overhead
 _placements: dict = {}
 _dtype_names: dict = {}
+_numpy_dtype_names: dict = {}  # np.dtype -> its name (np.dtype.name is computed on each access)
 
 
 def placement_of(x) -> Placement:
@@ -72,7 +73,11 @@ def dtype_name(x) -> str:
             name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
         return name
     if isinstance(x, np.ndarray):
-        return x.dtype.name
+        dtype = x.dtype
+        name = _numpy_dtype_names.get(dtype)
+        if name is None:
+            name = _numpy_dtype_names[dtype] = dtype.name
+        return name
     return np.asarray(x).dtype.name
 
 
