@@ -6,6 +6,7 @@ softmax. One definition of what a score is, so that the forward and backward ker
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -212,8 +213,16 @@ class RowTile(NamedTuple):
     npos: int
 
 
+@functools.cache
 def _dummy(dtype, ndim):
+    """The placeholder of an absent array argument: one per (dtype, ndim) per process, since
+    the kernels read it only behind its ``has_*`` flag and never write it."""
     return np.zeros((1,) * ndim, dtype=dtype)
+
+
+@functools.cache
+def _largest_float(dtype) -> float:
+    return float(np.finfo(dtype).max)
 
 
 def score_mods(
@@ -270,7 +279,7 @@ def score_mods(
         mask_is_bool=mask_is_bool,
         mask_bool=mask if mask_is_bool else _dummy(np.bool_, 4),
         mask=mask if mask is not None and not mask_is_bool else _dummy(dtype, 4),
-        mask_limit=float(np.finfo(dtype).max),
+        mask_limit=_largest_float(dtype),
         has_alibi=alibi_slopes is not None,
         alibi=alibi,
         has_bias=relative_bias is not None,
