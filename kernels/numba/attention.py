@@ -111,11 +111,6 @@ def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
     return block_m, min(block_n, max(sk, 1))
 
 
-# BLAS limited to one thread while the kernel runs: Numba's threads already fill the cores, and
-# a threaded BLAS inside them oversubscribes. Process-wide, so shared with its lock (_runtime).
-_single_threaded_blas = single_threaded_blas
-
-
 def _largest_finite_magnitude(mask):
     """max |finite value| of a mask, read from its stored elements only (a broadcast view's
     stride-0 axes are collapsed, so this never walks [B, Hq, Sq, Sk] for a smaller mask)."""
@@ -211,7 +206,8 @@ def attention_numba(
     # rows of a tile: the query heads of a kv head times the positions of a query block; tiles
     # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads
     uses_blas = group * block_m > SMALL_ROWS
-    with _single_threaded_blas() if uses_blas else contextlib.nullcontext():
+    # Numba's threads already fill the cores: a threaded BLAS inside them would oversubscribe
+    with single_threaded_blas() if uses_blas else contextlib.nullcontext():
         kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
     if n_splits == 1:
         return out[0], lse[0]
