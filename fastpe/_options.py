@@ -384,7 +384,7 @@ CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 class AttentionOptions(NamedTuple):
     """The options of every attention op (dense, packed, KV cache) and of their backward,
     validated once. The records hold it whole, the backends hand it to the launchers through
-    ``launcher_kwargs`` and the torch ops carry it as ``SCHEMA``, so a new option is: a field
+    ``launched`` and the torch ops carry it as ``SCHEMA``, so a new option is: a field
     here, its check in ``build``, its schema argument (``SCHEMA``, ``flatten``, ``unflatten``),
     its entry in ``FEATURES`` (and ``ARRAYS`` for an array), and its use in the launchers,
     kernels and the oracle — plus the public keyword (docs/extending.md)."""
@@ -520,16 +520,22 @@ class AttentionOptions(NamedTuple):
         arrays are named by each op: ``attention_kvcache`` calls its tables ``rotary_cos``)."""
         return {name: getattr(self, name) for name in self.ARRAYS}
 
-    def launcher_kwargs(self, convert: Callable) -> dict:
-        """The keyword arguments every attention launcher takes for these options (``scale=``,
-        ``causal=``, ``bottom_right=``, ``window=``, ``softcap=``, ``sinks=``,
-        ``alibi_slopes=``), each array passed through the backend's ``convert``."""
-        kwargs = {
-            name: value
-            for name, value in zip(self._fields, self, strict=True)
-            if name not in self._NOT_LAUNCHED
+    def launched(self, convert: Callable) -> AttentionOptions:
+        """The record a kernel launcher takes as ``options``: the same values, each option
+        array passed through the backend's ``convert``. Launchers read the fields they apply
+        (``scale``, ``causal``, ``bottom_right``, ``window``, ``softcap``, ``sinks``,
+        ``alibi_slopes``); fused RoPE and ``return_lse`` are the backends' concern."""
+        return self._replace(
+            **{
+                name: convert(getattr(self, name))
+                for name in self.ARRAYS
+                if getattr(self, name) is not None
+            }
+        )
+
+    def keywords(self) -> dict:
+        """The launched fields as keyword arguments (the NumPy oracle's ``reference.attention``
+        takes the options so)."""
+        return {
+            name: getattr(self, name) for name in self._fields if name not in self._NOT_LAUNCHED
         }
-        for name in self.ARRAYS:
-            if kwargs[name] is not None:
-                kwargs[name] = convert(kwargs[name])
-        return kwargs

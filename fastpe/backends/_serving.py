@@ -142,7 +142,7 @@ class ServingArrays:
 
     def attend(self, args: PagedArguments):
         """The backend's paged kernel: (out [Tq, Hq, Dv], lse [Hq, Tq]), with the record's
-        options (``self.inp.options.launcher_kwargs``)."""
+        options (``self.inp.options.launched(...)``)."""
         raise NotImplementedError
 
     def output(self, x, dtype: str):

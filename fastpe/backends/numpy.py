@@ -142,7 +142,7 @@ def _attention_call(fwd):
         mask=mask,
         key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
         relative_bias=None if bias is None else bias._replace(table=to_float64(bias.table)),
-        **fwd.options.launcher_kwargs(to_float64),
+        **fwd.options.launched(to_float64).keywords(),
     )
     return q, k, v, kwargs, tables
 
@@ -256,7 +256,7 @@ class _ServingArrays(_serving.ServingArrays):
         cu_q = np.concatenate([args.q_start[:1], ends]) if len(ends) else np.zeros(1, np.int64)
         cu_k = np.concatenate([[0], np.cumsum(args.k_len)])
         return reference.attention_varlen(
-            args.q, k, v, cu_q, cu_k, **self.inp.options.launcher_kwargs(to_float64)
+            args.q, k, v, cu_q, cu_k, **self.inp.options.launched(to_float64).keywords()
         )
 
     def output(self, x, dtype):

@@ -210,7 +210,7 @@ class Attention(_Triton):
             relative_bias=inp.relative_bias,
             rope=rope,
             num_sms=_sms(device),
-            **inp.options.launcher_kwargs(_fp32),
+            **inp.options.launched(_fp32).keywords(),
         )
         return (out, lse) if inp.options.return_lse else out
 
@@ -256,7 +256,7 @@ class AttentionBackward(_Triton):
             mask=fwd.mask,
             key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
             relative_bias=bias,
-            **fwd.options.launcher_kwargs(_fp32),
+            **fwd.options.launched(_fp32).keywords(),
         )
         if rope is not None:
             dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
@@ -364,7 +364,7 @@ class _ServingArrays(_serving.ServingArrays):
             page_start=_host_int64(args.page_start, device),
             page_size=args.page_size,
             num_sms=_sms(device),
-            **self.inp.options.launcher_kwargs(_fp32),
+            **self.inp.options.launched(_fp32).keywords(),
         )
 
     def output(self, x, dtype):

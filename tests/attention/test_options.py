@@ -346,7 +346,7 @@ def test_numba_softcap_tanh_accuracy():
 
 
 def test_every_launcher_takes_the_shared_options():
-    """``AttentionOptions.launcher_kwargs`` is how every backend hands the options to its
+    """``AttentionOptions.launched`` is how every backend hands the options to its
     launchers and to the oracle: each of them must take every keyword it gives (a new option
     that a launcher lacks fails here, not in one backend's call)."""
     import importlib
@@ -355,7 +355,7 @@ def test_every_launcher_takes_the_shared_options():
     from fastpe import reference
     from fastpe._options import AttentionOptions
 
-    given = set(AttentionOptions(scale=1.0).launcher_kwargs(lambda x: x))
+    given = set(AttentionOptions(scale=1.0).keywords())
     launchers = [reference.attention, reference.attention_backward, reference.attention_varlen]
     for module, names in (
         ("numba.attention", ["attention_numba"]),
