@@ -1,7 +1,24 @@
 """What turns Q·Kᵀ into attention weights, shared by every Numba attention kernel (dense,
 paged/varlen, backward): the score modifiers (soft-cap, masks, ALiBi, T5 relative bias, window
-and causal edges) grouped in one ``ScoreMods`` record, the vectorisable exp2 and the online
-softmax. One definition of what a score is, so that the forward and backward kernels agree.
+and causal edges) grouped in one ``ScoreMods`` record and applied by ``_modify_scores`` (the
+backward's ``_modify_scores_with_slope`` and ``_chain_slope`` add their derivative), the
+vectorisable exp2 and the online softmax. One definition of what a score is, so that the
+forward and backward kernels agree; the tile steps and launchers name no modifier.
+
+The launchers (``attention_numba``, ``attention_backward_numba``, ``attention_paged_numba``) take
+the call's options as one record, ``options``, read by attribute (the backends pass fastpe's
+``AttentionOptions.launched(...)``; any object with these attributes does):
+
+- ``scale``: float, the factor of Q·Kᵀ;
+- ``causal``: bool, no key after the query's position;
+- ``bottom_right``: bool, query i of sequence b sits at key position i + L_b - Sq (L_b its key
+  length, Sq its query count), else at i;
+- ``window``: None or (left, right) key offsets from the query's position, -1 unbounded;
+- ``softcap``: None or c > 0, scores become c·tanh(s / c) before the masks and biases;
+- ``sinks``: None or float64 [Hq], one more logit per head with no value;
+- ``alibi_slopes``: None or float64 [B, Hq], minus slope·|i - j| on every score.
+
+Only ``score_mods`` (and the launchers' empty-call answers, for ``sinks``) read it.
 """
 
 from __future__ import annotations
@@ -226,28 +243,17 @@ def _largest_float(dtype) -> float:
 
 
 def score_mods(
-    dtype,
-    unit,
-    *,
-    scale,
-    query_shift,
-    key_len,
-    causal,
-    window,
-    softcap,
-    mask=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    sinks=None,
-    sq=0,
-    sk=0,
-    unbounded,
+    dtype, unit, options, *, key_len, q_len, unbounded, mask=None, relative_bias=None, sq=0, sk=0
 ):
-    """The ``ScoreMods`` of a launcher's arguments (as ``attention_numba`` takes them), in
-    ``unit``s and the compute ``dtype``; ``sq`` and ``sk`` are needed with ``relative_bias``
-    only (its distances span every query and key of the call), ``unbounded``
-    as in ``window_edges``."""
-    win_left, win_right = window_edges(window, causal, unbounded)
+    """The ``ScoreMods`` of a launcher's ``options`` (module docstring) and dense attention's
+    ``mask`` and ``relative_bias`` (as ``attention_numba`` takes them), in ``unit``s and the
+    compute ``dtype``. ``key_len`` int64 [B]; ``q_len`` the query count of each sequence (an int
+    or int64 [B]), which places the queries when ``options.bottom_right``; ``sq`` and ``sk`` are
+    needed with ``relative_bias`` only (its distances span every query and key of the call),
+    ``unbounded`` as in ``window_edges``."""
+    query_shift = key_len - q_len if options.bottom_right else np.zeros(key_len.shape[0], np.int64)
+    win_left, win_right = window_edges(options.window, options.causal, unbounded)
+    alibi_slopes, sinks, softcap = options.alibi_slopes, options.sinks, options.softcap
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     alibi = _dummy(dtype, 2)
     if alibi_slopes is not None:
@@ -268,7 +274,7 @@ def score_mods(
         )
         bias_offset = -first
     return ScoreMods(
-        scale=dtype.type(scale),
+        scale=dtype.type(options.scale),
         query_shift=query_shift,
         key_len=key_len,
         unit=unit,
@@ -287,6 +293,29 @@ def score_mods(
         bias_offset=bias_offset,
         has_sinks=sinks is not None,
         sinks=_dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
+    )
+
+
+def dense_score_mods(dtype, unit, options, q, k, *, mask, key_lengths, relative_bias):
+    """``score_mods`` of a dense launcher's call (``attention_numba``'s arguments, q [B, Hq, Sq,
+    D] and k [B, Hkv, Sk, D]): sequence b has key_lengths[b] keys (None: Sk) and Sq queries."""
+    batch, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    key_len = (
+        np.full(batch, sk, dtype=np.int64)
+        if key_lengths is None
+        else np.ascontiguousarray(key_lengths, dtype=np.int64)
+    )
+    return score_mods(
+        dtype,
+        unit,
+        options,
+        key_len=key_len,
+        q_len=sq,
+        unbounded=sq + sk + 1,
+        mask=mask,
+        relative_bias=relative_bias,
+        sq=sq,
+        sk=sk,
     )
 
 
@@ -340,6 +369,67 @@ def _apply_tile_masks(s, mods, tile, j0, n):
                 s[r, c] = -np.inf
 
 
+@njit(cache=True, fastmath=_FLAGS)
+def _modify_scores(s, mods, tile, j0, n, is_f32):
+    """Q·Kᵀ (in ``mods.unit``s, scaled) -> the scores the softmax takes, for a ``RowTile``
+    against keys j0 … j0 + n - 1 (s [group·npos, n], in place): soft-cap, then the biases and
+    masks."""
+    if mods.softcap > 0.0:
+        _softcap(s, mods.softcap, is_f32, mods.unit)
+    _apply_tile_masks(s, mods, tile, j0, n)
+
+
+# error_model="numpy" as in the backward's tile step, which this served inline before: no
+# zero-division branch around 1/c (c > 0 here)
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
+def _modify_scores_for_backward(s, mods, tile, j0, n):
+    """``_modify_scores`` for the backward pass (natural units, float32 tiles, the soft-cap
+    by libm tanh as the gradient formula's 1 - tanh² takes it), returning dz_ds = ∂Z/∂S
+    elementwise, the factor ``_score_gradient`` applies: an empty array when every modifier
+    in use only adds to or masks the scores (∂Z/∂S = 1 where a key is visible)."""
+    m = s.shape[0]
+    cap = mods.softcap
+    dz_ds = np.empty((m, n) if cap > 0.0 else (0, 0), dtype=s.dtype)
+    if cap > 0.0:
+        # clamped: the reciprocal of a subnormal cap is inf, and 0·inf (a zero score) NaN
+        inv = min(1.0 / cap, 1.7976931348623157e308)
+        for r in range(m):
+            for c in range(n):
+                t = np.tanh(s[r, c] * inv)
+                s[r, c] = cap * t
+                dz_ds[r, c] = 1.0 - t * t
+    _apply_tile_masks(s, mods, tile, j0, n)
+    return dz_ds
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _score_gradient(dz, dz_ds):
+    """dZ (the gradient of the modified scores, in place) -> dS = dZ∘dz_ds, the gradient of
+    Q·Kᵀ; dz_ds from ``_modify_scores_for_backward`` (empty: dS = dZ)."""
+    if dz_ds.size > 0:
+        for r in range(dz.shape[0]):
+            for c in range(dz.shape[1]):
+                dz[r, c] *= dz_ds[r, c]
+
+
+@njit(cache=True, inline="always")
+def _larger(m, v):
+    """The running maximum m after v, as a select (what LLVM vectorises; -inf compares
+    exactly)."""
+    return v if v > m else m
+
+
+@njit(cache=True, inline="always")
+def _larger4(m0, m1, m2, m3, s, r, c):
+    """Four running maxima after s[r, c] … s[r, c + 3], one each."""
+    return (
+        _larger(m0, s[r, c]),
+        _larger(m1, s[r, c + 1]),
+        _larger(m2, s[r, c + 2]),
+        _larger(m3, s[r, c + 3]),
+    )
+
+
 @njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
 def _row_max(s, r, n):
     """max of s[r, :n], -inf for an empty or fully masked row.
@@ -354,32 +444,13 @@ def _row_max(s, r, n):
     full = n - n % 8
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s.dtype.type(-np.inf)
     for c0 in range(0, full, 8):
-        v = s[r, c0]
-        m0 = v if v > m0 else m0
-        v = s[r, c0 + 1]
-        m1 = v if v > m1 else m1
-        v = s[r, c0 + 2]
-        m2 = v if v > m2 else m2
-        v = s[r, c0 + 3]
-        m3 = v if v > m3 else m3
-        v = s[r, c0 + 4]
-        m4 = v if v > m4 else m4
-        v = s[r, c0 + 5]
-        m5 = v if v > m5 else m5
-        v = s[r, c0 + 6]
-        m6 = v if v > m6 else m6
-        v = s[r, c0 + 7]
-        m7 = v if v > m7 else m7
-    m0 = m1 if m1 > m0 else m0
-    m2 = m3 if m3 > m2 else m2
-    m4 = m5 if m5 > m4 else m4
-    m6 = m7 if m7 > m6 else m6
-    m0 = m2 if m2 > m0 else m0
-    m4 = m6 if m6 > m4 else m4
-    mx = m4 if m4 > m0 else m0
+        m0, m1, m2, m3 = _larger4(m0, m1, m2, m3, s, r, c0)
+        m4, m5, m6, m7 = _larger4(m4, m5, m6, m7, s, r, c0 + 4)
+    mx = _larger(
+        _larger(_larger(m0, m1), _larger(m2, m3)), _larger(_larger(m4, m5), _larger(m6, m7))
+    )
     for c in range(full, n):
-        v = s[r, c]
-        mx = v if v > mx else mx
+        mx = _larger(mx, s[r, c])
     return mx
 
 
@@ -427,17 +498,6 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
         if a != 1.0:
             for c in range(acc.shape[1]):
                 acc[r, c] *= a
-
-
-def key_lengths_and_shift(key_lengths, batch: int, sq: int, sk: int, bottom_right: bool):
-    """(key lengths int64 [B], each query's offset on the key axis [B]). FlashAttention's rule
-    for a ragged KV cache when ``bottom_right``: the queries are the last Sq of each sequence."""
-    key_len = (
-        np.full(batch, sk, dtype=np.int64)
-        if key_lengths is None
-        else np.ascontiguousarray(key_lengths, dtype=np.int64)
-    )
-    return key_len, key_len - sq if bottom_right else np.zeros(batch, np.int64)
 
 
 def window_edges(window, causal: bool, unbounded: int) -> tuple[int, int]:
