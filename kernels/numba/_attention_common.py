@@ -1,9 +1,10 @@
 """What turns Q·Kᵀ into attention weights, shared by every Numba attention kernel (dense,
 paged/varlen, backward): the score modifiers (soft-cap, masks, ALiBi, T5 relative bias, window
 and causal edges) grouped in one ``ScoreMods`` record and applied by ``_modify_scores`` (the
-backward's ``_modify_scores_with_slope`` and ``_chain_slope`` add their derivative), the
-vectorisable exp2 and the online softmax. One definition of what a score is, so that the
-forward and backward kernels agree; the tile steps and launchers name no modifier.
+backward's ``_modify_scores_for_backward`` also gives their derivative, which
+``_score_gradient`` applies), the vectorisable exp2 and the online softmax. One definition of
+what a score is, so that the forward and backward kernels agree; the tile steps call these and
+name no modifier.
 
 The launchers (``attention_numba``, ``attention_backward_numba``, ``attention_paged_numba``) take
 the call's options as one record, ``options``, read by attribute (the backends pass fastpe's
@@ -18,7 +19,8 @@ the call's options as one record, ``options``, read by attribute (the backends p
 - ``sinks``: None or float64 [Hq], one more logit per head with no value;
 - ``alibi_slopes``: None or float64 [B, Hq], minus slope·|i - j| on every score.
 
-Only ``score_mods`` (and the launchers' empty-call answers, for ``sinks``) read it.
+Only ``score_mods`` reads it, and for ``sinks`` also the launchers' answers to empty calls and
+the backward's gradient of the sinks.
 """
 
 from __future__ import annotations
@@ -379,8 +381,8 @@ def _modify_scores(s, mods, tile, j0, n, is_f32):
     _apply_tile_masks(s, mods, tile, j0, n)
 
 
-# error_model="numpy" as in the backward's tile step, which this served inline before: no
-# zero-division branch around 1/c (c > 0 here)
+# error_model="numpy", as the backward's tile step that calls it: no zero-division branch
+# around 1/c (c > 0 here)
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
 def _modify_scores_for_backward(s, mods, tile, j0, n):
     """``_modify_scores`` for the backward pass (natural units, float32 tiles, the soft-cap
