@@ -87,6 +87,17 @@ def _kernel_backends():
 KERNEL_BACKENDS = _kernel_backends()
 
 
+def check_close(got, want, tol, what=""):
+    """``got`` has ``want``'s shape, no NaN, and is within ``tol · max(1, max|want|)`` of it."""
+    got, want = to_np(got).astype(np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert not np.isnan(got).any(), f"NaN in {what}"
+    err = np.max(np.abs(got - want), initial=0.0)
+    assert err <= tol * max(1.0, np.max(np.abs(want), initial=0.0)), (
+        f"{what}: max error {err:.3g} > {tol}"
+    )
+
+
 def require(backend, op, *args, **kwargs):
     """Skip now, with the reasons, if ``backend`` cannot run ``fastpe.<op>(*args, **kwargs)``.
 
