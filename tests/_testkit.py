@@ -106,6 +106,12 @@ def check_close(got, want, tol, what=""):
     )
 
 
+def raises(exc, match, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` raises ``exc`` with a message matching ``match``."""
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
+
+
 def require(backend, op, *args, **kwargs):
     """Skip now, with the reasons, if ``backend`` cannot run ``fastpe.<op>(*args, **kwargs)``.
 
