@@ -88,6 +88,8 @@ def _kernel_backends():
 
 
 KERNEL_BACKENDS = _kernel_backends()
+# numba alone, for the tests of its half-precision bit handling and its small-call paths
+NUMBA = [p for p in KERNEL_BACKENDS if p.values[0] == "numba"]
 
 
 def loose(backend, oracle_tol, kernel_tol):
@@ -104,6 +106,13 @@ def check_close(got, want, tol, what=""):
     assert err <= tol * max(1.0, np.max(np.abs(want), initial=0.0)), (
         f"{what}: max error {err:.3g} > {tol}"
     )
+
+
+def same_bits(got, want):
+    """Equal bit patterns of two torch tensors, except that any NaN matches any NaN."""
+    nan = torch.isnan(want)
+    assert torch.isnan(got[nan]).all()
+    assert torch.equal(got[~nan], want[~nan]), (got[~nan] != want[~nan]).sum().item()
 
 
 def raises(exc, match, fn, *args, **kwargs):

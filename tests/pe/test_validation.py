@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testkit import raises, to_fw
+from _testkit import needs_torch, raises, to_fw, torch
 
 import fastpe
 
@@ -272,3 +272,14 @@ def test_embed_errors(fw):
         **O,
     )
     raises(ValueError, "scale must be finite", em, ids, w, scale=float("inf"), **O)
+
+
+@needs_torch
+@pytest.mark.parametrize("bad", [-1, 4096])
+def test_tensor_positions_out_of_range_still_name_the_value(bad):
+    """The range checks now reduce tensors in torch; an offending entry is still reported."""
+    x = torch.zeros(1, 2, 3, 8)
+    cos, sin = fastpe.rope_table(4096, 8, device="cpu")
+    positions = torch.tensor([[5, bad, 7]])
+    with pytest.raises(IndexError, match=rf"positions contains {bad} at index \[0, 1\]"):
+        fastpe.apply_rope(x, cos, sin, positions=positions)
