@@ -6,9 +6,9 @@ would on a GPU. The variants are the feature combinations each kernel is compile
 
 from __future__ import annotations
 
-# the feature combinations of tests/test_backends.py::ATTN_CASES (+ MHA, positions, non-
-# interleaved RoPE), as the options of the forward's launch_args (T5: (buckets, bidirectional);
-# RoPE: "interleaved" or "neox_positions"; mask: "bool" or "float")
+# the feature combinations of tests/attention/test_backends.py::ATTN_CASES (+ MHA, positions,
+# non-interleaved RoPE), as the options of the forward's launch_args (T5: (buckets,
+# bidirectional); RoPE: "interleaved" or "neox_positions"; mask: "bool" or "float")
 ATTENTION_VARIANTS = {
     "plain": {},
     "plain_mha": {"mha": True},

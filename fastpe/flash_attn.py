@@ -203,15 +203,12 @@ def _packed(name, x, count, *, ndim):
     x = _arrays.as_array(x)
     axis = ndim - 3
     if x.ndim != ndim or x.shape[axis] != count:
-        want = "[B, S, 3, H, D]" if ndim == 5 and count == 3 else None
-        want = (
-            want
-            or {
-                (5, 2): "[B, S, 2, Hkv, D]",
-                (4, 3): "[total, 3, H, D]",
-                (4, 2): "[total_k, 2, Hkv, D]",
-            }[(ndim, count)]
-        )
+        want = {
+            (5, 3): "[B, S, 3, H, D]",
+            (5, 2): "[B, S, 2, Hkv, D]",
+            (4, 3): "[total, 3, H, D]",
+            (4, 2): "[total_k, 2, Hkv, D]",
+        }[(ndim, count)]
         raise ValueError(f"{name} must be {want}; got shape {tuple(x.shape)}")
     return x
 

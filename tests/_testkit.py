@@ -64,6 +64,9 @@ def to_fw(x, fw, dtype=None):
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
+needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
+
+
 def to_np(x):
     if torch is not None and isinstance(x, torch.Tensor):
         return (
@@ -85,6 +88,37 @@ def _kernel_backends():
 
 
 KERNEL_BACKENDS = _kernel_backends()
+# numba alone, for the tests of its half-precision bit handling and its small-call paths
+NUMBA = [p for p in KERNEL_BACKENDS if p.values[0] == "numba"]
+
+
+def loose(backend, oracle_tol, kernel_tol):
+    """The oracle keeps its closed-form tolerance; a float64 kernel may differ by a few ulp."""
+    return oracle_tol if backend == "numpy" else kernel_tol
+
+
+def check_close(got, want, tol, what=""):
+    """``got`` has ``want``'s shape, no NaN, and is within ``tol · max(1, max|want|)`` of it."""
+    got, want = to_np(got).astype(np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert not np.isnan(got).any(), f"NaN in {what}"
+    err = np.max(np.abs(got - want), initial=0.0)
+    assert err <= tol * max(1.0, np.max(np.abs(want), initial=0.0)), (
+        f"{what}: max error {err:.3g} > {tol}"
+    )
+
+
+def same_bits(got, want):
+    """Equal bit patterns of two torch tensors, except that any NaN matches any NaN."""
+    nan = torch.isnan(want)
+    assert torch.isnan(got[nan]).all()
+    assert torch.equal(got[~nan], want[~nan]), (got[~nan] != want[~nan]).sum().item()
+
+
+def raises(exc, match, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` raises ``exc`` with a message matching ``match``."""
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
 
 
 def require(backend, op, *args, **kwargs):

@@ -14,11 +14,26 @@ import numpy as np
 import pytest
 from _testkit import FRAMEWORKS
 
+from fastpe.backends import BACKEND_NAMES, unavailable_reason
+
 
 @pytest.fixture(params=FRAMEWORKS)
 def fw(request):
     """Framework of the arrays handed to fastpe: 'numpy' or 'torch' (CPU)."""
     return request.param
+
+
+@pytest.fixture(scope="module", params=BACKEND_NAMES)
+def backend(request):
+    """Every registered backend, the float64 oracle included, for the closed-form and
+    independent-implementation tests (each op folder's test_oracle.py); unavailable ones skip.
+    Module-scoped, since Hypothesis rejects function-scoped fixtures. A test parametrised over
+    ``backend`` itself (e.g. over _testkit.KERNEL_BACKENDS) overrides this."""
+    name = request.param
+    why = unavailable_reason(name)
+    if why:
+        pytest.skip(f"{name}: {why}")
+    return name
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ Each backend module declares:
   packages: ``import fastpe`` stays light);
 - ``AUTO_DEVICES``: the device types for which automatic choice considers it;
 - ``IS_ORACLE``: True for the float64 reference, which runs everything and is tried last;
-- ``IMPLEMENTATIONS``: its ``Implementation`` subclass for every op (``base.py``).
+- its ``Implementation`` subclass for every op (``base.py``): each class the module defines
+  (or makes, as ``_serving.implementations`` does) that names an ``op`` is registered.
 
 Adding a backend means adding its module to ``MODULES`` below (see docs/extending.md).
 
@@ -27,8 +28,24 @@ from fastpe.backends.base import Implementation
 MODULES = (numpy, numba, triton)
 BACKEND_NAMES: tuple[str, ...] = tuple(module.NAME for module in MODULES)
 
+
+def _implementations(module) -> dict[tuple[str, str], Implementation]:
+    """{(backend, op): implementation} of the ``Implementation`` subclasses ``module`` defines
+    with an ``op`` (its bases have none; imported classes belong to their own module)."""
+    found = {}
+    for cls in vars(module).values():
+        if not (isinstance(cls, type) and issubclass(cls, Implementation)):
+            continue
+        if cls.__module__ != module.__name__ or getattr(cls, "op", None) is None:
+            continue
+        if (module.NAME, cls.op) in found:
+            raise RuntimeError(f"{module.__name__} defines two implementations of {cls.op}")
+        found[(module.NAME, cls.op)] = cls()
+    return found
+
+
 REGISTRY: dict[tuple[str, str], Implementation] = {
-    (module.NAME, cls.op): cls() for module in MODULES for cls in module.IMPLEMENTATIONS
+    key: impl for module in MODULES for key, impl in _implementations(module).items()
 }
 
 

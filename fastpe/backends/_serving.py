@@ -152,12 +152,31 @@ class ServingArrays:
 
 class ServingImplementation:
     """A backend's ``attention_varlen`` and ``attention_kvcache`` (mixed in before its
-    Implementation base): ``run`` is this layer with the backend's ``serving_arrays`` hooks."""
+    Implementation base by ``implementations``): ``run`` is this layer with the backend's
+    ``serving_arrays`` hooks."""
 
     serving_arrays: type[ServingArrays]
 
     def run(self, inp):
         return run(inp, self.serving_arrays(inp))
+
+
+def implementations(backend: type, serving_arrays: type[ServingArrays]) -> tuple[type, type]:
+    """A backend's ``AttentionVarlen`` and ``AttentionKVCache``: this layer on its
+    ``serving_arrays`` hooks, with the capability table of ``backend`` (the backend's
+    ``Implementation`` base, or a subclass of it with the serving ops' limits). Paged and
+    contiguous caches both go through the backend's one paged kernel."""
+    return tuple(
+        type(
+            name,
+            (ServingImplementation, backend),
+            {"op": op, "serving_arrays": serving_arrays, "__module__": backend.__module__},
+        )
+        for name, op in (
+            ("AttentionVarlen", "attention_varlen"),
+            ("AttentionKVCache", "attention_kvcache"),
+        )
+    )
 
 
 def rotate_then_append(inp, arrays: ServingArrays, q, k_cache, v_cache):

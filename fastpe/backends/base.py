@@ -68,13 +68,27 @@ def write_inplace(x, result):
     return x
 
 
+def host_option_grads(inp, dsinks, dtable) -> tuple:
+    """attention_backward's gradients of the sinks and of the T5 bias table, computed on the
+    host (float64 or float32 arrays, or None), as the caller's arrays in those inputs' dtypes."""
+    fwd = inp.forward
+    bias = fwd.relative_bias
+    return tuple(
+        None if grad is None else _arrays.from_float64(grad, inp.placement, _arrays.dtype_name(of))
+        for grad, of in (
+            (dsinks, fwd.options.sinks),
+            (dtable, None if bias is None else bias.table),
+        )
+    )
+
+
 class AttentionVarlenBackward(Implementation):
     """attention_varlen's backward (docs/math.md#packed-variable-length-backward), by default
     this backend's own ``attention_backward`` once per sequence, on [1, H, S_b, D] copies of the
     packed tensors (no padding), written back into packed gradients. A backend with a packed
     kernel overrides ``run`` (and its capability table) in its subclass.
 
-    Each backend lists its subclass in ``IMPLEMENTATIONS``, so the dispatcher chooses the backend
+    Each backend module defines its subclass, so the dispatcher chooses the backend
     as for any op; the default can run what that backend's ``attention_backward`` can run, which
     it asks about the first sequence's record (the sequences differ only in length).
     """

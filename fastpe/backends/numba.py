@@ -16,7 +16,13 @@ import numpy as np
 from fastpe import _arrays, reference
 from fastpe._arrays import compute_dtype, from_host, to_host, to_host_bits
 from fastpe.backends import _serving
-from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation, write_inplace
+from fastpe.backends.base import (
+    ALL_FLOAT,
+    AttentionVarlenBackward,
+    Implementation,
+    host_option_grads,
+    write_inplace,
+)
 
 NAME = "numba"
 AUTO_DEVICES = frozenset({"cpu"})
@@ -288,18 +294,8 @@ class AttentionBackward(_Numba):
                 apply_rope_numba(g, cos, -sin, p, interleaved=interleaved, layout="bhsd")
                 for g, p in zip((dq, dk), positions, strict=True)
             )
-        grads = [from_host(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
-        bias = fwd.relative_bias
-        for extra, like in (
-            (dsinks, fwd.options.sinks),
-            (dtable, None if bias is None else bias.table),
-        ):
-            grads.append(
-                None
-                if extra is None
-                else _arrays.from_float64(extra, inp.placement, _arrays.dtype_name(like))
-            )
-        return tuple(grads)
+        grads = (from_host(g, inp.placement, inp.dtype) for g in (dq, dk, dv_))
+        return (*grads, *host_option_grads(inp, dsinks, dtable))
 
 
 def _host_float(x):
@@ -404,33 +400,8 @@ class _ServingArrays(_serving.ServingArrays):
         return from_host(np.ascontiguousarray(x), self.inp.placement, dtype)
 
 
-class _Serving(_serving.ServingImplementation, _Numba):
-    serving_arrays = _ServingArrays
-
-
-class AttentionVarlen(_Serving):
-    op = "attention_varlen"
-
-
-class AttentionKVCache(_Serving):
-    op = "attention_kvcache"
+AttentionVarlen, AttentionKVCache = _serving.implementations(_Numba, _ServingArrays)
 
 
 class AttentionVarlenBackwardPerSequence(_Numba, AttentionVarlenBackward):
     """The default: this backend's attention backward once per sequence (no packed kernel)."""
-
-
-IMPLEMENTATIONS = (
-    SinusoidalTable,
-    RopeTable,
-    ApplyRope,
-    Embed,
-    EmbedBackward,
-    Attention,
-    AttentionBackward,
-    MergeAttention,
-    MergeAttentionBackward,
-    AttentionVarlen,
-    AttentionVarlenBackwardPerSequence,
-    AttentionKVCache,
-)

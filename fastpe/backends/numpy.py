@@ -13,7 +13,13 @@ import numpy as np
 from fastpe import _arrays, reference
 from fastpe._arrays import from_float64, to_float64
 from fastpe.backends import _serving
-from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation, write_inplace
+from fastpe.backends.base import (
+    ALL_FLOAT,
+    AttentionVarlenBackward,
+    Implementation,
+    host_option_grads,
+    write_inplace,
+)
 
 NAME = "numpy"
 AUTO_DEVICES = frozenset({"cpu", "cuda"})
@@ -178,18 +184,8 @@ class AttentionBackward(_Numpy):
             interleaved = fwd.options.rope.interleaved
             dq = reference.apply_rope(dq, cos, -sin, q_pos, interleaved)
             dk = reference.apply_rope(dk, cos, -sin, k_pos, interleaved)
-        grads = [from_float64(g, inp.placement, inp.dtype) for g in (dq, dk, dv_)]
-        bias = fwd.relative_bias
-        for extra, like in (
-            (dsinks, fwd.options.sinks),
-            (dtable, None if bias is None else bias.table),
-        ):
-            grads.append(
-                None
-                if extra is None
-                else from_float64(extra, inp.placement, _arrays.dtype_name(like))
-            )
-        return tuple(grads)
+        grads = (from_float64(g, inp.placement, inp.dtype) for g in (dq, dk, dv_))
+        return (*grads, *host_option_grads(inp, dsinks, dtable))
 
 
 class MergeAttention(_Numpy):
@@ -270,33 +266,8 @@ def _take_rows(rows, index):
     return rows[index]
 
 
-class _Serving(_serving.ServingImplementation, _Numpy):
-    serving_arrays = _ServingArrays
-
-
-class AttentionVarlen(_Serving):
-    op = "attention_varlen"
-
-
-class AttentionKVCache(_Serving):
-    op = "attention_kvcache"
+AttentionVarlen, AttentionKVCache = _serving.implementations(_Numpy, _ServingArrays)
 
 
 class AttentionVarlenBackwardPerSequence(_Numpy, AttentionVarlenBackward):
     """The default: this backend's attention backward once per sequence (no packed kernel)."""
-
-
-IMPLEMENTATIONS = (
-    SinusoidalTable,
-    RopeTable,
-    ApplyRope,
-    Embed,
-    EmbedBackward,
-    Attention,
-    AttentionBackward,
-    MergeAttention,
-    MergeAttentionBackward,
-    AttentionVarlen,
-    AttentionVarlenBackwardPerSequence,
-    AttentionKVCache,
-)

@@ -371,8 +371,9 @@ class _ServingArrays(_serving.ServingArrays):
         return x  # already the caller's tensors, in their dtype (lse float32)
 
 
-class _Serving(_serving.ServingImplementation, _Triton):
-    serving_arrays = _ServingArrays
+class _Serving(_Triton):
+    """The capability table of attention_varlen and attention_kvcache: attention's head dims."""
+
     max_head_dim = Attention.max_head_dim
 
     def extra_reasons(self, inp):
@@ -383,31 +384,8 @@ class _Serving(_serving.ServingImplementation, _Triton):
         return []
 
 
-class AttentionVarlen(_Serving):
-    op = "attention_varlen"
-
-
-class AttentionKVCache(_Serving):
-    """Paged and contiguous caches through one kernel reading keys via the page table."""
-
-    op = "attention_kvcache"
+AttentionVarlen, AttentionKVCache = _serving.implementations(_Serving, _ServingArrays)
 
 
 class AttentionVarlenBackwardPerSequence(_Triton, AttentionVarlenBackward):
     """The default: this backend's attention backward once per sequence (no packed kernel)."""
-
-
-IMPLEMENTATIONS = (
-    SinusoidalTable,
-    RopeTable,
-    ApplyRope,
-    Embed,
-    EmbedBackward,
-    Attention,
-    AttentionBackward,
-    MergeAttention,
-    MergeAttentionBackward,
-    AttentionVarlen,
-    AttentionVarlenBackwardPerSequence,
-    AttentionKVCache,
-)

@@ -157,20 +157,10 @@ SMOKE_GRID = [
     Case("sinusoidal_table", "64 x 32", 64, {"positions": 64, "dim": 32}),
     Case("rope_table", "64 x 16", 64, {"positions": 64, "rotary_dim": 16}),
     *[
-        Case(
-            "apply_rope",
-            "q4+k2 S32 D16",
-            32,
-            {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16, "mode": m},
-        )
-        for m in MODES
-    ],
-    *[
-        Case(
-            "embed",
-            "2x16 vocab 100 d32",
-            16,
-            {"batch": 2, "seq": 16, "vocab": 100, "dim": 32, "mode": m},
+        Case(op, label, seq, {**params, "mode": m})
+        for op, label, seq, params in (
+            ("apply_rope", "q4+k2 S32 D16", 32, {"seq": 32, "q_heads": 4, "k_heads": 2, "dim": 16}),
+            ("embed", "2x16 vocab 100 d32", 16, {"batch": 2, "seq": 16, "vocab": 100, "dim": 32}),
         )
         for m in MODES
     ],

@@ -195,9 +195,7 @@ def package_version(dist: str) -> str:
 
 def environment(device: str, peaks: dict) -> dict:
     """The machine, versions, thread counts and peaks a results document was measured with."""
-    import numba
-
-    from fastpe.kernels.numba._runtime import threading_layer  # before Numba starts its threads
+    from fastpe.kernels.numba._runtime import thread_count
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -214,8 +212,7 @@ def environment(device: str, peaks: dict) -> dict:
             d: package_version(d)
             for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
         },
-        "numba_threads": numba.get_num_threads(),
-        "numba_threading_layer": threading_layer(),
+        "cpu_threads": thread_count(),
         "device": device,
         "peaks": peaks,
     }

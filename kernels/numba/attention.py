@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numba
 import numpy as np
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, dense_score_mods
 from fastpe.kernels.numba._attention_tiles import (
@@ -40,17 +39,18 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from numba import prange
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas, thread_count
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
-def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32):
+def _attention_numba(
+    q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32, first, stop
+):
     batch, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     group = hq // hkv
     n_mblocks = (sq + block_m - 1) // block_m
-    for item in prange(batch * hkv * n_mblocks * n_splits):
+    for item in range(first, stop):
         split = item % n_splits
         rest = item // n_splits
         mb = rest % n_mblocks
@@ -143,7 +143,7 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     # split keys when (batch, kv head, query block) items cannot keep every thread busy; a call
     # too small to be worth waking the pool runs whole on the calling thread
     serial = batch * hq * sq * sk * (d + dv) <= SERIAL_WORK
-    threads = 1 if serial else numba.get_num_threads()
+    threads = 1 if serial else thread_count()
     items = batch * hkv * n_mblocks
     key_tiles = -(-sk // block_n)
     n_splits = key_splits(items, key_tiles, threads)
@@ -163,13 +163,25 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     # exp(part_lse - lse), and an lse of size ~40 rounded to float32 is alone a relative 1e-6
     # error of that weight (as large as torch's whole float32 error on a decode step)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
-    kernel = _attention_numba.serial if serial else _attention_numba
     # rows of a tile: the query heads of a kv head times the positions of a query block; tiles
     # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads
     uses_blas = group * block_m > SMALL_ROWS
     # Numba's threads already fill the cores: a threaded BLAS inside them would oversubscribe
     with single_threaded_blas() if uses_blas else contextlib.nullcontext():
-        kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
+        _attention_numba(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            mods,
+            block_m,
+            block_n,
+            n_splits,
+            dtype == np.float32,
+            items=items * n_splits,
+            threads=threads,
+        )
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

@@ -274,3 +274,20 @@ def test_basis_cache_bounded_in_bytes():
     assert sum(x.nbytes for x in big[1:]) > cache.max_bytes
     assert cache.info() == {"entries": 0, "nbytes": 0, "max_bytes": cache.max_bytes}
     assert not big[1].flags.writeable
+
+
+@pytest.mark.parametrize("k", [2**32 - 1, -(2**32 - 1), 2**31 + 12345])
+def test_relative_transform_far_distances_are_exact(k):
+    """T(k) for the largest distances between supported positions, against 50-digit cos/sin
+    of k·ω (a float64 product k·ω was off by up to 1e-8 there)."""
+    t = fastpe.relative_transform(k, 8)
+    omega = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    with mpmath.workdps(50):
+        for i, w in enumerate(omega):
+            angle = mpmath.mpf(k) * mpmath.mpf(float(w))
+            np.testing.assert_allclose(
+                t[2 * i, 2 * i], float(mpmath.cos(angle)), rtol=0, atol=1e-15
+            )
+            np.testing.assert_allclose(
+                t[2 * i, 2 * i + 1], float(mpmath.sin(angle)), rtol=0, atol=1e-15
+            )

@@ -1,4 +1,5 @@
-"""Half precision read and written as bits by the CPU kernels, and the small-call fast paths.
+"""Half precision read and written as bits by the CPU kernels of apply_rope and embed, and their
+small-call fast paths.
 
 Expected values: torch's own float32 -> float16/bfloat16 rounding (round to nearest even), and
 fastpe's float64 oracle (backend="numpy"); the serial kernels must equal the parallel ones.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testkit import KERNEL_BACKENDS, torch
+from _testkit import KERNEL_BACKENDS, NUMBA, same_bits, torch
 
 import fastpe
 
@@ -17,15 +18,8 @@ O = {"backend": "numpy"}
 HALF = ["float16", "bfloat16"]
 
 
-def _same_bits(got, want):
-    """Equal bit patterns, except that any NaN matches any NaN."""
-    nan = torch.isnan(want)
-    assert torch.isnan(got[nan]).all()
-    assert torch.equal(got[~nan], want[~nan]), (got[~nan] != want[~nan]).sum().item()
-
-
 # numba only: the Triton interpreter flushes bfloat16 subnormals to zero (254 patterns differ)
-@pytest.mark.parametrize("backend", [p for p in KERNEL_BACKENDS if p.values[0] == "numba"])
+@pytest.mark.parametrize("backend", NUMBA)
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3, 2.0**-10, 3.0, 65504 / 65519])
 def test_embed_every_half_value_rounds_like_torch(backend, dtype, scale):
@@ -37,7 +31,7 @@ def test_embed_every_half_value_rounds_like_torch(backend, dtype, scale):
     ids = torch.arange(weight.shape[0])[None]
     got = fastpe.embed(ids, weight, pe=None, scale=scale, backend=backend)[0]
     assert got.dtype == tdtype
-    _same_bits(got, (weight.float() * np.float32(scale)).to(tdtype))
+    same_bits(got, (weight.float() * np.float32(scale)).to(tdtype))
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -53,7 +47,7 @@ def test_apply_rope_half_rounds_once_like_torch(backend, dtype, inplace, rng):
     arg = x.clone() if inplace else x
     got = fastpe.apply_rope(arg, cos, sin, positions=positions, inplace=inplace, backend=backend)
     assert (got is arg) == inplace and got.dtype == tdtype
-    _same_bits(got, want)
+    same_bits(got, want)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -77,8 +71,8 @@ def test_apply_rope_half_tables_equal_widened_tables(backend, table_dtype, x_dty
 @pytest.mark.parametrize("op", ["apply_rope", "embed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_serial_and_parallel_kernels_agree(op, dtype, monkeypatch, rng):
-    """Small calls run a serial copy of the kernel: it must give what the parallel one gives,
-    on the same inputs, whichever the size threshold picks."""
+    """Small calls run whole on the calling thread: they must give what a call split across
+    threads gives, on the same inputs, whichever the size threshold picks."""
     pytest.importorskip("numba")
     if fastpe.backends()["numba"] != "available":
         pytest.skip(fastpe.backends()["numba"])
@@ -104,90 +98,6 @@ def test_serial_and_parallel_kernels_agree(op, dtype, monkeypatch, rng):
         monkeypatch.setattr(module, "SERIAL_ELEMENTS", threshold)
         results.append(call())
     assert torch.equal(results[0], results[1])
-
-
-@pytest.mark.parametrize("bad", [-1, 4096])
-def test_tensor_positions_out_of_range_still_name_the_value(bad):
-    """The range checks now reduce tensors in torch; an offending entry is still reported."""
-    x = torch.zeros(1, 2, 3, 8)
-    cos, sin = fastpe.rope_table(4096, 8, device="cpu")
-    positions = torch.tensor([[5, bad, 7]])
-    with pytest.raises(IndexError, match=rf"positions contains {bad} at index \[0, 1\]"):
-        fastpe.apply_rope(x, cos, sin, positions=positions)
-
-
-NUMBA = [p for p in KERNEL_BACKENDS if p.values[0] == "numba"]
-
-
-def _attention_cases(rng):
-    """(name, q, k, v, options) in float32: GQA prefill, decode with split keys, strided views,
-    masks, key lengths and fused RoPE."""
-
-    def t(*shape):
-        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
-
-    cos, sin = fastpe.rope_table(700, 16, device="cpu")
-    base = t(2, 4, 40, 32)
-    yield "gqa causal", t(2, 4, 37, 32), t(2, 2, 300, 32), t(2, 2, 300, 32), {"causal": True}
-    yield "decode split keys", t(1, 8, 1, 32), t(1, 2, 700, 32), t(1, 2, 700, 32), {"causal": True}
-    yield "strided", base[:, :, ::2], base[:, ::2, 1:39], base[:, 1::2, 2:40], {"causal": True}
-    mask = torch.from_numpy(rng.random((2, 1, 9, 50)) > 0.3)
-    yield "bool mask", t(2, 4, 9, 32), t(2, 4, 50, 32), t(2, 4, 50, 32), {"mask": mask}
-    lengths = torch.tensor([50, 17])
-    yield "key lengths", t(2, 4, 9, 32), t(2, 4, 50, 32), t(2, 4, 50, 32), {"key_lengths": lengths}
-    rope = {"cos": cos, "sin": sin}
-    yield "fused rope", t(1, 4, 20, 32), t(1, 2, 600, 32), t(1, 2, 600, 32), {"rope": rope}
-
-
-@pytest.mark.parametrize("backend", NUMBA)
-@pytest.mark.parametrize("dtype", HALF)
-def test_half_attention_reads_bits_and_equals_the_widened_call(backend, dtype, rng):
-    """Half q/k/v are widened tile by tile inside the kernel: bit for bit what the kernel gives
-    on the same values widened to float32 beforehand, rounded once (fused RoPE included: the
-    rotated q/k stay float32); and within one rounding of the float64 oracle."""
-    tdtype = getattr(torch, dtype)
-    for name, q, k, v, kw in _attention_cases(rng):
-        q, k, v = (a.to(tdtype) for a in (q, k, v))
-        got = fastpe.attention(q, k, v, backend=backend, **kw)
-        widened = fastpe.attention(q.float(), k.float(), v.float(), backend=backend, **kw)
-        assert got.dtype == tdtype, name
-        _same_bits(got, widened.to(tdtype))
-        want = fastpe.attention(q.double(), k.double(), v.double(), **kw, **O)
-        # one rounding of a float32 result: half an ulp of the largest output, plus float32's
-        half_ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
-        tol = half_ulp * want.abs().max().item() + 1e-5
-        assert (got.double() - want).abs().max().item() <= tol, name
-
-
-@pytest.mark.parametrize("backend", NUMBA)
-@pytest.mark.parametrize("dtype", HALF)
-def test_half_attention_makes_no_float32_copy_of_its_inputs(backend, dtype, monkeypatch, rng):
-    """No full-tensor widening on the way in: neither Tensor.float() nor .to(float32) is called
-    on q, k or v (the old path widened each with .float() before the kernel)."""
-    tdtype = getattr(torch, dtype)
-    q, k, v = (
-        torch.from_numpy(rng.standard_normal(s)).to(tdtype)
-        for s in ((1, 4, 16, 32), (1, 2, 300, 32), (1, 2, 300, 32))
-    )
-    fastpe.attention(q, k, v, backend=backend)  # compiled before the spy goes in
-    inputs = {a.data_ptr() for a in (q, k, v)}  # detached views share it
-    widened = []
-    real_float, real_to = torch.Tensor.float, torch.Tensor.to
-
-    def spy_float(self, *args, **kwargs):
-        if self.data_ptr() in inputs:
-            widened.append("float")
-        return real_float(self, *args, **kwargs)
-
-    def spy_to(self, *args, **kwargs):
-        if self.data_ptr() in inputs and torch.float32 in (*args, kwargs.get("dtype")):
-            widened.append("to")
-        return real_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "float", spy_float)
-    monkeypatch.setattr(torch.Tensor, "to", spy_to)
-    out = fastpe.attention(q, k, v, causal=True, backend=backend)
-    assert out.dtype == tdtype and not widened, widened
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -216,42 +126,11 @@ def test_apply_rope_pair_in_one_launch_equals_single_calls(layout, interleaved, 
     got = fastpe.apply_rope((q, k), cos, sin, backend="numba", **kw)
     for g, x, dtype in zip(got, (q, k), dtypes, strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
-        _same_bits(g, fastpe.apply_rope(x, cos, sin, backend="numba", **kw))
+        same_bits(g, fastpe.apply_rope(x, cos, sin, backend="numba", **kw))
         want = fastpe.apply_rope(x.double(), cos.double(), sin.double(), **kw, **O)
         half_ulp = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
         tol = 2 * half_ulp * want.abs().max().item() + 1e-6
         assert (g.double() - want).abs().max().item() <= tol
-
-
-@pytest.mark.parametrize("threshold", [1 << 40, -1], ids=["serial", "parallel"])
-@pytest.mark.parametrize("sq", [1, 40], ids=["decode-loops", "prefill-blas"])
-def test_attention_serial_and_parallel_paths_match_the_oracle(threshold, sq, monkeypatch, rng):
-    """Decode-sized attention runs serially and unsplit, with its few-row tiles multiplied by
-    loops instead of BLAS; larger calls run in parallel, splitting the keys when the items cannot
-    fill the threads. Every combination, with window, soft-capping, sinks (counted once across
-    splits) and key lengths, must match the float64 oracle."""
-    pytest.importorskip("numba")
-    from fastpe.kernels.numba import attention as kernel
-
-    monkeypatch.setattr(kernel, "SERIAL_WORK", threshold)
-    # 2 (batch, kv head) items and 3 key tiles: split in two when parallel on 2+ threads (sq 1)
-    b, hq, hkv, sk, d = 1, 8, 2, 700, 32
-    q, k, v = (
-        torch.from_numpy(rng.standard_normal(s).astype(np.float32))
-        for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
-    )
-    kw = {
-        "causal": True,
-        "window": (500, 0),
-        "softcap": 3.0,
-        "return_lse": True,
-        "sinks": torch.linspace(-1.0, 2.0, hq),
-        "key_lengths": torch.tensor([613]),
-    }
-    got, got_lse = fastpe.attention(q, k, v, backend="numba", **kw)
-    want, want_lse = fastpe.attention(q, k, v, **kw, **O)
-    assert (got.double() - want.double()).abs().max().item() < 3e-5
-    assert (got_lse.double() - want_lse.double()).abs().max().item() < 3e-5
 
 
 def test_float16_kernels_compile_without_numba_ir_warnings(tmp_path):
