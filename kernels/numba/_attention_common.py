@@ -414,24 +414,6 @@ def _score_gradient(dz, dz_ds):
                 dz[r, c] *= dz_ds[r, c]
 
 
-@njit(cache=True, inline="always")
-def _larger(m, v):
-    """The running maximum m after v, as a select (what LLVM vectorises; -inf compares
-    exactly)."""
-    return v if v > m else m
-
-
-@njit(cache=True, inline="always")
-def _larger4(m0, m1, m2, m3, s, r, c):
-    """Four running maxima after s[r, c] … s[r, c + 3], one each."""
-    return (
-        _larger(m0, s[r, c]),
-        _larger(m1, s[r, c + 1]),
-        _larger(m2, s[r, c + 2]),
-        _larger(m3, s[r, c + 3]),
-    )
-
-
 @njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
 def _row_max(s, r, n):
     """max of s[r, :n], -inf for an empty or fully masked row.
@@ -446,13 +428,32 @@ def _row_max(s, r, n):
     full = n - n % 8
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = s.dtype.type(-np.inf)
     for c0 in range(0, full, 8):
-        m0, m1, m2, m3 = _larger4(m0, m1, m2, m3, s, r, c0)
-        m4, m5, m6, m7 = _larger4(m4, m5, m6, m7, s, r, c0 + 4)
-    mx = _larger(
-        _larger(_larger(m0, m1), _larger(m2, m3)), _larger(_larger(m4, m5), _larger(m6, m7))
-    )
+        v = s[r, c0]
+        m0 = v if v > m0 else m0
+        v = s[r, c0 + 1]
+        m1 = v if v > m1 else m1
+        v = s[r, c0 + 2]
+        m2 = v if v > m2 else m2
+        v = s[r, c0 + 3]
+        m3 = v if v > m3 else m3
+        v = s[r, c0 + 4]
+        m4 = v if v > m4 else m4
+        v = s[r, c0 + 5]
+        m5 = v if v > m5 else m5
+        v = s[r, c0 + 6]
+        m6 = v if v > m6 else m6
+        v = s[r, c0 + 7]
+        m7 = v if v > m7 else m7
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    m4 = m5 if m5 > m4 else m4
+    m6 = m7 if m7 > m6 else m6
+    m0 = m2 if m2 > m0 else m0
+    m4 = m6 if m6 > m4 else m4
+    mx = m4 if m4 > m0 else m0
     for c in range(full, n):
-        mx = _larger(mx, s[r, c])
+        v = s[r, c]
+        mx = v if v > mx else mx
     return mx
 
 
