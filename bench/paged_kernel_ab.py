@@ -7,7 +7,9 @@ decode, interleaved in one process (a kernel change must not slow the contiguous
 
 Both launchers get the same float32 NumPy inputs (B 8, Sk 4096, H 32/8, D 128, block 16,
 random block table); each round times each once (best of 3 calls); the ratio this / other is
-per round, reported as median [min, max]. Nothing is written.
+per round, reported as median [min, max]. Nothing is written. The other file imports this
+tree's shared helpers (``_attention_common``, ``_attention_tiles``), so only its own kernels
+differ; its launcher takes the options record as ``options=``, as this one does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 from fastpe.kernels.numba import attention_paged as this
+
+from fastpe._options import AttentionOptions
 
 
 def main():
@@ -47,9 +51,7 @@ def main():
         k_len=np.full(b, sk, np.int64),
         page_start=table * block,
         page_size=block,
-        scale=d**-0.5,
-        causal=True,
-        bottom_right=True,
+        options=AttentionOptions(scale=d**-0.5, causal=True),
     )
     fns = {
         "other": lambda: other.attention_paged_numba(q, k, v, **kw),

@@ -247,7 +247,7 @@ def _attention_call(fwd, dtype):
         mask=mask,
         key_lengths=None if fwd.key_lengths is None else _arrays.to_int64(fwd.key_lengths),
         relative_bias=None if bias is None else bias._replace(table=to_host(bias.table, dtype)),
-        **fwd.options.launched(_arrays.to_float64).keywords(),
+        options=fwd.options.launched(_arrays.to_float64),
     )
     return q, k, v, kwargs, tables
 
@@ -392,7 +392,7 @@ class _ServingArrays(_serving.ServingArrays):
             k_len=args.k_len,
             page_start=args.page_start,
             page_size=args.page_size,
-            **self.inp.options.launched(_arrays.to_float64).keywords(),
+            options=self.inp.options.launched(_arrays.to_float64),
         )
 
     def output(self, x, dtype):

@@ -1,7 +1,26 @@
 """What turns Q·Kᵀ into attention weights, shared by every Numba attention kernel (dense,
 paged/varlen, backward): the score modifiers (soft-cap, masks, ALiBi, T5 relative bias, window
-and causal edges) grouped in one ``ScoreMods`` record, the vectorisable exp2 and the online
-softmax. One definition of what a score is, so that the forward and backward kernels agree.
+and causal edges) grouped in one ``ScoreMods`` record and applied by ``_modify_scores`` (the
+backward's ``_modify_scores_for_backward`` also gives their derivative, which
+``_score_gradient`` applies), the vectorisable exp2 and the online softmax. One definition of
+what a score is, so that the forward and backward kernels agree; the tile steps call these and
+name no modifier.
+
+The launchers (``attention_numba``, ``attention_backward_numba``, ``attention_paged_numba``) take
+the call's options as one record, ``options``, read by attribute (the backends pass fastpe's
+``AttentionOptions.launched(...)``; any object with these attributes does):
+
+- ``scale``: float, the factor of Q·Kᵀ;
+- ``causal``: bool, no key after the query's position;
+- ``bottom_right``: bool, query i of sequence b sits at key position i + L_b - Sq (L_b its key
+  length, Sq its query count), else at i;
+- ``window``: None or (left, right) key offsets from the query's position, -1 unbounded;
+- ``softcap``: None or c > 0, scores become c·tanh(s / c) before the masks and biases;
+- ``sinks``: None or float64 [Hq], one more logit per head with no value;
+- ``alibi_slopes``: None or float64 [B, Hq], minus slope·|i - j| on every score.
+
+Only ``score_mods`` reads it, and for ``sinks`` also the launchers' answers to empty calls and
+the backward's gradient of the sinks.
 """
 
 from __future__ import annotations
@@ -226,28 +245,17 @@ def _largest_float(dtype) -> float:
 
 
 def score_mods(
-    dtype,
-    unit,
-    *,
-    scale,
-    query_shift,
-    key_len,
-    causal,
-    window,
-    softcap,
-    mask=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    sinks=None,
-    sq=0,
-    sk=0,
-    unbounded,
+    dtype, unit, options, *, key_len, q_len, unbounded, mask=None, relative_bias=None, sq=0, sk=0
 ):
-    """The ``ScoreMods`` of a launcher's arguments (as ``attention_numba`` takes them), in
-    ``unit``s and the compute ``dtype``; ``sq`` and ``sk`` are needed with ``relative_bias``
-    only (its distances span every query and key of the call), ``unbounded``
-    as in ``window_edges``."""
-    win_left, win_right = window_edges(window, causal, unbounded)
+    """The ``ScoreMods`` of a launcher's ``options`` (module docstring) and dense attention's
+    ``mask`` and ``relative_bias`` (as ``attention_numba`` takes them), in ``unit``s and the
+    compute ``dtype``. ``key_len`` int64 [B]; ``q_len`` the query count of each sequence (an int
+    or int64 [B]), which places the queries when ``options.bottom_right``; ``sq`` and ``sk`` are
+    needed with ``relative_bias`` only (its distances span every query and key of the call),
+    ``unbounded`` as in ``window_edges``."""
+    query_shift = key_len - q_len if options.bottom_right else np.zeros(key_len.shape[0], np.int64)
+    win_left, win_right = window_edges(options.window, options.causal, unbounded)
+    alibi_slopes, sinks, softcap = options.alibi_slopes, options.sinks, options.softcap
     mask_is_bool = mask is not None and mask.dtype == np.bool_
     alibi = _dummy(dtype, 2)
     if alibi_slopes is not None:
@@ -268,7 +276,7 @@ def score_mods(
         )
         bias_offset = -first
     return ScoreMods(
-        scale=dtype.type(scale),
+        scale=dtype.type(options.scale),
         query_shift=query_shift,
         key_len=key_len,
         unit=unit,
@@ -287,6 +295,29 @@ def score_mods(
         bias_offset=bias_offset,
         has_sinks=sinks is not None,
         sinks=_dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
+    )
+
+
+def dense_score_mods(dtype, unit, options, q, k, *, mask, key_lengths, relative_bias):
+    """``score_mods`` of a dense launcher's call (``attention_numba``'s arguments, q [B, Hq, Sq,
+    D] and k [B, Hkv, Sk, D]): sequence b has key_lengths[b] keys (None: Sk) and Sq queries."""
+    batch, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    key_len = (
+        np.full(batch, sk, dtype=np.int64)
+        if key_lengths is None
+        else np.ascontiguousarray(key_lengths, dtype=np.int64)
+    )
+    return score_mods(
+        dtype,
+        unit,
+        options,
+        key_len=key_len,
+        q_len=sq,
+        unbounded=sq + sk + 1,
+        mask=mask,
+        relative_bias=relative_bias,
+        sq=sq,
+        sk=sk,
     )
 
 
@@ -338,6 +369,49 @@ def _apply_tile_masks(s, mods, tile, j0, n):
                 s[r, c] = -np.inf
             for c in range(max(qpos + mods.win_right + 1 - j0, first_seen), n):
                 s[r, c] = -np.inf
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _modify_scores(s, mods, tile, j0, n, is_f32):
+    """Q·Kᵀ (in ``mods.unit``s, scaled) -> the scores the softmax takes, for a ``RowTile``
+    against keys j0 … j0 + n - 1 (s [group·npos, n], in place): soft-cap, then the biases and
+    masks."""
+    if mods.softcap > 0.0:
+        _softcap(s, mods.softcap, is_f32, mods.unit)
+    _apply_tile_masks(s, mods, tile, j0, n)
+
+
+# error_model="numpy", as the backward's tile step that calls it: no zero-division branch
+# around 1/c (c > 0 here)
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
+def _modify_scores_for_backward(s, mods, tile, j0, n):
+    """``_modify_scores`` for the backward pass (natural units, float32 tiles, the soft-cap
+    by libm tanh as the gradient formula's 1 - tanh² takes it), returning dz_ds = ∂Z/∂S
+    elementwise, the factor ``_score_gradient`` applies: an empty array when every modifier
+    in use only adds to or masks the scores (∂Z/∂S = 1 where a key is visible)."""
+    m = s.shape[0]
+    cap = mods.softcap
+    dz_ds = np.empty((m, n) if cap > 0.0 else (0, 0), dtype=s.dtype)
+    if cap > 0.0:
+        # clamped: the reciprocal of a subnormal cap is inf, and 0·inf (a zero score) NaN
+        inv = min(1.0 / cap, 1.7976931348623157e308)
+        for r in range(m):
+            for c in range(n):
+                t = np.tanh(s[r, c] * inv)
+                s[r, c] = cap * t
+                dz_ds[r, c] = 1.0 - t * t
+    _apply_tile_masks(s, mods, tile, j0, n)
+    return dz_ds
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _score_gradient(dz, dz_ds):
+    """dZ (the gradient of the modified scores, in place) -> dS = dZ∘dz_ds, the gradient of
+    Q·Kᵀ; dz_ds from ``_modify_scores_for_backward`` (empty: dS = dZ)."""
+    if dz_ds.size > 0:
+        for r in range(dz.shape[0]):
+            for c in range(dz.shape[1]):
+                dz[r, c] *= dz_ds[r, c]
 
 
 @njit(cache=True, fastmath={"nnan", "reassoc", "nsz"})
@@ -427,17 +501,6 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
         if a != 1.0:
             for c in range(acc.shape[1]):
                 acc[r, c] *= a
-
-
-def key_lengths_and_shift(key_lengths, batch: int, sq: int, sk: int, bottom_right: bool):
-    """(key lengths int64 [B], each query's offset on the key axis [B]). FlashAttention's rule
-    for a ragged KV cache when ``bottom_right``: the queries are the last Sq of each sequence."""
-    key_len = (
-        np.full(batch, sk, dtype=np.int64)
-        if key_lengths is None
-        else np.ascontiguousarray(key_lengths, dtype=np.int64)
-    )
-    return key_len, key_len - sq if bottom_right else np.zeros(batch, np.int64)
 
 
 def window_edges(window, causal: bool, unbounded: int) -> tuple[int, int]:

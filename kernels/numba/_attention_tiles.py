@@ -10,9 +10,8 @@ import math
 import numpy as np
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
-    _apply_tile_masks,
+    _modify_scores,
     _nearest_key_distance,
-    _softcap,
     _softmax_update,
 )
 from fastpe.kernels.numba._half import _widen
@@ -122,16 +121,14 @@ def _add_weighted_values_small(p, col, vt, hk, acc):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
-    """Keys j0 … j0 + n - 1 for one ``RowTile``: S = Q·Kᵀ, soft-cap, masks, online-softmax
-    update, O += P·V."""
+    """Keys j0 … j0 + n - 1 for one ``RowTile``: S = Q·Kᵀ, its modifiers, online-softmax update,
+    O += P·V."""
     m, n = s.shape
     if m <= SMALL_ROWS:
         _scores_small(qt, kt[:, None], 0, s, 0)
     else:
         np.dot(qt, kt.T, s)
-    if mods.softcap > 0.0:
-        _softcap(s, mods.softcap, is_f32, mods.unit)
-    _apply_tile_masks(s, mods, tile, j0, n)
+    _modify_scores(s, mods, tile, j0, n, is_f32)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
     if m <= SMALL_ROWS:
         _add_weighted_values_small(p, 0, vt[:, None], 0, acc)

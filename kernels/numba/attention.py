@@ -26,13 +26,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from fastpe.kernels.numba._attention_common import (
-    _FLAGS,
-    LOG2E,
-    RowTile,
-    key_lengths_and_shift,
-    score_mods,
-)
+from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, dense_score_mods
 from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _attend_tile,
@@ -121,34 +115,16 @@ def _largest_finite_magnitude(mask):
     )
 
 
-def attention_numba(
-    q,
-    k,
-    v,
-    *,
-    scale,
-    causal,
-    bottom_right,
-    mask=None,
-    key_lengths=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-):
+def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_bias=None):
     """Launch the flash-style kernel on NumPy arrays (float32, float64, or bfloat16 / float16
     bits as uint16 / int16, read tile by tile and computed in float32; any strides).
 
-    Query i of sequence b sits at key position i + L_b - Sq when ``bottom_right`` (L_b =
-    key_lengths[b], or Sk), i otherwise. ``mask``: None,
-    or a bool (True = attend) or float (added; float32 or float64 whatever q's dtype) array
-    already broadcast to [B, Hq, Sq, Sk], typically a stride-0 view: it is read in place, never
-    copied. ``key_lengths`` int [B] or None; ``alibi_slopes`` [B, Hq] or None;
-    ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
-    bidirectional); ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0;
-    ``sinks`` float64 [Hq] or None. Returns (out [B, Hq, Sq, Dv] in the compute dtype, lse
-    float32 [B, Hq, Sq]).
+    ``options``: the attention options record (``_attention_common``); sequence b has
+    key_lengths[b] keys (int [B]; None: Sk). ``mask``: None, or a bool (True = attend) or float
+    (added; float32 or float64 whatever q's dtype) array already broadcast to [B, Hq, Sq, Sk],
+    typically a stride-0 view: it is read in place, never copied. ``relative_bias``: None or
+    (table [num_buckets, Hq], num_buckets, max_distance, bidirectional). Returns (out [B, Hq,
+    Sq, Dv] in the compute dtype, lse float32 [B, Hq, Sq]).
     """
     # half bits (uint16 bfloat16, int16 float16) are computed in float32 and returned so; q and
     # k may already be float32 (rotated by fused RoPE) while v is still half bits
@@ -157,8 +133,8 @@ def attention_numba(
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     if batch * hq * sq == 0 or sk == 0:  # nothing to compute: empty, or every row sees no key
         lse = np.full((batch, hq, sq), -np.inf, np.float32)
-        if sinks is not None:
-            lse[...] = np.asarray(sinks, np.float32)[None, :, None]
+        if options.sinks is not None:
+            lse[...] = np.asarray(options.sinks, np.float32)[None, :, None]
         return np.zeros((batch, hq, sq, dv), dtype), lse
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # each in its own (bit) dtype
     group = hq // hkv
@@ -171,7 +147,6 @@ def attention_numba(
     items = batch * hkv * n_mblocks
     key_tiles = -(-sk // block_n)
     n_splits = key_splits(items, key_tiles, threads)
-    key_len, query_shift = key_lengths_and_shift(key_lengths, batch, sq, sk, bottom_right)
     # Scores in log2 units (log2 e folded into the query scale: measurably more accurate in
     # float32 than scaling each difference), unless a float mask holds values so large that
     # times log2 e they would overflow: then natural units, where every finite mask stays a
@@ -180,22 +155,8 @@ def attention_numba(
     if mask is not None and mask.dtype != np.bool_:
         if _largest_finite_magnitude(mask) > float(np.finfo(dtype).max) / 4:
             unit = 1.0
-    mods = score_mods(
-        dtype,
-        unit,
-        scale=scale,
-        query_shift=query_shift,
-        key_len=key_len,
-        causal=causal,
-        window=window,
-        softcap=softcap,
-        mask=mask,
-        alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias,
-        sinks=sinks,
-        sq=sq,
-        sk=sk,
-        unbounded=sq + sk + 1,
+    mods = dense_score_mods(
+        dtype, unit, options, q, k, mask=mask, key_lengths=key_lengths, relative_bias=relative_bias
     )
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     # split parts keep their lse in float64 until merged: the merge weighs each part by

@@ -13,8 +13,8 @@ dK and dV of its keys in accumulators, and writes dQ of each query block
 into its own slice's partial buffer; the partial dQs are summed afterwards in slice order.
 No two items write one element, so the result does not depend on thread timing.
 
-The score modifiers (``ScoreMods``: masks, ALiBi, relative bias, window, soft-cap), exp2 and the
-half-precision reads are the forward's (``_attention_common``, ``_attention_tiles``): one
+The score modifiers (``ScoreMods``, ``_modify_scores_for_backward`` and its derivative), exp2 and
+the half-precision reads are the forward's (``_attention_common``, ``_attention_tiles``): one
 definition of what a score is (fastpe's cache key covers every kernel file, so a change there
 recompiles this one too: ``_runtime._KernelCache``).
 """
@@ -28,12 +28,12 @@ from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
     RowTile,
-    _apply_tile_masks,
     _exp2,
+    _modify_scores_for_backward,
     _nearest_key_distance,
     _relative_bias_by_distance_numba,
-    key_lengths_and_shift,
-    score_mods,
+    _score_gradient,
+    dense_score_mods,
 )
 from fastpe.kernels.numba._attention_tiles import _load_tile, key_splits
 from fastpe.kernels.numba._half import _widen
@@ -42,24 +42,14 @@ from fastpe.kernels.numba._runtime import njit, single_threaded_blas, thread_cou
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
 def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mods, tile, j0):
-    """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), soft-cap, masks, P = exp(S - ref),
-    dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘(1 - tanh²); dV += Pᵀ·dO, dK += dSᵀ·Qs,
+    """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), its modifiers Z, P = exp(Z - ref),
+    dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘∂Z/∂S; dV += Pᵀ·dO, dK += dSᵀ·Qs,
     dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
     m, n = qs.shape[0], kt.shape[0]
     npos, query_shift = tile.npos, mods.query_shift[tile.b]
     s = np.empty((m, n), dtype=qs.dtype)
     np.dot(qs, kt.T, s)
-    softcap = mods.softcap
-    slope = np.empty((m, n) if softcap > 0.0 else (0, 0), dtype=qs.dtype)
-    if softcap > 0.0:
-        # clamped: the reciprocal of a subnormal cap is inf, and 0·inf (a zero score) NaN
-        inv = min(1.0 / softcap, 1.7976931348623157e308)
-        for r in range(m):
-            for c in range(n):
-                t = np.tanh(s[r, c] * inv)
-                s[r, c] = softcap * t
-                slope[r, c] = 1.0 - t * t
-    _apply_tile_masks(s, mods, tile, j0, n)
+    dz_ds = _modify_scores_for_backward(s, mods, tile, j0, n)
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
         shift = ref[r]
@@ -80,10 +70,7 @@ def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mo
             base = mods.bias_offset - (tile.i0 + r - g * npos + query_shift) + j0
             for c in range(n):
                 dbias[g, base + c] += ds[r, c]
-    if softcap > 0.0:
-        for r in range(m):
-            for c in range(n):
-                ds[r, c] *= slope[r, c]
+    _score_gradient(ds, dz_ds)
     dv_acc += np.dot(p.T, go)
     dk_acc += np.dot(ds.T, qs)
     dq_acc += np.dot(ds, kt)
@@ -205,16 +192,10 @@ def attention_backward_numba(
     grad_out,
     grad_lse=None,
     *,
-    scale,
-    causal,
-    bottom_right,
+    options,
     mask=None,
     key_lengths=None,
-    alibi_slopes=None,
     relative_bias=None,
-    window=None,
-    softcap=None,
-    sinks=None,
 ):
     """Gradients of ``attention_numba``'s call on NumPy arrays (float32, or bfloat16 / float16
     bits as uint16 / int16, computed in float32), given its out and lse and the gradients
@@ -234,28 +215,14 @@ def attention_backward_numba(
         delta = delta - _widened(grad_lse)
     delta = np.ascontiguousarray(delta, dtype=np.float32)
     dsinks = None
-    if sinks is not None:
+    if options.sinks is not None:
         # the sink's weight exp(sink - lse) times its dZ = P_sink·(0 - D)
-        sink_weight = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
+        sink_weight = np.exp(np.asarray(options.sinks, np.float64)[None, :, None] - lse)
         dsinks = -(sink_weight * delta).sum(axis=(0, 2))
 
-    key_len, query_shift = key_lengths_and_shift(key_lengths, batch, sq, sk, bottom_right)
     # scores in natural units, as the forward's lse that P = exp(S - lse) is taken against
-    mods = score_mods(
-        dtype,
-        1.0,
-        scale=scale,
-        query_shift=query_shift,
-        key_len=key_len,
-        causal=causal,
-        window=window,
-        softcap=softcap,
-        mask=mask,
-        alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias,
-        sq=sq,
-        sk=sk,
-        unbounded=sq + sk + 1,
+    mods = dense_score_mods(
+        dtype, 1.0, options, q, k, mask=mask, key_lengths=key_lengths, relative_bias=relative_bias
     )
     # T5's bias is held by key-minus-query distance first … first + count - 1
     first, count = -mods.bias_offset, mods.bias.shape[1]

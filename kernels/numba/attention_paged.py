@@ -27,7 +27,7 @@ sequence's length and unused block-table entries are never touched):
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
   and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
 
-Both share the soft-cap, ALiBi, window/causal edges (``ScoreMods``), online softmax and final
+Both share the score modifiers (``ScoreMods``, ``_modify_scores``), online softmax and final
 normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``).
 """
 
@@ -41,8 +41,7 @@ from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
     RowTile,
-    _apply_tile_masks,
-    _softcap,
+    _modify_scores,
     _softmax_update,
     score_mods,
 )
@@ -268,9 +267,7 @@ def _attend_direct(
             _scores_small(qt[hk], keys, hk, s[hk], c0)
         c0 += run
     for hk in range(hkv):
-        if mods.softcap > 0.0:
-            _softcap(s[hk], mods.softcap, is_f32, mods.unit)
-        _apply_tile_masks(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n)
+        _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n, is_f32)
         _softmax_update(
             s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit, is_f32
         )
@@ -389,31 +386,13 @@ def _attention_paged_numba(
         _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
 
-def attention_paged_numba(
-    q,
-    k,
-    v,
-    *,
-    q_start,
-    q_len,
-    k_len,
-    page_start,
-    page_size,
-    scale,
-    causal,
-    bottom_right,
-    alibi_slopes=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-):
+def attention_paged_numba(q, k, v, *, q_start, q_len, k_len, page_start, page_size, options):
     """Launch on NumPy arrays (float32, float64, or bfloat16 / float16 bits as uint16 / int16,
     computed in float32). Shapes as in the module docstring; q_start, q_len, k_len int64 [B],
     page_start int64 [B, pages] (entries past a sequence's last key page are never read);
-    ``alibi_slopes`` float64 [B, Hq] or None; ``window`` None or (left, right), -1 unbounded;
-    ``sinks`` float64 [Hq] or None. Query i of sequence b sits at key position
-    i + k_len[b] - q_len[b] when ``bottom_right``, i otherwise. Returns (out [Tq, Hq, Dv] in the
-    compute dtype, lse float32 [Hq, Tq])."""
+    ``options`` the attention options record (``_attention_common``), its sequence b holding
+    q_len[b] queries and k_len[b] keys. Returns (out [Tq, Hq, Dv] in the compute dtype, lse
+    float32 [Hq, Tq])."""
     dtype = np.dtype(np.float32) if v.dtype in (np.uint16, np.int16) else v.dtype
     total_q, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
@@ -425,8 +404,8 @@ def attention_paged_numba(
     max_k = int(k_len.max(initial=0))
     if total_q * hq == 0 or max_k == 0:
         lse = np.full((hq, total_q), -np.inf, np.float32)
-        if sinks is not None:
-            lse[...] = np.asarray(sinks, np.float32)[:, None]
+        if options.sinks is not None:
+            lse[...] = np.asarray(options.sinks, np.float32)[:, None]
         return np.zeros((total_q, hq, dv), dtype), lse
     block_m = max(1, min(max_q, max(128 // group, 16)))
     block_n = min(256, max_k)
@@ -448,17 +427,7 @@ def attention_paged_numba(
     n_splits = key_splits(items, key_tiles, threads)
     # scores in log2 units, as the forward kernel's without a float mask
     mods = score_mods(
-        dtype,
-        LOG2E,
-        scale=scale,
-        query_shift=k_len - q_len if bottom_right else np.zeros(batch, np.int64),
-        key_len=k_len,
-        causal=causal,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        unbounded=max_q + max_k + 1,
+        dtype, LOG2E, options, key_len=k_len, q_len=q_len, unbounded=max_q + max_k + 1
     )
     rows = PagedRows(
         np.ascontiguousarray(q_start, np.int64),

@@ -356,19 +356,16 @@ def test_every_launcher_takes_the_shared_options():
     from fastpe._options import AttentionOptions
 
     given = set(AttentionOptions(scale=1.0).keywords())
+    if fastpe.backends.numba.unavailable_reason() is None:
+        _numba_launchers_read_every_option(AttentionOptions(scale=1.0), given)
     launchers = [reference.attention, reference.attention_backward, reference.attention_varlen]
     for module, names in (
-        ("numba.attention", ["attention_numba"]),
-        ("numba.attention_backward", ["attention_backward_numba"]),
-        ("numba.attention_paged", ["attention_paged_numba"]),
         ("triton.attention", ["attention_triton"]),
         ("triton.attention_backward", ["attention_backward_triton"]),
         ("triton.attention_paged", ["attention_paged_triton"]),
     ):
         backend = module.split(".")[0]
         if backend == "triton" and fastpe.backends.triton.unavailable_reason() is not None:
-            continue
-        if backend == "numba" and fastpe.backends.numba.unavailable_reason() is not None:
             continue
         loaded = importlib.import_module(f"fastpe.kernels.{module}")
         launchers += [getattr(loaded, name) for name in names]
@@ -383,3 +380,48 @@ def test_every_launcher_takes_the_shared_options():
     for launcher in launchers:
         missing = given - parameters(launcher)
         assert not missing, f"{launcher.__qualname__} lacks {sorted(missing)}"
+
+
+def _numba_launchers_read_every_option(options, given):
+    """The Numba launchers take the record whole (``options=``): each call must read every
+    launched field of it, so that a new option no launcher applies fails here."""
+    from fastpe.kernels.numba.attention import attention_numba
+    from fastpe.kernels.numba.attention_backward import attention_backward_numba
+    from fastpe.kernels.numba.attention_paged import attention_paged_numba
+
+    class Reads:
+        """The record, noting which fields are read."""
+
+        def __init__(self, record):
+            self.record, self.names = record, set()
+
+        def __getattr__(self, name):
+            self.names.add(name)
+            return getattr(self.record, name)
+
+    x = np.ones((1, 1, 2, 4), np.float32)
+    lse = np.zeros((1, 1, 2), np.float32)
+    rows = np.ones((2, 1, 4), np.float32)  # one sequence of 2 queries and 2 keys, one page
+    one, two = np.zeros(1, np.int64), np.full(1, 2, np.int64)
+    calls = {
+        "attention_numba": lambda o: attention_numba(x, x, x, options=o),
+        "attention_backward_numba": lambda o: attention_backward_numba(
+            x, x, x, x, lse, x, options=o
+        ),
+        "attention_paged_numba": lambda o: attention_paged_numba(
+            rows,
+            rows,
+            rows,
+            q_start=one,
+            q_len=two,
+            k_len=two,
+            page_start=one[:, None],
+            page_size=2,
+            options=o,
+        ),
+    }
+    for name, call in calls.items():
+        spy = Reads(options.launched(np.asarray))
+        call(spy)
+        missing = given - spy.names
+        assert not missing, f"{name} ignores {sorted(missing)}"
