@@ -143,8 +143,8 @@ def _softcap(s, cap, is_f32, unit=1.0):
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp_shifted(s, row_max, p, r0, r1, n, totals, to_log2):
-    """p[r, c] = 2 ** ((s[r, c] - row_max[r])·to_log2) for rows r0 … r1-1; totals[r] =
+def _exp_shifted(s, row_max, p, r, n, totals, to_log2):
+    """p[r, c] = 2 ** ((s[r, c] - row_max[r])·to_log2) for row r; totals[r] =
     Σ_c p[r, c] (fused: one less pass over the tile), NaN when row_max[r] is +inf (a score
     overflowed float32: there is no float32 answer, and SDPA too returns NaN).
 
@@ -152,33 +152,31 @@ def _exp_shifted(s, row_max, p, r0, r1, n, totals, to_log2):
     multiply costs ~15% of this pass), log2 e when natural (the difference is taken first, so
     that scores near ±float32 max never overflow on the way).
     """
-    for r in range(r0, r1):
-        mx = row_max[r]
-        total = np.float32(0.0)
-        if to_log2 == 1.0:
-            for c in range(n):
-                value = _exp2(s[r, c] - mx)
-                p[r, c] = value
-                total += value
-        else:
-            for c in range(n):
-                value = _exp2((s[r, c] - mx) * to_log2)
-                p[r, c] = value
-                total += value
-        totals[r] = total if mx < np.inf else np.nan
+    mx = row_max[r]
+    total = np.float32(0.0)
+    if to_log2 == 1.0:
+        for c in range(n):
+            value = _exp2(s[r, c] - mx)
+            p[r, c] = value
+            total += value
+    else:
+        for c in range(n):
+            value = _exp2((s[r, c] - mx) * to_log2)
+            p[r, c] = value
+            total += value
+    totals[r] = total if mx < np.inf else np.nan
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _exp_shifted_f64(s, row_max, p, r0, r1, n, totals, to_nat):
+def _exp_shifted_f64(s, row_max, p, r, n, totals, to_nat):
     """float64 inputs keep float64 throughout: libm exp (scalar, accurate)."""
-    for r in range(r0, r1):
-        mx = row_max[r]
-        total = 0.0
-        for c in range(n):
-            value = math.exp((s[r, c] - mx) * to_nat)
-            p[r, c] = value
-            total += value
-        totals[r] = total
+    mx = row_max[r]
+    total = 0.0
+    for c in range(n):
+        value = math.exp((s[r, c] - mx) * to_nat)
+        p[r, c] = value
+        total += value
+    totals[r] = total
 
 
 @njit(cache=True)
@@ -482,10 +480,12 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
         if row_max[r] == -np.inf:
             row_max[r] = _row_max(s, r, n)
         ref[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
-    if is_f32:
-        _exp_shifted(s, ref, p, 0, m, n, totals, to_log2)
-    else:
-        _exp_shifted_f64(s, ref, p, 0, m, n, totals, to_nat)
+        # one row at a time, here and below: a call with a constant row (0) would compile a
+        # second copy of the function, specialised to the constant
+        if is_f32:
+            _exp_shifted(s, ref, p, r, n, totals, to_log2)
+        else:
+            _exp_shifted_f64(s, ref, p, r, n, totals, to_nat)
     for r in range(m):
         if totals[r] > n:  # the reference fell behind: redo this row exactly
             mx = max(row_max[r], _row_max(s, r, n))
@@ -493,9 +493,9 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
             row_max[r] = mx
             ref[r] = mx
             if is_f32:
-                _exp_shifted(s, ref, p, r, r + 1, n, totals, to_log2)
+                _exp_shifted(s, ref, p, r, n, totals, to_log2)
             else:
-                _exp_shifted_f64(s, ref, p, r, r + 1, n, totals, to_nat)
+                _exp_shifted_f64(s, ref, p, r, n, totals, to_nat)
         row_sum[r] = row_sum[r] * alpha[r] + totals[r]
         a = alpha[r]
         if a != 1.0:
