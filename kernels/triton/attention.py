@@ -9,7 +9,8 @@ scores in natural-log units (finite masks up to fp32's max stay finite) exponent
 exp2((s - max)·log2 e); key tiles outside a block's window (above the causal diagonal, before a
 sliding window) are never visited. GQA reads kv head h // (Hq / Hkv) in place. Soft-capping
 is applied to the scaled scores; an attention sink joins the first key slice's result only, so
-that split-KV merging counts it once.
+that split-KV merging counts it once. The options arrive as one record (``options``, described
+in ``_attention_common``).
 RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
 computed per tile.
 """
@@ -29,8 +30,8 @@ from fastpe.kernels.triton._attention_common import (
     pv_product,
     qk_scores,
     score_args,
+    score_param_args,
     softmax_step,
-    window_offsets,
 )
 from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
 
@@ -247,10 +248,9 @@ def _attention_kernel(
     keys_per_split,
     positions_offsets,
     bias_params,
-    window,
+    score_params,
     strides,
     scale,
-    softcap,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -274,10 +274,10 @@ def _attention_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     """rope_tables: (cos, sin) [P, half]; positions_ptrs and positions_offsets: (q's, k's);
-    bias_params: (max_exact, log_span) of the T5 buckets; window: (left, right) offsets from
-    each query's position, large if unbounded; strides: ((q b, h, s, d), (k …), (v …), (out
-    split, b, h, s, d), (lse split, b, h, s), (mask b, h, q, k), (alibi b, h), (bias bucket, h),
-    cos row, (q positions b, s), (k positions b, s)).
+    bias_params: (max_exact, log_span) of the T5 buckets; score_params as in _attention_common;
+    strides: ((q b, h, s, d), (k …), (v …), (out split, b, h, s, d), (lse split, b, h, s), (mask
+    b, h, q, k), (alibi b, h), (bias bucket, h), cos row, (q positions b, s), (k positions b,
+    s)).
 
     Pointers, then sizes, then strides, as the kernel has always taken them: ptxas allocates
     registers differently when the same arguments come in another order (`fastpe
@@ -331,7 +331,7 @@ def _attention_kernel(
         if BOTTOM_RIGHT:  # FlashAttention's rule for a ragged KV cache: the last Sq of L_b
             shift = end_keys - Sq
     lo, hi = key_range(
-        pid_m, split, end, shift, keys_per_split, window, CAUSAL, HAS_WINDOW, BLOCK_M
+        pid_m, split, end, shift, keys_per_split, score_params, CAUSAL, HAS_WINDOW, BLOCK_M
     )
     qpos_keys = rows + shift  # each query's position on the key axis
 
@@ -368,8 +368,7 @@ def _attention_kernel(
             start + BLOCK_N - 1 > pid_m * BLOCK_M + shift,
             slope,
             near,
-            softcap,
-            window,
+            score_params,
             relative_bias,
             mask,
             CAUSAL,
@@ -529,18 +528,12 @@ def launch_args(
     part_out,
     part_lse,
     *,
-    scale,
-    causal,
-    bottom_right,
+    options,
     keys_per_split,
     mask=None,
     key_lengths=None,
-    alibi_slopes=None,
     relative_bias=None,
     rope=None,
-    window=None,
-    softcap=None,
-    sinks=None,
 ):
     """(kernel, grid, args, constexprs) of the forward kernel: the one place its arguments are
     assembled, for ``attention_triton`` and for ``fastpe triton-report`` (which calls it on meta
@@ -566,8 +559,10 @@ def launch_args(
         cos = sin = dummy[0, 0]
         interleaved, q_pos, q_offset, k_pos, k_offset = False, None, 0, None, 0
     (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
-        device, mask=mask, alibi_slopes=alibi_slopes, relative_bias=relative_bias
+        device, options, mask=mask, relative_bias=relative_bias
     )
+    # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
+    score_params, param_flags = score_param_args(options, sq + sk + 1)
     (q_pos, q_pos_strides), (k_pos, k_pos_strides) = positions(q_pos), positions(k_pos)
     args = (
         q,
@@ -581,20 +576,19 @@ def launch_args(
         bias_arg[0],
         (cos, sin),
         (q_pos, k_pos),
-        sinks if sinks is not None else dummy[0, 0, 0],
+        options.sinks if options.sinks is not None else dummy[0, 0, 0],
         hq,
         hq // hkv,
         sq,
         sk,
         d,
         dv,
-        sk - sq if bottom_right else 0,
+        sk - sq if options.bottom_right else 0,
         cos.shape[1] if rope is not None else 0,
         keys_per_split,
         (q_offset, k_offset),
         bias_arg[2:],
-        # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
-        window_offsets(window, sq + sk + 1),
+        score_params,
         (
             q.stride(),
             k.stride(),
@@ -608,13 +602,11 @@ def launch_args(
             q_pos_strides,
             k_pos_strides,
         ),
-        scale,
-        1.0 if softcap is None else float(softcap),
+        options.scale,
     )
     constexprs = dict(
-        **forward_flags(
-            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
-        ),
+        **forward_flags(options),
+        **param_flags,
         HAS_KEY_LEN=key_lengths is not None,
         **score_flags,
         HAS_ROPE=rope is not None,
@@ -634,22 +626,7 @@ def launch_args(
 
 
 def attention_triton(
-    q,
-    k,
-    v,
-    *,
-    scale,
-    causal,
-    bottom_right,
-    mask=None,
-    key_lengths=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    rope=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-    num_sms=None,
+    q, k, v, *, options, mask=None, key_lengths=None, relative_bias=None, rope=None, num_sms=None
 ):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -659,8 +636,7 @@ def attention_triton(
     None or (table [num_buckets, Hq], num_buckets, max_distance, bidirectional); ``rope`` None or
     (cos, sin, interleaved, q_positions, k_positions), each positions entry (int64 tensor [S] or
     [B, S] or None, int offset): the rows of cos/sin used are tensor values, or offset + index.
-    ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0; ``sinks`` fp32 [Hq]
-    or None. Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
+    ``options`` the attention options (see ``_attention_common``). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
     batch, hq, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     device = q.device
@@ -678,7 +654,7 @@ def attention_triton(
     biased = _per_element_bias(
         {
             "HAS_RELATIVE_BIAS": relative_bias is not None,
-            "HAS_ALIBI": alibi_slopes is not None,
+            "HAS_ALIBI": options.alibi_slopes is not None,
             "HAS_MASK": mask is not None,
             "MASK_IS_BOOL": mask is not None and mask.dtype == torch.bool,
         }
@@ -693,18 +669,12 @@ def attention_triton(
             v,
             part_out,
             part_lse,
-            scale=scale,
-            causal=causal,
-            bottom_right=bottom_right,
+            options=options,
             keys_per_split=keys_per_split,
             mask=mask,
             key_lengths=key_lengths,
-            alibi_slopes=alibi_slopes,
             relative_bias=relative_bias,
             rope=rope,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
         )
         kernel[grid](*args, **constexprs)
     if n_splits == 1:

@@ -21,7 +21,7 @@ from fastpe.kernels.triton._attention_common import (
     alibi_slope,
     modify_scores,
     score_args,
-    window_offsets,
+    score_param_args,
 )
 from fastpe.kernels.triton._common import LOG2E, interpreted, next_pow2
 
@@ -42,8 +42,7 @@ def _tile_grads(
     b,
     h,
     slope,
-    softcap,
-    window,
+    score_params,
     relative_bias,
     mask,
     HAS_SOFTCAP: tl.constexpr,
@@ -55,7 +54,7 @@ def _tile_grads(
     RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
 ):
     """(P, dZ, dS, T5 buckets) of one [rows, cols] tile: s = q·kᵀ (q pre-scaled), soft-cap,
-    window (the causal rule is its right edge 0), masks, ALiBi, T5 bias; P = exp(s - lse);
+    window (``score_params``, whose right edge is 0 when causal), masks, ALiBi, T5 bias; P = exp(s - lse);
     dZ = P∘(dO·vᵀ - delta); dS = dZ∘(1 - tanh²). The buckets are 0 without a T5 bias."""
     s, valid, t, bucket = modify_scores(
         tl.dot(q, tl.trans(k), input_precision="ieee"),
@@ -68,8 +67,7 @@ def _tile_grads(
         False,
         slope,
         tl.zeros_like(qpos),  # the full ALiBi distances: lse is the forward's, offset included
-        softcap,
-        window,
+        score_params,
         relative_bias,
         mask,
         False,
@@ -189,9 +187,8 @@ def _attention_dkdv_kernel(
     D,
     Dv,
     query_shift,
-    window,
+    score_params,
     scale,
-    softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -207,8 +204,8 @@ def _attention_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """q, k, v, dO, lse, delta, dK, dV contiguous; mask, alibi, relative_bias and window as in
-    _attention_common."""
+    """q, k, v, dO, lse, delta, dK, dV contiguous; mask, alibi, relative_bias and score_params as
+    in _attention_common."""
     pid_n = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hkv
@@ -221,9 +218,10 @@ def _attention_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     # the queries that can see a key of this block: j - win_right <= i + shift <= j + win_left
-    lo = tl.maximum(pid_n * BLOCK_N - window[1] - shift, 0)
+    win_left, win_right, _ = score_params
+    lo = tl.maximum(pid_n * BLOCK_N - win_right - shift, 0)
     lo = (lo // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + window[0] - shift, Sq)
+    hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + win_left - shift, Sq)
     for g in range(group):
         h = hk * group + g
         slope = alibi_slope(alibi, b, h, HAS_ALIBI)
@@ -260,8 +258,7 @@ def _attention_dkdv_kernel(
                 b,
                 h,
                 slope,
-                softcap,
-                window,
+                score_params,
                 relative_bias,
                 mask,
                 HAS_SOFTCAP,
@@ -310,9 +307,8 @@ def _attention_dq_kernel(
     D,
     Dv,
     query_shift,
-    window,
+    score_params,
     scale,
-    softcap,
     HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -346,9 +342,10 @@ def _attention_dq_kernel(
     buckets = tl.arange(0, BLOCK_B)
     dtable = tl.zeros((BLOCK_B,), tl.float32)
     # the keys this block's queries can see: i + shift - win_left <= j <= i + shift + win_right
-    lo = tl.maximum(pid_m * BLOCK_M + shift - window[0], 0)
+    win_left, win_right, _ = score_params
+    lo = tl.maximum(pid_m * BLOCK_M + shift - win_left, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + shift + window[1], end_keys)
+    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + shift + win_right, end_keys)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < end_keys
@@ -368,8 +365,7 @@ def _attention_dq_kernel(
             b,
             h,
             slope,
-            softcap,
-            window,
+            score_params,
             relative_bias,
             mask,
             HAS_SOFTCAP,
@@ -427,26 +423,19 @@ def _launch_args(
     delta,
     grads,
     *,
-    scale,
-    causal,
-    bottom_right,
+    options,
     mask=None,
     key_lengths=None,
-    alibi_slopes=None,
     relative_bias=None,
-    window=None,
-    softcap=None,
 ):
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
-    win_left, win_right = window_offsets(window, sq + sk + 1)
-    if causal:
-        win_right = 0
+    score_params, param_flags = score_param_args(options, sq + sk + 1, causal_edge=True)
     (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
         device,
+        options,
         mask=mask,
-        alibi_slopes=alibi_slopes.float() if alibi_slopes is not None else None,
         relative_bias=(relative_bias[0].float(), *relative_bias[1:])
         if relative_bias is not None
         else None,
@@ -471,17 +460,16 @@ def _launch_args(
         sk,
         d,
         dv,
-        sk - sq if bottom_right else 0,
-        (win_left, win_right),
-        float(scale),
-        1.0 if softcap is None else float(softcap),
+        sk - sq if options.bottom_right else 0,
+        score_params,
+        float(options.scale),
     )
     dkdv_tiles, dq_tiles = tiles(d, dv)
     block_m, block_n, warps = dkdv_tiles if kernel is _attention_dkdv_kernel else dq_tiles
     constexprs = dict(
-        HAS_SOFTCAP=softcap is not None,
+        **param_flags,
         HAS_KEY_LEN=key_lengths is not None,
-        BOTTOM_RIGHT=bottom_right,
+        BOTTOM_RIGHT=options.bottom_right,
         **score_flags,
         BLOCK_B=next_pow2(score_flags["RELATIVE_BIAS_BUCKETS"]),
         BLOCK_M=block_m,
@@ -498,18 +486,19 @@ def _launch_args(
     return kernel, grid, args, constexprs
 
 
-def dkdv_launch_args(q, k, v, do, lse, delta, dk, dv, **options):
+def dkdv_launch_args(q, k, v, do, lse, delta, dk, dv, **inputs):
     """(kernel, grid, args, constexprs) of the dK/dV kernel: the one place its arguments are
     assembled, for ``attention_backward_triton`` and ``fastpe triton-report`` (on meta
     tensors). q, k, v, do fp32 contiguous, lse and delta fp32 [B, Hq, Sq] contiguous, dk and dv
-    like k and v; ``options`` the keywords of ``attention_backward_triton`` but sinks."""
-    return _launch_args(_attention_dkdv_kernel, q, k, v, do, lse, delta, (dk, dv), **options)
+    like k and v; ``inputs`` the keywords of ``attention_backward_triton`` (``options``,
+    ``mask``, ``key_lengths``, ``relative_bias``)."""
+    return _launch_args(_attention_dkdv_kernel, q, k, v, do, lse, delta, (dk, dv), **inputs)
 
 
-def dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **options):
+def dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **inputs):
     """As ``dkdv_launch_args`` for the dQ kernel; dtable_part fp32 [B, Hq, query blocks,
     BLOCK_B] with a T5 bias (each program's share of the table's gradient), else [1]."""
-    return _launch_args(_attention_dq_kernel, q, k, v, do, lse, delta, (dq, dtable_part), **options)
+    return _launch_args(_attention_dq_kernel, q, k, v, do, lse, delta, (dq, dtable_part), **inputs)
 
 
 def attention_backward_triton(
@@ -521,22 +510,16 @@ def attention_backward_triton(
     grad_out,
     grad_lse=None,
     *,
-    scale,
-    causal,
-    bottom_right,
+    options,
     mask=None,
     key_lengths=None,
-    alibi_slopes=None,
     relative_bias=None,
-    window=None,
-    softcap=None,
-    sinks=None,
 ):
     """Gradients of ``attention_triton``'s call (q and k already rotated) from its out, lse and
     the gradients of its results, on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
-    ``mask`` None or bool/float broadcast to [B, Hq, Sq, Sk]; ``alibi_slopes`` [B, Hq];
-    ``relative_bias`` None or (table [num_buckets, Hq], num_buckets, max_distance,
-    bidirectional); ``sinks`` [Hq]. Returns (dq, dk, dv) fp32, dsinks fp32 [Hq] or None and
+    ``options`` the attention options (see ``_attention_common``; ALiBi slopes [B, Hq]);
+    ``mask`` None or bool/float broadcast to [B, Hq, Sq, Sk]; ``relative_bias`` None or (table
+    [num_buckets, Hq], num_buckets, max_distance, bidirectional). Returns (dq, dk, dv) fp32, dsinks fp32 [Hq] or None and
     the table's gradient fp32 [num_buckets, Hq] or None."""
     batch, hq, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
@@ -549,8 +532,8 @@ def attention_backward_triton(
         delta = delta - grad_lse.float()
     delta = delta.contiguous()
     dsinks = None
-    if sinks is not None:
-        dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2))
+    if options.sinks is not None:
+        dsinks = -(torch.exp(options.sinks.float()[None, :, None] - lse) * delta).sum((0, 2))
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv_ = torch.zeros_like(v)
@@ -561,21 +544,11 @@ def attention_backward_triton(
         dtype=torch.float32,
         device=device,
     )
-    options = dict(
-        scale=scale,
-        causal=causal,
-        bottom_right=bottom_right,
-        mask=mask,
-        key_lengths=key_lengths,
-        alibi_slopes=alibi_slopes,
-        relative_bias=relative_bias,
-        window=window,
-        softcap=softcap,
-    )
+    inputs = dict(options=options, mask=mask, key_lengths=key_lengths, relative_bias=relative_bias)
     if batch * hq * sq and sk:
         for kernel, grid, args, constexprs in (
-            dkdv_launch_args(q, k, v, do, lse, delta, dk, dv_, **options),
-            dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **options),
+            dkdv_launch_args(q, k, v, do, lse, delta, dk, dv_, **inputs),
+            dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **inputs),
         ):
             kernel[grid](*args, **constexprs)
     dtable = None

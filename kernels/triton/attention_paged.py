@@ -11,7 +11,7 @@ batches and KV caches (paged or contiguous) alike. Shapes:
 One program = (block of one sequence's queries, sequence and query head, key split); programs
 whose block lies past their sequence's queries return at once, so the grid is sized by the
 longest sequence but no work is done for the others' padding. Keys past k_len[b] are never
-read.
+read. The options arrive as one record (``options``, described in ``_attention_common``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from fastpe.kernels.triton._attention_common import (
     modify_scores,
     pv_product,
     qk_scores,
+    score_param_args,
     softmax_step,
-    window_offsets,
 )
 from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
 from fastpe.kernels.triton.attention import SPLIT_GRANULE, _merge
@@ -54,10 +54,9 @@ def _attention_paged_kernel(
     Dv,
     page_size,
     keys_per_split,
-    window,
+    score_params,
     strides,
     scale,
-    softcap,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -70,7 +69,7 @@ def _attention_paged_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """window: (left, right) offsets from each query's position, large if unbounded; strides:
+    """score_params as in _attention_common; strides:
     ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse split, t, h), (page_start b,
     page), (alibi b, h)). Pointers, then sizes, then strides: see _attention_kernel."""
     pid_m = tl.program_id(0).to(tl.int64)
@@ -102,7 +101,7 @@ def _attention_paged_kernel(
     if BOTTOM_RIGHT:  # FlashAttention's rule: the queries are the last q_len of the keys
         shift = length - q_len
     lo, hi = key_range(
-        pid_m, split, length, shift, keys_per_split, window, CAUSAL, HAS_WINDOW, BLOCK_M
+        pid_m, split, length, shift, keys_per_split, score_params, CAUSAL, HAS_WINDOW, BLOCK_M
     )
     qpos_keys = rows + shift
 
@@ -135,8 +134,7 @@ def _attention_paged_kernel(
             True,
             slope,
             near,
-            softcap,
-            window,
+            score_params,
             None,  # no T5 bias
             None,  # no mask
             CAUSAL,
@@ -190,13 +188,7 @@ def launch_args(
     max_q,
     max_k,
     keys_per_split,
-    scale,
-    causal,
-    bottom_right,
-    alibi_slopes=None,
-    window=None,
-    softcap=None,
-    sinks=None,
+    options,
 ):
     """(kernel, grid, args, constexprs) of the paged kernel: the one place its arguments are
     assembled, for ``attention_paged_triton`` and for ``fastpe triton-report`` (on meta
@@ -207,7 +199,8 @@ def launch_args(
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     block_m, block_n = block_sizes(max_q, d, dot_fp32)
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
-    alibi = alibi_slopes if alibi_slopes is not None else dummy[None]
+    alibi = options.alibi_slopes if options.alibi_slopes is not None else dummy[None]
+    score_params, param_flags = score_param_args(options, max_q + max_k + 1)
     args = (
         q,
         k,
@@ -219,14 +212,14 @@ def launch_args(
         k_len,
         page_start,
         alibi,
-        sinks if sinks is not None else dummy,
+        options.sinks if options.sinks is not None else dummy,
         hq,
         hq // hkv,
         d,
         dv,
         page_size,
         keys_per_split,
-        window_offsets(window, max_q + max_k + 1),
+        score_params,
         (
             q.stride(),
             k.stride(),
@@ -236,14 +229,12 @@ def launch_args(
             page_start.stride(),
             alibi.stride(),
         ),
-        scale,
-        1.0 if softcap is None else float(softcap),
+        options.scale,
     )
     constexprs = dict(
-        **forward_flags(
-            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
-        ),
-        HAS_ALIBI=alibi_slopes is not None,
+        **forward_flags(options),
+        **param_flags,
+        HAS_ALIBI=options.alibi_slopes is not None,
         DOT_FP32=dot_fp32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -255,28 +246,12 @@ def launch_args(
 
 
 def attention_paged_triton(
-    q,
-    k,
-    v,
-    *,
-    q_start,
-    q_len,
-    k_len,
-    page_start,
-    page_size,
-    scale,
-    causal,
-    bottom_right,
-    alibi_slopes=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-    num_sms=None,
+    q, k, v, *, q_start, q_len, k_len, page_start, page_size, options, num_sms=None
 ):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). q_start, q_len, k_len
     int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` are read from
-    the host copies the caller validated (``q_len.max()`` here would sync); ``alibi_slopes`` fp32
-    [B, Hq] or None; ``sinks`` fp32 [Hq] or None. Returns (out [Tq, Hq, Dv] in q's dtype, lse fp32
+    the host copies the caller validated (``q_len.max()`` here would sync); ``options`` the
+    attention options (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq, Dv] in q's dtype, lse fp32
     [Hq, Tq])."""
     total_q, hq, d = q.shape
     dv = v.shape[2]
@@ -314,17 +289,11 @@ def attention_paged_triton(
             max_q=max_q,
             max_k=max_k,
             keys_per_split=keys_per_split,
-            scale=scale,
-            causal=causal,
-            bottom_right=bottom_right,
-            alibi_slopes=alibi_slopes,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
+            options=options,
         )
         kernel[grid](*args, **constexprs)
-    elif sinks is not None:  # no key anywhere: lse is the sink
-        part_lse[0] = sinks[None, :]
+    elif options.sinks is not None:  # no key anywhere: lse is the sink
+        part_lse[0] = options.sinks[None, :]
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]
     else:
