@@ -64,6 +64,19 @@ def _tanh(x):
 
 
 @triton.jit
+def program_ids(Hq, group):
+    """(query block, key split, batch, query head, kv head) of this program of a forward kernel,
+    whose grid is (query blocks, batch x query heads, key splits); ``group`` query heads share
+    a kv head."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    return pid_m, split, b, h, h // group
+
+
+@triton.jit
 def key_range(
     pid_m,
     split,

@@ -27,6 +27,7 @@ from fastpe.kernels.triton._attention_common import (
     forward_flags,
     key_range,
     modify_scores,
+    program_ids,
     pv_product,
     qk_scores,
     score_args,
@@ -248,9 +249,9 @@ def _attention_kernel(
     keys_per_split,
     positions_offsets,
     bias_params,
-    score_params,
     strides,
     scale,
+    score_params,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -279,16 +280,11 @@ def _attention_kernel(
     b, h, q, k), (alibi b, h), (bias bucket, h), cos row, (q positions b, s), (k positions b,
     s)).
 
-    Pointers, then sizes, then strides, as the kernel has always taken them: ptxas allocates
-    registers differently when the same arguments come in another order (`fastpe
-    triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides grouped by
-    tensor)."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // group
+    Pointers, then sizes, then strides, as the kernel has always taken them, and score_params
+    last: ptxas allocates registers differently when the same arguments come in another order
+    (`fastpe triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides
+    grouped by tensor; score_params before the strides changes the instruction count)."""
+    pid_m, split, b, h, hk = program_ids(Hq, group)
     qs, ks, vs, os, ls, ms, alibi_strides, bias_strides, stride_cos, qps, kps = strides
     # the tuples _attention_common's helpers take
     mask = (mask_ptr, ms)
@@ -482,9 +478,9 @@ def merge_launch_args(part_out, part_lse, out, lse):
 
 
 def _merge(part_out, part_lse, out_dtype):
-    """part_out [n, B, H, S, Dv], part_lse [n, B, H, S] -> (out, lse)."""
-    n, b, h, s, dv = part_out.shape
-    rows = b * h * s
+    """part_out [n, ..., Dv], part_lse [n, ...] -> (out [..., Dv], lse [...])."""
+    n, *lead, dv = part_out.shape
+    rows = part_lse[0].numel()
     po = part_out.reshape(n, rows, dv).contiguous()
     pl = part_lse.reshape(n, rows).contiguous().float()
     out = torch.empty((rows, dv), dtype=out_dtype, device=part_out.device)
@@ -492,7 +488,7 @@ def _merge(part_out, part_lse, out_dtype):
     if rows:
         kernel, grid, args, constexprs = merge_launch_args(po, pl, out, lse)
         kernel[grid](*args, **constexprs)
-    return out.reshape(b, h, s, dv), lse.reshape(b, h, s)
+    return out.reshape(*lead, dv), lse.reshape(lead)
 
 
 def merge_attention_triton(out_a, lse_a, out_b, lse_b):
@@ -519,6 +515,28 @@ def _rotated_first(q, k, rope):
 
 # Split-KV slices are whole multiples of this, so they suit every autotuned BLOCK_N.
 SPLIT_GRANULE = 128
+
+
+def split_keys(programs, max_q, keys, num_sms, dtype):
+    """(n_splits, keys_per_split, dtype of the parts) of a launch of ``programs`` (query blocks
+    x heads x batch) over at most ``keys`` keys: the keys are split when the programs cannot
+    fill the GPU (decoding), and split parts are kept in fp32 for the merge."""
+    n_splits = 1
+    if not interpreted() and num_sms and programs < num_sms and keys > 4 * SPLIT_GRANULE:
+        n_splits = min(triton.cdiv(keys, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
+    elif interpreted() and max_q == 1 and keys > SPLIT_GRANULE:
+        n_splits = 2  # keep the split-KV path covered by the interpreter tests
+    keys_per_split = triton.cdiv(triton.cdiv(keys, n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
+    via_fp32 = n_splits > 1 or low_precision_via_fp32(dtype)
+    return n_splits, keys_per_split, torch.float32 if via_fp32 else dtype
+
+
+def merged(part_out, part_lse):
+    """(out, lse) from the parts of the key splits: the only part as it is, else their merge
+    (in fp32)."""
+    if part_out.shape[0] == 1:
+        return part_out[0], part_lse[0]
+    return _merge(part_out, part_lse, torch.float32)
 
 
 def launch_args(
@@ -588,7 +606,6 @@ def launch_args(
         keys_per_split,
         (q_offset, k_offset),
         bias_arg[2:],
-        score_params,
         (
             q.stride(),
             k.stride(),
@@ -603,6 +620,7 @@ def launch_args(
             k_pos_strides,
         ),
         options.scale,
+        score_params,
     )
     constexprs = dict(
         **forward_flags(options),
@@ -640,15 +658,9 @@ def attention_triton(
     batch, hq, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     device = q.device
-    # split the keys when (query blocks x heads x batch) cannot fill the GPU: decoding
-    programs = triton.cdiv(sq, 64) * batch * hq
-    n_splits = 1
-    if not interpreted() and num_sms and programs < num_sms and sk > 4 * SPLIT_GRANULE:
-        n_splits = min(triton.cdiv(sk, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
-    elif interpreted() and sq == 1 and sk > SPLIT_GRANULE:
-        n_splits = 2  # keep the split-KV path covered by the interpreter tests
-    keys_per_split = triton.cdiv(triton.cdiv(sk, n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
-    out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
+    n_splits, keys_per_split, out_dtype = split_keys(
+        triton.cdiv(sq, 64) * batch * hq, sq, sk, num_sms, q.dtype
+    )
     part_out = torch.empty((n_splits, batch, hq, sq, dv), dtype=out_dtype, device=device)
     part_lse = torch.empty((n_splits, batch, hq, sq), dtype=torch.float32, device=device)
     biased = _per_element_bias(
@@ -677,8 +689,5 @@ def attention_triton(
             rope=rope,
         )
         kernel[grid](*args, **constexprs)
-    if n_splits == 1:
-        out, lse = part_out[0], part_lse[0]
-    else:
-        out, lse = _merge(part_out, part_lse, torch.float32)
+    out, lse = merged(part_out, part_lse)
     return out.to(q.dtype), lse

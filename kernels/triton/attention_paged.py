@@ -26,13 +26,14 @@ from fastpe.kernels.triton._attention_common import (
     forward_flags,
     key_range,
     modify_scores,
+    program_ids,
     pv_product,
     qk_scores,
     score_param_args,
     softmax_step,
 )
-from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
-from fastpe.kernels.triton.attention import SPLIT_GRANULE, _merge
+from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2
+from fastpe.kernels.triton.attention import merged, split_keys
 
 
 @triton.jit
@@ -42,10 +43,7 @@ def _attention_paged_kernel(
     v_ptr,
     out_ptr,
     lse_ptr,
-    q_start_ptr,
-    q_len_ptr,
-    k_len_ptr,
-    page_ptr,
+    pages,
     alibi_ptr,
     sinks_ptr,
     Hq,
@@ -54,9 +52,9 @@ def _attention_paged_kernel(
     Dv,
     page_size,
     keys_per_split,
-    score_params,
     strides,
     scale,
+    score_params,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -69,15 +67,12 @@ def _attention_paged_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """score_params as in _attention_common; strides:
-    ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse split, t, h), (page_start b,
-    page), (alibi b, h)). Pointers, then sizes, then strides: see _attention_kernel."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // group
+    """pages: (q_start, q_len, k_len, page_start) pointers; score_params as in
+    _attention_common; strides: ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse
+    split, t, h), (page_start b, page), (alibi b, h)). Pointers, then sizes, then strides, then
+    score_params: see _attention_kernel."""
+    q_start_ptr, q_len_ptr, k_len_ptr, page_ptr = pages
+    pid_m, split, b, h, hk = program_ids(Hq, group)
     q_len = tl.load(q_len_ptr + b)
     if pid_m * BLOCK_M >= q_len:  # this block is past the sequence's queries
         return
@@ -207,10 +202,7 @@ def launch_args(
         v,
         part_out,
         part_lse,
-        q_start,
-        q_len,
-        k_len,
-        page_start,
+        (q_start, q_len, k_len, page_start),
         alibi,
         options.sinks if options.sinks is not None else dummy,
         hq,
@@ -219,7 +211,6 @@ def launch_args(
         dv,
         page_size,
         keys_per_split,
-        score_params,
         (
             q.stride(),
             k.stride(),
@@ -230,6 +221,7 @@ def launch_args(
             alibi.stride(),
         ),
         options.scale,
+        score_params,
     )
     constexprs = dict(
         **forward_flags(options),
@@ -251,8 +243,8 @@ def attention_paged_triton(
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). q_start, q_len, k_len
     int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` are read from
     the host copies the caller validated (``q_len.max()`` here would sync); ``options`` the
-    attention options (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq, Dv] in q's dtype, lse fp32
-    [Hq, Tq])."""
+    attention options (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq,
+    Dv] in q's dtype, lse fp32 [Hq, Tq])."""
     total_q, hq, d = q.shape
     dv = v.shape[2]
     batch = q_len.shape[0]
@@ -260,16 +252,9 @@ def attention_paged_triton(
     device = q.device
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     block_m, _ = block_sizes(max_q, d, dot_fp32)
-    programs = triton.cdiv(max(max_q, 1), block_m) * batch * hq
-    n_splits = 1
-    if not interpreted() and num_sms and programs < num_sms and max_k > 4 * SPLIT_GRANULE:
-        n_splits = min(triton.cdiv(max_k, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
-    elif interpreted() and max_q == 1 and max_k > SPLIT_GRANULE:
-        n_splits = 2  # keep the split-KV path covered by the interpreter tests
-    keys_per_split = (
-        triton.cdiv(triton.cdiv(max(max_k, 1), n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
+    n_splits, keys_per_split, out_dtype = split_keys(
+        triton.cdiv(max(max_q, 1), block_m) * batch * hq, max_q, max(max_k, 1), num_sms, q.dtype
     )
-    out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
     part_out = torch.zeros((n_splits, total_q, hq, dv), dtype=out_dtype, device=device)
     part_lse = torch.full(
         (n_splits, total_q, hq), float("-inf"), dtype=torch.float32, device=device
@@ -294,9 +279,5 @@ def attention_paged_triton(
         kernel[grid](*args, **constexprs)
     elif options.sinks is not None:  # no key anywhere: lse is the sink
         part_lse[0] = options.sinks[None, :]
-    if n_splits == 1:
-        out, lse = part_out[0], part_lse[0]
-    else:
-        out, lse = _merge(part_out[:, None], part_lse[:, None], torch.float32)
-        out, lse = out[0], lse[0]
+    out, lse = merged(part_out, part_lse)
     return out.to(q.dtype), lse.transpose(0, 1).contiguous()
