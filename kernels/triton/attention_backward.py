@@ -4,11 +4,11 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (q and k
 rotated by RoPE), grad_out [B, Hq, Sq, Dv], lse and delta [B, Hq, Sq] (fp32)
           -> dq [B, Hq, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, Dv] (fp32).
 
-Two kernels recompute the scores tile by tile, P = exp(s - lse) from the forward's lse (no
-[Sq, Sk] matrix is held; docs/math.md#attention-backward): one program per (key block, batch,
-kv head) accumulates dK and dV over the query blocks of every query head of its group (GQA
-sums there, without atomics), one program per (query block, batch, query head) accumulates
-dQ over its keys. No element is written by two programs: the result does not depend on
+Two launches of one kernel recompute the scores tile by tile, P = exp(s - lse) from the
+forward's lse (no [Sq, Sk] matrix is held; docs/math.md#attention-backward): in the first, one
+program per (key block, batch, kv head) accumulates dK and dV over the query blocks of every
+query head of its group (GQA sums there, without atomics); in the second (DQ), one program per
+(query block, batch, query head) accumulates dQ over its keys. No element is written by two programs: the result does not depend on
 scheduling. Everything is computed in fp32 with IEEE dots (the launcher widens half inputs).
 """
 
@@ -302,7 +302,7 @@ def _attention_backward_kernel(
         _dkdv_program(program, MODS, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
 
-# (BLOCK_M, BLOCK_N, num_warps) of the dK/dV and the dQ kernel by head dim (64: D <= 64, 128,
+# (BLOCK_M, BLOCK_N, num_warps) of the dK/dV and the dQ pass by head dim (64: D <= 64, 128,
 # 256), one pipeline stage: the largest tiles whose fp32 accumulators stay in registers on sm_90
 # with every feature on (`fastpe triton-report`: no spill but 4 stores in dQ at 256) and whose
 # shared memory fits sm_80 and sm_120. Under the interpreter: 16 x 16.
@@ -375,7 +375,7 @@ def _launch_args(
 
 
 def dkdv_launch_args(q, k, v, do, lse, delta, dk, dv, **arguments):
-    """(kernel, grid, args, constexprs) of the dK/dV kernel: the one place its arguments are
+    """(kernel, grid, args, constexprs) of the dK/dV pass: the one place its arguments are
     assembled, for ``attention_backward_triton`` and ``fastpe triton-report`` (on meta
     tensors). q, k, v, do fp32 contiguous, lse and delta fp32 [B, Hq, Sq] contiguous, dk and dv
     like k and v; ``arguments`` the keywords of ``attention_backward_triton`` (``options``,
@@ -384,7 +384,7 @@ def dkdv_launch_args(q, k, v, do, lse, delta, dk, dv, **arguments):
 
 
 def dq_launch_args(q, k, v, do, lse, delta, dq, dtable_part, **arguments):
-    """As ``dkdv_launch_args`` for the dQ kernel; dtable_part fp32 [B, Hq, query blocks,
+    """As ``dkdv_launch_args`` for the dQ pass; dtable_part fp32 [B, Hq, query blocks,
     BLOCK_B] with a T5 bias (each program's share of the table's gradient), else [1]."""
     return _launch_args(True, q, k, v, do, lse, delta, (dq, dtable_part), **arguments)
 
