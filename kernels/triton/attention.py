@@ -249,9 +249,9 @@ def _attention_kernel(
     keys_per_split,
     positions_offsets,
     bias_params,
+    score_params,
     strides,
     scale,
-    score_params,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -280,10 +280,10 @@ def _attention_kernel(
     b, h, q, k), (alibi b, h), (bias bucket, h), cos row, (q positions b, s), (k positions b,
     s)).
 
-    Pointers, then sizes, then strides, as the kernel has always taken them, and score_params
-    last: ptxas allocates registers differently when the same arguments come in another order
-    (`fastpe triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides
-    grouped by tensor; score_params before the strides changes the instruction count)."""
+    Pointers, then sizes, then strides, as the kernel has always taken them, score_params where
+    the window's offsets were: ptxas allocates registers differently when the same arguments
+    come in another order (`fastpe triton-report`: up to 16 more registers on sm_90 and sm_100
+    with the strides grouped by tensor, 7 more on sm_90 with score_params last)."""
     pid_m, split, b, h, hk = program_ids(Hq, group)
     qs, ks, vs, os, ls, ms, alibi_strides, bias_strides, stride_cos, qps, kps = strides
     # the tuples _attention_common's helpers take
@@ -606,6 +606,7 @@ def launch_args(
         keys_per_split,
         (q_offset, k_offset),
         bias_arg[2:],
+        score_params,
         (
             q.stride(),
             k.stride(),
@@ -620,7 +621,6 @@ def launch_args(
             k_pos_strides,
         ),
         options.scale,
-        score_params,
     )
     constexprs = dict(
         **forward_flags(options),

@@ -70,7 +70,8 @@ def _attention_paged_kernel(
     """pages: (q_start, q_len, k_len, page_start) pointers; score_params as in
     _attention_common; strides: ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse
     split, t, h), (page_start b, page), (alibi b, h)). Pointers, then sizes, then strides, then
-    score_params: see _attention_kernel."""
+    score_params, the order in which ptxas gives this kernel the registers it had before
+    score_params grouped its arguments (see _attention_kernel)."""
     q_start_ptr, q_len_ptr, k_len_ptr, page_ptr = pages
     pid_m, split, b, h, hk = program_ids(Hq, group)
     q_len = tl.load(q_len_ptr + b)
