@@ -12,9 +12,11 @@ already converted by the backend, and ``rope`` and ``return_lse`` are the backen
 
 The optional inputs travel as tuples, one per feature, so that the kernels' argument lists stay
 short: ``mask`` (ptr, (stride b, h, q, k)), ``alibi`` (ptr, (stride b, h)), ``relative_bias``
-(table ptr, (stride bucket, h), max_exact, log_span), and ``score_params`` (window left, window
-right, cap): the window's offsets from each query's position (large when unbounded) and the
-soft-cap (1 without), built by ``score_param_args`` and unpacked only here.
+(table ptr, (stride bucket, h), max_exact, log_span), and ``score_params`` ((window left,
+window right), (scale, cap)): the window's offsets from each query's position (large when
+unbounded), the scale of q·kᵀ and the soft-cap (1 without). The kernels take its two tuples
+where they took the window and the scale before (the order ptxas allocates registers by), and
+only the helpers here unpack them; ``score_param_args`` builds them.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def key_range(
     """[lo, hi): the keys below ``end`` that query block ``pid_m`` (queries at key positions
     row + shift) may see, within key slice ``split``. Tiles above the causal diagonal or before
     the window are never visited."""
-    window_left, window_right, _ = score_params
+    (window_left, window_right), _ = score_params
     if CAUSAL:
         end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift)
     if HAS_WINDOW:
@@ -165,7 +167,7 @@ def modify_scores(
     distances are taken less ``near`` per row. Also
     returns tanh(s/cap) (the backward's dS needs it; 0 without soft-cap) and the T5 buckets (0
     without)."""
-    window_left, window_right, cap = score_params
+    (window_left, window_right), (_, cap) = score_params
     t = tl.zeros((1, 1), tl.float32)
     if HAS_SOFTCAP:
         t = _tanh(s / cap)
@@ -264,8 +266,8 @@ def epilogue(
 
 
 def score_param_args(options, unbounded, *, causal_edge=False):
-    """The kernels' ``score_params`` tuple from ``options`` and the constexpr it sets: an
-    unbounded side of the window becomes ``unbounded``, which reaches past every key;
+    """The kernels' ``score_params`` (window, scales) from ``options`` and the constexpr they
+    set: an unbounded side of the window becomes ``unbounded``, which reaches past every key;
     ``causal_edge`` puts the causal rule in the window as its right edge 0 (the backward
     kernels apply it so)."""
     left, right = (-1, -1) if options.window is None else options.window
@@ -273,7 +275,8 @@ def score_param_args(options, unbounded, *, causal_edge=False):
     if causal_edge and options.causal:
         right = 0
     cap = options.softcap
-    return (left, right, 1.0 if cap is None else float(cap)), {"HAS_SOFTCAP": cap is not None}
+    scales = (float(options.scale), 1.0 if cap is None else float(cap))
+    return ((left, right), scales), {"HAS_SOFTCAP": cap is not None}
 
 
 def forward_flags(options):

@@ -249,9 +249,9 @@ def _attention_kernel(
     keys_per_split,
     positions_offsets,
     bias_params,
-    score_params,
+    window,
     strides,
-    scale,
+    scales,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -275,18 +275,19 @@ def _attention_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     """rope_tables: (cos, sin) [P, half]; positions_ptrs and positions_offsets: (q's, k's);
-    bias_params: (max_exact, log_span) of the T5 buckets; score_params as in _attention_common;
-    strides: ((q b, h, s, d), (k …), (v …), (out split, b, h, s, d), (lse split, b, h, s), (mask
+    bias_params: (max_exact, log_span) of the T5 buckets; window and scales: the score_params of
+    _attention_common; strides: ((q b, h, s, d), (k …), (v …), (out split, b, h, s, d), (lse split, b, h, s), (mask
     b, h, q, k), (alibi b, h), (bias bucket, h), cos row, (q positions b, s), (k positions b,
     s)).
 
-    Pointers, then sizes, then strides, as the kernel has always taken them, score_params where
-    the window's offsets were: ptxas allocates registers differently when the same arguments
-    come in another order (`fastpe triton-report`: up to 16 more registers on sm_90 and sm_100
-    with the strides grouped by tensor, 7 more on sm_90 with score_params last)."""
+    Pointers, then sizes, then strides, as the kernel has always taken them: ptxas allocates
+    registers differently when the same arguments come in another order (`fastpe
+    triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides grouped by
+    tensor, up to 7 more with the soft-cap next to the window's offsets)."""
     pid_m, split, b, h, hk = program_ids(Hq, group)
     qs, ks, vs, os, ls, ms, alibi_strides, bias_strides, stride_cos, qps, kps = strides
     # the tuples _attention_common's helpers take
+    score_params = (window, scales)
     mask = (mask_ptr, ms)
     alibi = (alibi_ptr, alibi_strides)
     relative_bias = (bias_ptr, bias_strides, bias_params[0], bias_params[1])
@@ -313,7 +314,7 @@ def _attention_kernel(
         HAS_QPOS,
         ROPE_INTERLEAVED,
     )
-    q_tile = q_tile * scale
+    q_tile = q_tile * scales[0]
     if not DOT_FP32:
         q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
@@ -580,7 +581,7 @@ def launch_args(
         device, options, mask=mask, relative_bias=relative_bias
     )
     # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
-    score_params, param_flags = score_param_args(options, sq + sk + 1)
+    (window, scales), param_flags = score_param_args(options, sq + sk + 1)
     (q_pos, q_pos_strides), (k_pos, k_pos_strides) = positions(q_pos), positions(k_pos)
     args = (
         q,
@@ -606,7 +607,7 @@ def launch_args(
         keys_per_split,
         (q_offset, k_offset),
         bias_arg[2:],
-        score_params,
+        window,
         (
             q.stride(),
             k.stride(),
@@ -620,7 +621,7 @@ def launch_args(
             q_pos_strides,
             k_pos_strides,
         ),
-        options.scale,
+        scales,
     )
     constexprs = dict(
         **forward_flags(options),

@@ -153,7 +153,7 @@ def _dkdv_program(
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     # the queries that can see a key of this block: j - win_right <= i + shift <= j + win_left
-    win_left, win_right, _ = mods[0]
+    (win_left, win_right), _ = mods[0]
     lo = tl.maximum(pid_n * BLOCK_N - win_right - shift, 0)
     lo = (lo // BLOCK_M) * BLOCK_M
     hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N + win_left - shift, Sq)
@@ -213,7 +213,7 @@ def _dq_program(
     buckets = tl.arange(0, BLOCK_B)
     dtable = tl.zeros((BLOCK_B,), tl.float32)
     # the keys this block's queries can see: i + shift - win_left <= j <= i + shift + win_right
-    win_left, win_right, _ = mods[0]
+    (win_left, win_right), _ = mods[0]
     lo = tl.maximum(pid_m * BLOCK_M + shift - win_left, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + shift + win_right, end_keys)
@@ -251,8 +251,8 @@ def _attention_backward_kernel(
     relative_bias,
     sizes,
     query_shift,
-    score_params,
-    scale,
+    window,
+    scales,
     HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
@@ -273,14 +273,14 @@ def _attention_backward_kernel(
     (axis 1: batch x query head). inputs: (q, k, v, dO, lse, delta), contiguous; grads: (dK, dV)
     like k and v, or (dQ, dtable) when DQ: dtable [B, Hq, query blocks, BLOCK_B] gets each
     program's share of the T5 table's gradient; sizes: (Hq, Hkv, Sq, Sk, D, Dv); mask, alibi,
-    relative_bias and score_params as in _attention_common.
+    relative_bias and the score_params (window, scales) as in _attention_common.
 
     Its arguments come in the order the two kernels it replaces took them (pointers, then
     sizes): the tuples only group them, so ptxas sees the same parameter list."""
     Hq, Hkv, Sq, Sk, _, _ = sizes
     pid_bh = tl.program_id(1).to(tl.int64)
     # the score modifiers' arguments, and their constexprs in modify_scores' order
-    mods = (score_params, relative_bias, mask)
+    mods = ((window, scales), relative_bias, mask)
     MODS: tl.constexpr = (
         HAS_SOFTCAP,
         HAS_ALIBI,
@@ -295,7 +295,7 @@ def _attention_backward_kernel(
     else:  # b, kv head
         b, head = pid_bh // Hkv, pid_bh % Hkv
     end_keys, shift = _key_end(key_len_ptr, b, Sq, Sk, query_shift, HAS_KEY_LEN, BOTTOM_RIGHT)
-    program = (inputs, grads, sizes, b, head, end_keys, shift, alibi, mods, scale)
+    program = (inputs, grads, sizes, b, head, end_keys, shift, alibi, mods, scales[0])
     if DQ:
         _dq_program(program, MODS, BLOCK_B, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
@@ -328,7 +328,7 @@ def _launch_args(
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     device = q.device
-    score_params, param_flags = score_param_args(options, sq + sk + 1, causal_edge=True)
+    (window, scales), param_flags = score_param_args(options, sq + sk + 1, causal_edge=True)
     (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
         device,
         options,
@@ -348,8 +348,8 @@ def _launch_args(
         bias_arg,
         (hq, hkv, sq, sk, d, dv),
         sk - sq if options.bottom_right else 0,
-        score_params,
-        float(options.scale),
+        window,
+        scales,
     )
     dkdv_tiles, dq_tiles = tiles(d, dv)
     block_m, block_n, warps = dq_tiles if dq else dkdv_tiles

@@ -52,9 +52,9 @@ def _attention_paged_kernel(
     Dv,
     page_size,
     keys_per_split,
+    window,
     strides,
-    scale,
-    score_params,
+    scales,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -67,11 +67,11 @@ def _attention_paged_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """pages: (q_start, q_len, k_len, page_start) pointers; score_params as in
-    _attention_common; strides: ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse
-    split, t, h), (page_start b, page), (alibi b, h)). Pointers, then sizes, then strides, then
-    score_params, the order in which ptxas gives this kernel the registers it had before
-    score_params grouped its arguments (see _attention_kernel)."""
+    """pages: (q_start, q_len, k_len, page_start) pointers; window and scales: the score_params
+    of _attention_common; strides: ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d),
+    (lse split, t, h), (page_start b, page), (alibi b, h)). Pointers, then sizes, then strides:
+    see _attention_kernel."""
+    score_params = (window, scales)
     q_start_ptr, q_len_ptr, k_len_ptr, page_ptr = pages
     pid_m, split, b, h, hk = program_ids(Hq, group)
     q_len = tl.load(q_len_ptr + b)
@@ -89,7 +89,7 @@ def _attention_paged_kernel(
         mask=row_ok[:, None] & (dcols[None, :] < D),
         other=0.0,
     ).to(tl.float32)
-    q_tile = q_tile * scale
+    q_tile = q_tile * scales[0]
     if not DOT_FP32:
         q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
@@ -196,7 +196,7 @@ def launch_args(
     block_m, block_n = block_sizes(max_q, d, dot_fp32)
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
     alibi = options.alibi_slopes if options.alibi_slopes is not None else dummy[None]
-    score_params, param_flags = score_param_args(options, max_q + max_k + 1)
+    (window, scales), param_flags = score_param_args(options, max_q + max_k + 1)
     args = (
         q,
         k,
@@ -212,6 +212,7 @@ def launch_args(
         dv,
         page_size,
         keys_per_split,
+        window,
         (
             q.stride(),
             k.stride(),
@@ -221,8 +222,7 @@ def launch_args(
             page_start.stride(),
             alibi.stride(),
         ),
-        options.scale,
-        score_params,
+        scales,
     )
     constexprs = dict(
         **forward_flags(options),
