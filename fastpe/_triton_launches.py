@@ -6,6 +6,8 @@ would on a GPU. The variants are the feature combinations each kernel is compile
 
 from __future__ import annotations
 
+from fastpe._options import AttentionOptions
+
 # the feature combinations of tests/attention/test_backends.py::ATTN_CASES (+ MHA, positions,
 # non-interleaved RoPE), as the options of the forward's launch_args (T5: (buckets,
 # bidirectional); RoPE: "interleaved" or "neox_positions"; mask: "bool" or "float")
@@ -37,9 +39,6 @@ ATTENTION_VARIANTS = {
 QUICK_ATTENTION_VARIANTS = ("causal", "window_softcap_sinks", "everything")
 
 
-# pointers are marked so) come out as they would on a GPU.
-
-
 def _meta(shape, dtype):
     import torch
 
@@ -66,25 +65,28 @@ def _attention_launch(dtype, d, variant):
         _meta((b, hkv, s, d), dtype),
         _meta((1, b, hq, s, d), dtype),
         _meta((1, b, hq, s), torch.float32),
-        scale=0.125,
-        causal=opts.get("causal", False),
-        bottom_right=True,
+        options=AttentionOptions(
+            scale=0.125,
+            causal=opts.get("causal", False),
+            bottom_right=True,
+            window=(4095, 0) if opts.get("window") else None,
+            softcap=50.0 if opts.get("softcap") else None,
+            sinks=_meta((hq,), torch.float32) if opts.get("sinks") else None,
+            # a [Hq] slope vector broadcast over batch
+            alibi_slopes=_meta((hq,), torch.float32) if opts.get("alibi_slopes") else None,
+        ),
         keys_per_split=s,
-        # a [B, 1, S, S] mask broadcast over heads, a [Hq] slope vector broadcast over batch
+        # a [B, 1, S, S] mask broadcast over heads
         mask=_meta((b, 1, s, s), torch.bool if mask == "bool" else dtype).expand(b, hq, s, s)
         if mask
         else None,
         key_lengths=_meta((b,), torch.int64) if opts.get("key_lengths") else None,
-        alibi_slopes=_meta((hq,), torch.float32) if opts.get("alibi_slopes") else None,
         relative_bias=(_meta((buckets, hq), torch.float32), buckets, 128, bidirectional)
         if buckets
         else None,
         rope=(table, table, opts["rope"] == "interleaved", (positions, 0), (positions, 0))
         if opts.get("rope")
         else None,
-        window=(4095, 0) if opts.get("window") else None,
-        softcap=50.0 if opts.get("softcap") else None,
-        sinks=_meta((hq,), torch.float32) if opts.get("sinks") else None,
     )
 
 
@@ -100,21 +102,23 @@ def _backward_launch(kernel, d, variant):
         _meta((b, hq, s), torch.float32),
     )
     every = variant == "everything"
-    options = dict(
-        scale=0.125,
-        causal=True,
-        bottom_right=True,
+    inputs = dict(
+        options=AttentionOptions(
+            scale=0.125,
+            causal=True,
+            bottom_right=True,
+            softcap=1.0 if every else None,
+            alibi_slopes=_meta((b, hq), torch.float32) if every else None,
+        ),
         mask=_meta((b, 1, s, s), torch.bool).expand(b, hq, s, s) if every else None,
         key_lengths=_meta((b,), torch.int64) if every else None,
-        alibi_slopes=_meta((b, hq), torch.float32) if every else None,
         relative_bias=(_meta((32, hq), torch.float32), 32, 128, True) if every else None,
-        softcap=1.0 if every else None,
     )
     if kernel == "attention_dkdv":
-        return bw.dkdv_launch_args(q, kv, kv, q, rows, rows, kv, kv, **options)
+        return bw.dkdv_launch_args(q, kv, kv, q, rows, rows, kv, kv, **inputs)
     q_blocks = -(-s // bw.tiles(d, d)[1][0])
     dtable = _meta((b, hq, q_blocks, 32) if every else (1,), torch.float32)
-    return bw.dq_launch_args(q, kv, kv, q, rows, rows, q, dtable, **options)
+    return bw.dq_launch_args(q, kv, kv, q, rows, rows, q, dtable, **inputs)
 
 
 def _paged_launch(dtype, d, variant):
@@ -140,13 +144,15 @@ def _paged_launch(dtype, d, variant):
         max_q=max_q,
         max_k=max_k,
         keys_per_split=max_k,
-        scale=0.125,
-        causal=True,
-        bottom_right=True,
-        alibi_slopes=_meta((hq,), torch.float32).expand(batch, hq) if every else None,
-        window=(2 * max_k + 1, 0) if every else None,
-        softcap=50.0 if every else None,
-        sinks=_meta((hq,), torch.float32) if every else None,
+        options=AttentionOptions(
+            scale=0.125,
+            causal=True,
+            bottom_right=True,
+            window=(2 * max_k + 1, 0) if every else None,
+            softcap=50.0 if every else None,
+            sinks=_meta((hq,), torch.float32) if every else None,
+            alibi_slopes=_meta((hq,), torch.float32).expand(batch, hq) if every else None,
+        ),
     )
 
 

@@ -209,8 +209,8 @@ class Attention(_Triton):
             key_lengths=None if inp.key_lengths is None else inp.key_lengths.to(torch.int64),
             relative_bias=inp.relative_bias,
             rope=rope,
+            options=inp.options.launched(_fp32),
             num_sms=_sms(device),
-            **inp.options.launched(_fp32).keywords(),
         )
         return (out, lse) if inp.options.return_lse else out
 
@@ -256,7 +256,7 @@ class AttentionBackward(_Triton):
             mask=fwd.mask,
             key_lengths=None if fwd.key_lengths is None else fwd.key_lengths.to(torch.int64),
             relative_bias=bias,
-            **fwd.options.launched(_fp32).keywords(),
+            options=fwd.options.launched(_fp32),
         )
         if rope is not None:
             dq, dk = _rotated_first(dq, dk, (cos, -sin, rope.interleaved, *positions))
@@ -363,8 +363,8 @@ class _ServingArrays(_serving.ServingArrays):
             k_len=_host_int64(args.k_len, device),
             page_start=_host_int64(args.page_start, device),
             page_size=args.page_size,
+            options=self.inp.options.launched(_fp32),
             num_sms=_sms(device),
-            **self.inp.options.launched(_fp32).keywords(),
         )
 
     def output(self, x, dtype):

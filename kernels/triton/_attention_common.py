@@ -1,10 +1,23 @@
 """Pieces of attention shared by the dense, paged and backward Triton kernels: the keys a query
 block may see, the score modifiers and masks, the online-softmax step and the forward's epilogue.
 
+The launchers take the attention options as one record, ``options``: fastpe's
+``AttentionOptions`` as its ``launched(convert)`` gives it (read here by attribute, so that the
+kernels never import fastpe). The launchers read ``scale`` (of q·kᵀ), ``causal``,
+``bottom_right`` (query i sits at key position i + L - Sq, L the keys of its sequence; else at
+i), ``window`` (None or (left, right), -1 unbounded), ``softcap`` (None or > 0: scores become
+softcap·tanh(s/softcap)), ``sinks`` (None or fp32 [Hq]: a logit per head that joins the
+softmax's normaliser) and ``alibi_slopes`` (None or fp32 [Hq] or [B, Hq]); the arrays come
+already converted by the backend, and ``rope`` and ``return_lse`` are the backends' concern.
+
 The optional inputs travel as tuples, one per feature, so that the kernels' argument lists stay
 short: ``mask`` (ptr, (stride b, h, q, k)), ``alibi`` (ptr, (stride b, h)), ``relative_bias``
-(table ptr, (stride bucket, h), max_exact, log_span), ``window`` (left, right): offsets from
-each query's position, large when unbounded.
+(table ptr, (stride bucket, h), max_exact, log_span), and ``score_params`` ((window left,
+window right), (scale, cap)): the window's offsets from each query's position (large when
+unbounded), the scale of q·kᵀ and the soft-cap (1 without), built by ``score_param_args``
+and unpacked only by the helpers here. The kernels take the two tuples apart, the window after
+the sizes and the scales after the strides: ptxas allocates registers by argument order, and
+the cap next to the window's offsets costs up to 7 more on sm_90 (`fastpe triton-report`).
 """
 
 from __future__ import annotations
@@ -54,13 +67,26 @@ def _tanh(x):
 
 
 @triton.jit
+def program_ids(Hq, group):
+    """(query block, key split, batch, query head, kv head) of this program of a forward kernel,
+    whose grid is (query blocks, batch x query heads, key splits); ``group`` query heads share
+    a kv head."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    return pid_m, split, b, h, h // group
+
+
+@triton.jit
 def key_range(
     pid_m,
     split,
     end,
     shift,
     keys_per_split,
-    window,
+    score_params,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -68,15 +94,16 @@ def key_range(
     """[lo, hi): the keys below ``end`` that query block ``pid_m`` (queries at key positions
     row + shift) may see, within key slice ``split``. Tiles above the causal diagonal or before
     the window are never visited."""
+    (window_left, window_right), _ = score_params
     if CAUSAL:
         end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift)
     if HAS_WINDOW:
-        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift + window[1])
+        end = tl.minimum(end, pid_m * BLOCK_M + BLOCK_M + shift + window_right)
     end = tl.maximum(end, 0)
     lo = split * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
     if HAS_WINDOW:
-        lo = tl.maximum(lo, pid_m * BLOCK_M + shift - window[0])
+        lo = tl.maximum(lo, pid_m * BLOCK_M + shift - window_left)
     return lo, hi
 
 
@@ -122,8 +149,7 @@ def modify_scores(
     check_causal,
     slope,
     near,
-    softcap,
-    window,
+    score_params,
     relative_bias,
     mask,
     CAUSAL: tl.constexpr,
@@ -139,15 +165,17 @@ def modify_scores(
     """The scores s [rows, cols] (scaled q·kᵀ) with soft-cap, ALiBi, T5 bias and an additive
     mask applied, and which of them count (``valid``, narrowed by the window, the causal rule
     where ``check_causal`` and a bool mask). Queries sit at key positions ``qpos``; ALiBi
-    distances are taken less ``near`` per row. Also returns tanh(s/softcap) (the backward's
-    dS needs it; 0 without soft-cap) and the T5 buckets (0 without)."""
+    distances are taken less ``near`` per row. Also
+    returns tanh(s/cap) (the backward's dS needs it; 0 without soft-cap) and the T5 buckets (0
+    without)."""
+    (window_left, window_right), (_, cap) = score_params
     t = tl.zeros((1, 1), tl.float32)
     if HAS_SOFTCAP:
-        t = _tanh(s / softcap)
-        s = softcap * t
+        t = _tanh(s / cap)
+        s = cap * t
     if HAS_WINDOW:
-        valid = valid & (cols[None, :] >= qpos[:, None] - window[0])
-        valid = valid & (cols[None, :] <= qpos[:, None] + window[1])
+        valid = valid & (cols[None, :] >= qpos[:, None] - window_left)
+        valid = valid & (cols[None, :] <= qpos[:, None] + window_right)
     if CAUSAL:
         if check_causal:  # only tiles crossing the diagonal
             valid = valid & (cols[None, :] <= qpos[:, None])
@@ -238,27 +266,34 @@ def epilogue(
     return out, lse
 
 
-def window_offsets(window, unbounded):
-    """The kernels' ``window`` tuple from a launcher's (left, right), -1 unbounded, or None: an
-    unbounded side becomes ``unbounded``, which reaches past every key."""
-    left, right = (-1, -1) if window is None else window
-    return (unbounded if left < 0 else left, unbounded if right < 0 else right)
+def score_param_args(options, unbounded, *, causal_edge=False):
+    """The kernels' ``score_params`` (window, scales) from ``options`` and the constexpr they
+    set: an unbounded side of the window becomes ``unbounded``, which reaches past every key;
+    ``causal_edge`` puts the causal rule in the window as its right edge 0 (the backward
+    kernels apply it so)."""
+    left, right = (-1, -1) if options.window is None else options.window
+    left, right = (unbounded if left < 0 else left, unbounded if right < 0 else right)
+    if causal_edge and options.causal:
+        right = 0
+    cap = options.softcap
+    scales = (float(options.scale), 1.0 if cap is None else float(cap))
+    return ((left, right), scales), {"HAS_SOFTCAP": cap is not None}
 
 
-def forward_flags(*, causal, bottom_right, window, softcap, sinks):
+def forward_flags(options):
     """The constexprs of the options the dense and paged forward kernels share."""
     return dict(
-        CAUSAL=causal,
-        HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None,
-        BOTTOM_RIGHT=bottom_right,
+        CAUSAL=options.causal,
+        HAS_WINDOW=options.window is not None,
+        HAS_SINKS=options.sinks is not None,
+        BOTTOM_RIGHT=options.bottom_right,
     )
 
 
-def score_args(device, *, mask, alibi_slopes, relative_bias):
-    """The kernels' (mask, alibi, relative_bias) tuples from a launcher's options (a dummy
-    tensor for an option that is None), and the constexprs those options set."""
+def score_args(device, options, *, mask, relative_bias):
+    """The kernels' (mask, alibi, relative_bias) tuples from ``options`` and a launcher's mask
+    and T5 bias (a dummy tensor for one that is None), and the constexprs they set."""
+    alibi_slopes = options.alibi_slopes
     dummy = torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
     mask_t = mask if mask is not None else dummy
     alibi = alibi_slopes if alibi_slopes is not None else dummy[0, 0]

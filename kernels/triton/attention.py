@@ -9,7 +9,8 @@ scores in natural-log units (finite masks up to fp32's max stay finite) exponent
 exp2((s - max)·log2 e); key tiles outside a block's window (above the causal diagonal, before a
 sliding window) are never visited. GQA reads kv head h // (Hq / Hkv) in place. Soft-capping
 is applied to the scaled scores; an attention sink joins the first key slice's result only, so
-that split-KV merging counts it once.
+that split-KV merging counts it once. The options arrive as one record (``options``, described
+in ``_attention_common``).
 RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
 computed per tile.
 """
@@ -26,11 +27,12 @@ from fastpe.kernels.triton._attention_common import (
     forward_flags,
     key_range,
     modify_scores,
+    program_ids,
     pv_product,
     qk_scores,
     score_args,
+    score_param_args,
     softmax_step,
-    window_offsets,
 )
 from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
 
@@ -249,8 +251,7 @@ def _attention_kernel(
     bias_params,
     window,
     strides,
-    scale,
-    softcap,
+    scales,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -274,23 +275,19 @@ def _attention_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     """rope_tables: (cos, sin) [P, half]; positions_ptrs and positions_offsets: (q's, k's);
-    bias_params: (max_exact, log_span) of the T5 buckets; window: (left, right) offsets from
-    each query's position, large if unbounded; strides: ((q b, h, s, d), (k …), (v …), (out
-    split, b, h, s, d), (lse split, b, h, s), (mask b, h, q, k), (alibi b, h), (bias bucket, h),
-    cos row, (q positions b, s), (k positions b, s)).
+    bias_params: (max_exact, log_span) of the T5 buckets; window and scales: the score_params of
+    _attention_common; strides: ((q b, h, s, d), (k …), (v …), (out split, b, h, s, d), (lse split, b, h, s), (mask
+    b, h, q, k), (alibi b, h), (bias bucket, h), cos row, (q positions b, s), (k positions b,
+    s)).
 
     Pointers, then sizes, then strides, as the kernel has always taken them: ptxas allocates
     registers differently when the same arguments come in another order (`fastpe
     triton-report`: up to 16 more registers on sm_90 and sm_100 with the strides grouped by
-    tensor)."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // group
+    tensor, up to 7 more with the soft-cap next to the window's offsets)."""
+    pid_m, split, b, h, hk = program_ids(Hq, group)
     qs, ks, vs, os, ls, ms, alibi_strides, bias_strides, stride_cos, qps, kps = strides
     # the tuples _attention_common's helpers take
+    score_params = (window, scales)
     mask = (mask_ptr, ms)
     alibi = (alibi_ptr, alibi_strides)
     relative_bias = (bias_ptr, bias_strides, bias_params[0], bias_params[1])
@@ -317,7 +314,7 @@ def _attention_kernel(
         HAS_QPOS,
         ROPE_INTERLEAVED,
     )
-    q_tile = q_tile * scale
+    q_tile = q_tile * scales[0]
     if not DOT_FP32:
         q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
@@ -331,7 +328,7 @@ def _attention_kernel(
         if BOTTOM_RIGHT:  # FlashAttention's rule for a ragged KV cache: the last Sq of L_b
             shift = end_keys - Sq
     lo, hi = key_range(
-        pid_m, split, end, shift, keys_per_split, window, CAUSAL, HAS_WINDOW, BLOCK_M
+        pid_m, split, end, shift, keys_per_split, score_params, CAUSAL, HAS_WINDOW, BLOCK_M
     )
     qpos_keys = rows + shift  # each query's position on the key axis
 
@@ -368,8 +365,7 @@ def _attention_kernel(
             start + BLOCK_N - 1 > pid_m * BLOCK_M + shift,
             slope,
             near,
-            softcap,
-            window,
+            score_params,
             relative_bias,
             mask,
             CAUSAL,
@@ -483,9 +479,9 @@ def merge_launch_args(part_out, part_lse, out, lse):
 
 
 def _merge(part_out, part_lse, out_dtype):
-    """part_out [n, B, H, S, Dv], part_lse [n, B, H, S] -> (out, lse)."""
-    n, b, h, s, dv = part_out.shape
-    rows = b * h * s
+    """part_out [n, ..., Dv], part_lse [n, ...] -> (out [..., Dv], lse [...])."""
+    n, *lead, dv = part_out.shape
+    rows = part_lse[0].numel()
     po = part_out.reshape(n, rows, dv).contiguous()
     pl = part_lse.reshape(n, rows).contiguous().float()
     out = torch.empty((rows, dv), dtype=out_dtype, device=part_out.device)
@@ -493,7 +489,7 @@ def _merge(part_out, part_lse, out_dtype):
     if rows:
         kernel, grid, args, constexprs = merge_launch_args(po, pl, out, lse)
         kernel[grid](*args, **constexprs)
-    return out.reshape(b, h, s, dv), lse.reshape(b, h, s)
+    return out.reshape(*lead, dv), lse.reshape(lead)
 
 
 def merge_attention_triton(out_a, lse_a, out_b, lse_b):
@@ -522,6 +518,28 @@ def _rotated_first(q, k, rope):
 SPLIT_GRANULE = 128
 
 
+def split_keys(programs, max_q, keys, num_sms, dtype):
+    """(n_splits, keys_per_split, dtype of the parts) of a launch of ``programs`` (query blocks
+    x heads x batch) over at most ``keys`` keys: the keys are split when the programs cannot
+    fill the GPU (decoding), and split parts are kept in fp32 for the merge."""
+    n_splits = 1
+    if not interpreted() and num_sms and programs < num_sms and keys > 4 * SPLIT_GRANULE:
+        n_splits = min(triton.cdiv(keys, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
+    elif interpreted() and max_q == 1 and keys > SPLIT_GRANULE:
+        n_splits = 2  # keep the split-KV path covered by the interpreter tests
+    keys_per_split = triton.cdiv(triton.cdiv(keys, n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
+    via_fp32 = n_splits > 1 or low_precision_via_fp32(dtype)
+    return n_splits, keys_per_split, torch.float32 if via_fp32 else dtype
+
+
+def merged(part_out, part_lse):
+    """(out, lse) from the parts of the key splits: the only part as it is, else their merge
+    (in fp32)."""
+    if part_out.shape[0] == 1:
+        return part_out[0], part_lse[0]
+    return _merge(part_out, part_lse, torch.float32)
+
+
 def launch_args(
     q,
     k,
@@ -529,18 +547,12 @@ def launch_args(
     part_out,
     part_lse,
     *,
-    scale,
-    causal,
-    bottom_right,
+    options,
     keys_per_split,
     mask=None,
     key_lengths=None,
-    alibi_slopes=None,
     relative_bias=None,
     rope=None,
-    window=None,
-    softcap=None,
-    sinks=None,
 ):
     """(kernel, grid, args, constexprs) of the forward kernel: the one place its arguments are
     assembled, for ``attention_triton`` and for ``fastpe triton-report`` (which calls it on meta
@@ -566,8 +578,10 @@ def launch_args(
         cos = sin = dummy[0, 0]
         interleaved, q_pos, q_offset, k_pos, k_offset = False, None, 0, None, 0
     (mask_arg, alibi_arg, bias_arg), score_flags = score_args(
-        device, mask=mask, alibi_slopes=alibi_slopes, relative_bias=relative_bias
+        device, options, mask=mask, relative_bias=relative_bias
     )
+    # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
+    (window, scales), param_flags = score_param_args(options, sq + sk + 1)
     (q_pos, q_pos_strides), (k_pos, k_pos_strides) = positions(q_pos), positions(k_pos)
     args = (
         q,
@@ -581,20 +595,19 @@ def launch_args(
         bias_arg[0],
         (cos, sin),
         (q_pos, k_pos),
-        sinks if sinks is not None else dummy[0, 0, 0],
+        options.sinks if options.sinks is not None else dummy[0, 0, 0],
         hq,
         hq // hkv,
         sq,
         sk,
         d,
         dv,
-        sk - sq if bottom_right else 0,
+        sk - sq if options.bottom_right else 0,
         cos.shape[1] if rope is not None else 0,
         keys_per_split,
         (q_offset, k_offset),
         bias_arg[2:],
-        # "unbounded" reaches past every key (|qpos - j| < Sq + Sk)
-        window_offsets(window, sq + sk + 1),
+        window,
         (
             q.stride(),
             k.stride(),
@@ -608,13 +621,11 @@ def launch_args(
             q_pos_strides,
             k_pos_strides,
         ),
-        scale,
-        1.0 if softcap is None else float(softcap),
+        scales,
     )
     constexprs = dict(
-        **forward_flags(
-            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
-        ),
+        **forward_flags(options),
+        **param_flags,
         HAS_KEY_LEN=key_lengths is not None,
         **score_flags,
         HAS_ROPE=rope is not None,
@@ -634,22 +645,7 @@ def launch_args(
 
 
 def attention_triton(
-    q,
-    k,
-    v,
-    *,
-    scale,
-    causal,
-    bottom_right,
-    mask=None,
-    key_lengths=None,
-    alibi_slopes=None,
-    relative_bias=None,
-    rope=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-    num_sms=None,
+    q, k, v, *, options, mask=None, key_lengths=None, relative_bias=None, rope=None, num_sms=None
 ):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -659,26 +655,19 @@ def attention_triton(
     None or (table [num_buckets, Hq], num_buckets, max_distance, bidirectional); ``rope`` None or
     (cos, sin, interleaved, q_positions, k_positions), each positions entry (int64 tensor [S] or
     [B, S] or None, int offset): the rows of cos/sin used are tensor values, or offset + index.
-    ``window`` None or (left, right), -1 unbounded; ``softcap`` None or > 0; ``sinks`` fp32 [Hq]
-    or None. Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
+    ``options`` the attention options (see ``_attention_common``). Returns (out [B, Hq, Sq, Dv] in q's dtype, lse fp32 [B, Hq, Sq])."""
     batch, hq, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     device = q.device
-    # split the keys when (query blocks x heads x batch) cannot fill the GPU: decoding
-    programs = triton.cdiv(sq, 64) * batch * hq
-    n_splits = 1
-    if not interpreted() and num_sms and programs < num_sms and sk > 4 * SPLIT_GRANULE:
-        n_splits = min(triton.cdiv(sk, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
-    elif interpreted() and sq == 1 and sk > SPLIT_GRANULE:
-        n_splits = 2  # keep the split-KV path covered by the interpreter tests
-    keys_per_split = triton.cdiv(triton.cdiv(sk, n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
-    out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
+    n_splits, keys_per_split, out_dtype = split_keys(
+        triton.cdiv(sq, 64) * batch * hq, sq, sk, num_sms, q.dtype
+    )
     part_out = torch.empty((n_splits, batch, hq, sq, dv), dtype=out_dtype, device=device)
     part_lse = torch.empty((n_splits, batch, hq, sq), dtype=torch.float32, device=device)
     biased = _per_element_bias(
         {
             "HAS_RELATIVE_BIAS": relative_bias is not None,
-            "HAS_ALIBI": alibi_slopes is not None,
+            "HAS_ALIBI": options.alibi_slopes is not None,
             "HAS_MASK": mask is not None,
             "MASK_IS_BOOL": mask is not None and mask.dtype == torch.bool,
         }
@@ -693,22 +682,13 @@ def attention_triton(
             v,
             part_out,
             part_lse,
-            scale=scale,
-            causal=causal,
-            bottom_right=bottom_right,
+            options=options,
             keys_per_split=keys_per_split,
             mask=mask,
             key_lengths=key_lengths,
-            alibi_slopes=alibi_slopes,
             relative_bias=relative_bias,
             rope=rope,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
         )
         kernel[grid](*args, **constexprs)
-    if n_splits == 1:
-        out, lse = part_out[0], part_lse[0]
-    else:
-        out, lse = _merge(part_out, part_lse, torch.float32)
+    out, lse = merged(part_out, part_lse)
     return out.to(q.dtype), lse

@@ -11,7 +11,7 @@ batches and KV caches (paged or contiguous) alike. Shapes:
 One program = (block of one sequence's queries, sequence and query head, key split); programs
 whose block lies past their sequence's queries return at once, so the grid is sized by the
 longest sequence but no work is done for the others' padding. Keys past k_len[b] are never
-read.
+read. The options arrive as one record (``options``, described in ``_attention_common``).
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from fastpe.kernels.triton._attention_common import (
     forward_flags,
     key_range,
     modify_scores,
+    program_ids,
     pv_product,
     qk_scores,
+    score_param_args,
     softmax_step,
-    window_offsets,
 )
-from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
-from fastpe.kernels.triton.attention import SPLIT_GRANULE, _merge
+from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2
+from fastpe.kernels.triton.attention import merged, split_keys
 
 
 @triton.jit
@@ -42,10 +43,7 @@ def _attention_paged_kernel(
     v_ptr,
     out_ptr,
     lse_ptr,
-    q_start_ptr,
-    q_len_ptr,
-    k_len_ptr,
-    page_ptr,
+    pages,
     alibi_ptr,
     sinks_ptr,
     Hq,
@@ -56,8 +54,7 @@ def _attention_paged_kernel(
     keys_per_split,
     window,
     strides,
-    scale,
-    softcap,
+    scales,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -70,15 +67,13 @@ def _attention_paged_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """window: (left, right) offsets from each query's position, large if unbounded; strides:
-    ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d), (lse split, t, h), (page_start b,
-    page), (alibi b, h)). Pointers, then sizes, then strides: see _attention_kernel."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // group
+    """pages: (q_start, q_len, k_len, page_start) pointers; window and scales: the score_params
+    of _attention_common; strides: ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d),
+    (lse split, t, h), (page_start b, page), (alibi b, h)). Pointers, then sizes, then strides:
+    see _attention_kernel."""
+    score_params = (window, scales)
+    q_start_ptr, q_len_ptr, k_len_ptr, page_ptr = pages
+    pid_m, split, b, h, hk = program_ids(Hq, group)
     q_len = tl.load(q_len_ptr + b)
     if pid_m * BLOCK_M >= q_len:  # this block is past the sequence's queries
         return
@@ -94,7 +89,7 @@ def _attention_paged_kernel(
         mask=row_ok[:, None] & (dcols[None, :] < D),
         other=0.0,
     ).to(tl.float32)
-    q_tile = q_tile * scale
+    q_tile = q_tile * scales[0]
     if not DOT_FP32:
         q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
@@ -102,7 +97,7 @@ def _attention_paged_kernel(
     if BOTTOM_RIGHT:  # FlashAttention's rule: the queries are the last q_len of the keys
         shift = length - q_len
     lo, hi = key_range(
-        pid_m, split, length, shift, keys_per_split, window, CAUSAL, HAS_WINDOW, BLOCK_M
+        pid_m, split, length, shift, keys_per_split, score_params, CAUSAL, HAS_WINDOW, BLOCK_M
     )
     qpos_keys = rows + shift
 
@@ -135,8 +130,7 @@ def _attention_paged_kernel(
             True,
             slope,
             near,
-            softcap,
-            window,
+            score_params,
             None,  # no T5 bias
             None,  # no mask
             CAUSAL,
@@ -190,13 +184,7 @@ def launch_args(
     max_q,
     max_k,
     keys_per_split,
-    scale,
-    causal,
-    bottom_right,
-    alibi_slopes=None,
-    window=None,
-    softcap=None,
-    sinks=None,
+    options,
 ):
     """(kernel, grid, args, constexprs) of the paged kernel: the one place its arguments are
     assembled, for ``attention_paged_triton`` and for ``fastpe triton-report`` (on meta
@@ -207,26 +195,24 @@ def launch_args(
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     block_m, block_n = block_sizes(max_q, d, dot_fp32)
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
-    alibi = alibi_slopes if alibi_slopes is not None else dummy[None]
+    alibi = options.alibi_slopes if options.alibi_slopes is not None else dummy[None]
+    (window, scales), param_flags = score_param_args(options, max_q + max_k + 1)
     args = (
         q,
         k,
         v,
         part_out,
         part_lse,
-        q_start,
-        q_len,
-        k_len,
-        page_start,
+        (q_start, q_len, k_len, page_start),
         alibi,
-        sinks if sinks is not None else dummy,
+        options.sinks if options.sinks is not None else dummy,
         hq,
         hq // hkv,
         d,
         dv,
         page_size,
         keys_per_split,
-        window_offsets(window, max_q + max_k + 1),
+        window,
         (
             q.stride(),
             k.stride(),
@@ -236,14 +222,12 @@ def launch_args(
             page_start.stride(),
             alibi.stride(),
         ),
-        scale,
-        1.0 if softcap is None else float(softcap),
+        scales,
     )
     constexprs = dict(
-        **forward_flags(
-            causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, sinks=sinks
-        ),
-        HAS_ALIBI=alibi_slopes is not None,
+        **forward_flags(options),
+        **param_flags,
+        HAS_ALIBI=options.alibi_slopes is not None,
         DOT_FP32=dot_fp32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -255,29 +239,13 @@ def launch_args(
 
 
 def attention_paged_triton(
-    q,
-    k,
-    v,
-    *,
-    q_start,
-    q_len,
-    k_len,
-    page_start,
-    page_size,
-    scale,
-    causal,
-    bottom_right,
-    alibi_slopes=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-    num_sms=None,
+    q, k, v, *, q_start, q_len, k_len, page_start, page_size, options, num_sms=None
 ):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). q_start, q_len, k_len
     int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` are read from
-    the host copies the caller validated (``q_len.max()`` here would sync); ``alibi_slopes`` fp32
-    [B, Hq] or None; ``sinks`` fp32 [Hq] or None. Returns (out [Tq, Hq, Dv] in q's dtype, lse fp32
-    [Hq, Tq])."""
+    the host copies the caller validated (``q_len.max()`` here would sync); ``options`` the
+    attention options (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq,
+    Dv] in q's dtype, lse fp32 [Hq, Tq])."""
     total_q, hq, d = q.shape
     dv = v.shape[2]
     batch = q_len.shape[0]
@@ -285,16 +253,9 @@ def attention_paged_triton(
     device = q.device
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     block_m, _ = block_sizes(max_q, d, dot_fp32)
-    programs = triton.cdiv(max(max_q, 1), block_m) * batch * hq
-    n_splits = 1
-    if not interpreted() and num_sms and programs < num_sms and max_k > 4 * SPLIT_GRANULE:
-        n_splits = min(triton.cdiv(max_k, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
-    elif interpreted() and max_q == 1 and max_k > SPLIT_GRANULE:
-        n_splits = 2  # keep the split-KV path covered by the interpreter tests
-    keys_per_split = (
-        triton.cdiv(triton.cdiv(max(max_k, 1), n_splits), SPLIT_GRANULE) * SPLIT_GRANULE
+    n_splits, keys_per_split, out_dtype = split_keys(
+        triton.cdiv(max(max_q, 1), block_m) * batch * hq, max_q, max(max_k, 1), num_sms, q.dtype
     )
-    out_dtype = torch.float32 if (n_splits > 1 or low_precision_via_fp32(q.dtype)) else q.dtype
     part_out = torch.zeros((n_splits, total_q, hq, dv), dtype=out_dtype, device=device)
     part_lse = torch.full(
         (n_splits, total_q, hq), float("-inf"), dtype=torch.float32, device=device
@@ -314,20 +275,10 @@ def attention_paged_triton(
             max_q=max_q,
             max_k=max_k,
             keys_per_split=keys_per_split,
-            scale=scale,
-            causal=causal,
-            bottom_right=bottom_right,
-            alibi_slopes=alibi_slopes,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
+            options=options,
         )
         kernel[grid](*args, **constexprs)
-    elif sinks is not None:  # no key anywhere: lse is the sink
-        part_lse[0] = sinks[None, :]
-    if n_splits == 1:
-        out, lse = part_out[0], part_lse[0]
-    else:
-        out, lse = _merge(part_out[:, None], part_lse[:, None], torch.float32)
-        out, lse = out[0], lse[0]
+    elif options.sinks is not None:  # no key anywhere: lse is the sink
+        part_lse[0] = options.sinks[None, :]
+    out, lse = merged(part_out, part_lse)
     return out.to(q.dtype), lse.transpose(0, 1).contiguous()

@@ -153,21 +153,10 @@ def launch_args(
     return _embed_kernel, grid, args, constexprs
 
 
-def embed_triton(
-    ids,
-    weight,
-    positions,
-    pos_offset,
-    *,
-    scale,
-    pe,
-    pe_table=None,
-    omega=None,
-    interleaved=True,
-    token_type_ids=None,
-    token_type_weight=None,
-):
-    """ids int [B, S]; positions int64 tensor [S] or [B, S] or None (pos_offset + s)."""
+def embed_triton(ids, weight, positions, pos_offset, *, omega=None, **features):
+    """ids int [B, S]; positions int64 tensor [S] or [B, S] or None (pos_offset + s); ``omega``
+    the sinusoidal PE's frequencies [D/2] (any array; None without it); ``features`` the other
+    keywords of ``launch_args`` (scale, pe, pe_table, interleaved, token types)."""
     batch, seq = ids.shape
     dim = weight.shape[1]
     device = weight.device
@@ -180,15 +169,10 @@ def embed_triton(
             out,
             positions,
             pos_offset,
-            scale=scale,
-            pe=pe,
-            pe_table=pe_table,
             omega=torch.as_tensor(omega, dtype=torch.float64, device=device)
-            if pe == "sinusoidal"
+            if features["pe"] == "sinusoidal"
             else None,
-            interleaved=interleaved,
-            token_type_ids=token_type_ids,
-            token_type_weight=token_type_weight,
+            **features,
         )
         kernel[grid](*args, **constexprs)
     return out.reshape(batch, seq, dim).to(weight.dtype)

@@ -347,8 +347,9 @@ def test_numba_softcap_tanh_accuracy():
 
 def test_every_launcher_takes_the_shared_options():
     """``AttentionOptions.launched`` is how every backend hands the options to its
-    launchers and to the oracle: each of them must take every keyword it gives (a new option
-    that a launcher lacks fails here, not in one backend's call)."""
+    launchers: the oracle takes them as keywords (``keywords()``) and must take each, the Numba
+    launchers must read every field of the record, the Triton launchers take the record whole
+    (a new option that a launcher lacks fails here, not in one backend's call)."""
     import importlib
     import inspect
 
@@ -359,16 +360,6 @@ def test_every_launcher_takes_the_shared_options():
     if fastpe.backends.numba.unavailable_reason() is None:
         _numba_launchers_read_every_option(AttentionOptions(scale=1.0), given)
     launchers = [reference.attention, reference.attention_backward, reference.attention_varlen]
-    for module, names in (
-        ("triton.attention", ["attention_triton"]),
-        ("triton.attention_backward", ["attention_backward_triton"]),
-        ("triton.attention_paged", ["attention_paged_triton"]),
-    ):
-        backend = module.split(".")[0]
-        if backend == "triton" and fastpe.backends.triton.unavailable_reason() is not None:
-            continue
-        loaded = importlib.import_module(f"fastpe.kernels.{module}")
-        launchers += [getattr(loaded, name) for name in names]
 
     def parameters(fn) -> set[str]:
         names = inspect.signature(fn).parameters
@@ -380,6 +371,19 @@ def test_every_launcher_takes_the_shared_options():
     for launcher in launchers:
         missing = given - parameters(launcher)
         assert not missing, f"{launcher.__qualname__} lacks {sorted(missing)}"
+
+    # the Triton launchers take the launched record whole, as ``options``, and no option
+    # besides it as a keyword of its own
+    if fastpe.backends.triton.unavailable_reason() is None:
+        for module, name in (
+            ("attention", "attention_triton"),
+            ("attention_backward", "attention_backward_triton"),
+            ("attention_paged", "attention_paged_triton"),
+        ):
+            launcher = getattr(importlib.import_module(f"fastpe.kernels.triton.{module}"), name)
+            names = set(inspect.signature(launcher).parameters)
+            assert "options" in names, f"{name} does not take options"
+            assert not given & names, f"{name} takes {sorted(given & names)} besides options"
 
 
 def _numba_launchers_read_every_option(options, given):
