@@ -308,10 +308,9 @@ def test_workers_only_for_several_attention_items(monkeypatch):
     )
 
 
-def test_item_calls_reach_the_serial_split_and_decode_paths():
-    """Each attention item calls above and below the serial limit (a long parallel decode step
-    splits its keys, which compiles the merge and the float64 partial lse), and one-row decode
-    calls with 'decode'; checked on the plan's sizes, without compiling."""
+def test_item_calls_reach_both_twins_and_decode():
+    """Each attention item calls above and below the serial limit (both compiled twins), and
+    one-row decode calls with 'decode'; checked on the plan's sizes, without compiling."""
     from fastpe.kernels.numba.attention import SERIAL_WORK
 
     (item,) = _warmup.plan(["attention"], features=["causal", "decode"])
