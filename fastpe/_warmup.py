@@ -1,11 +1,12 @@
 """Compile the CPU kernels a workload will use, ahead of its first call (``fastpe warmup``).
 
 Numba compiles a kernel once per *specialisation* — argument dtypes, array dimensions and
-layouts — and fastpe has separate kernels for decode-shaped (few query rows) and prefill-shaped
-calls of the paged attention, and for calls long enough to split their keys across threads. A
-workload's first calls would compile each of them on the spot, seconds apiece. ``warmup`` makes
-those calls itself — the real public ops, on small inputs of the same kinds (dtype, framework,
-options) and of the sizes that pick each path — so that every specialisation lands in the disk
+layouts — and fastpe keeps each compiled kernel in a parallel and a serial twin (calls too small
+to be worth waking the thread pool run on the calling thread), with separate kernels for
+decode-shaped (few query rows) and prefill-shaped calls of the paged attention. A workload's
+first calls would compile each of them on the spot, seconds apiece. ``warmup`` makes those calls
+itself — the real public ops, on small inputs of the same kinds (dtype, framework, options) and
+of the sizes that pick each twin and path — so that every specialisation lands in the disk
 cache, and a later process loads it in milliseconds.
 
 The plan is made of items, one per (op, dtype) with the workload's features; each item runs in
@@ -220,9 +221,8 @@ class _Maker:
 
 
 def _serial_limits() -> tuple[int, int]:
-    """(attention work, elements) above which the kernels run parallel rather than serially
-    (and long decode steps split their keys): read from the kernel modules, so the sizes below
-    keep picking each path if they change."""
+    """(attention work, elements) above which the kernels run parallel rather than serially:
+    read from the kernel modules, so the sizes below keep picking each twin if they change."""
     from fastpe.kernels.numba import apply_rope, attention
 
     return attention.SERIAL_WORK, apply_rope.SERIAL_ELEMENTS
@@ -462,7 +462,7 @@ class Report:
         return "\n".join(lines)
 
 
-# the ops whose items compile for seconds each (the attention kernels)
+# the ops whose items compile for tens of seconds (the attention kernels and their twins)
 _HEAVY = {"attention", "attention_varlen", "attention_kvcache"}
 
 

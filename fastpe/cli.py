@@ -45,10 +45,14 @@ def info() -> str:
         lines.append(f"  {name:7s} {status}")
     lines.append("threads and devices:")
     try:
-        from fastpe.kernels.numba._runtime import thread_count
+        import numba
+
+        # the runtime picks fastpe's threading layer; starting Numba before it would pick OpenMP
+        from fastpe.kernels.numba._runtime import threading_layer
 
         lines.append(
-            f"  CPU threads   {thread_count()} (numba.set_num_threads / NUMBA_NUM_THREADS)"
+            f"  numba threads {numba.get_num_threads()} on the {threading_layer()!r} layer "
+            "(numba.set_num_threads / NUMBA_NUM_THREADS)"
         )
         lines.append(f"  kernel cache  {_cache_line()}")
     except ImportError:

@@ -195,7 +195,9 @@ def package_version(dist: str) -> str:
 
 def environment(device: str, peaks: dict) -> dict:
     """The machine, versions, thread counts and peaks a results document was measured with."""
-    from fastpe.kernels.numba._runtime import thread_count
+    import numba
+
+    from fastpe.kernels.numba._runtime import threading_layer  # before Numba starts its threads
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -212,7 +214,8 @@ def environment(device: str, peaks: dict) -> dict:
             d: package_version(d)
             for d in ("fastpe", "numpy", "numba", "torch", "triton", "transformers")
         },
-        "cpu_threads": thread_count(),
+        "numba_threads": numba.get_num_threads(),
+        "numba_threading_layer": threading_layer(),
         "device": device,
         "peaks": peaks,
     }

@@ -16,7 +16,7 @@ from fastpe.kernels.numba._attention_common import (
 )
 from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit
-from numba import types
+from numba import prange, types
 from numba.extending import overload
 
 
@@ -242,15 +242,11 @@ def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split)
                 _set_lse(lse, b, row0 + r, h, sink)
 
 
+@njit(parallel=True, cache=True)
 def _merge_splits_numba(part_out, part_lse, out, lse):
     """out = Σ_s part_out[s]·exp(part_lse[s] - lse), lse = log Σ_s exp(part_lse[s])."""
-    _merge_split_rows(part_out, part_lse, out, lse, items=lse.size)
-
-
-@njit(parallel=True, cache=True)
-def _merge_split_rows(part_out, part_lse, out, lse, first, stop):
     n_splits, batch, hq, sq, dv = part_out.shape
-    for row in range(first, stop):
+    for row in prange(batch * hq * sq):
         i = row % sq
         h = (row // sq) % hq
         b = row // (sq * hq)

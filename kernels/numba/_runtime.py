@@ -1,23 +1,29 @@
-"""Process-wide settings shared by every CPU kernel module: threads, disk cache, BLAS.
+"""Process-wide Numba settings shared by every kernel module: threading layer, disk cache, BLAS.
 
-Imported (through ``njit``) by each kernel module; ``import fastpe`` never gets here.
+Imported (through ``njit``) by each kernel module before its first decorator runs, so the
+threading layer is chosen before Numba launches its threads; ``import fastpe`` never gets here.
 
-- Threads: a parallel kernel is compiled once, as an ordinary (serial, GIL-free) function of
-  the range of work items it runs; calling it splits the items into chunks that fastpe's own
-  worker threads and the calling thread take in turn. fastpe does not use Numba's ``parallel=True``
-  (``prange``): that compiles the kernel body a second time inside a generated ufunc, and
-  again as a serial twin for small calls, which made a first call's compile about 40% longer;
-  Numba's thread pools also need care around ``fork()`` (OpenMP's kills a forked child, TBB's
-  cannot shut down while other threads use it). fastpe's workers are plain Python threads that
-  wait on a queue (they never spin on a core when idle); a forked child starts its own; any
-  number of threads may call kernels at once. The thread count is Numba's
-  (``NUMBA_NUM_THREADS``, or ``numba.set_num_threads``).
+- Threading layer: Numba's default on Linux is GNU OpenMP, whose thread pool does not survive
+  ``fork()`` — Numba then kills any forked child that runs a parallel kernel (DataLoader workers,
+  pre-fork servers, ``multiprocessing`` with fork). Unless the user chose a layer, fastpe asks for
+  Numba's "forksafe" choice: TBB where its library loads (a dependency on Linux x86-64, loaded
+  from pip's location here), else ``workqueue`` on Linux (OpenMP elsewhere, where it is
+  fork-safe). TBB is also thread-safe and starts a parallel region as fast as OpenMP;
+  ``workqueue`` takes tens of microseconds and aborts the process when two threads enter a
+  parallel region at once (Numba releases the GIL inside parallel regions). fastpe's parallel
+  kernels pass through a gate that admits one region at a time under ``workqueue``, and that
+  ``fork()`` waits on under every layer (TBB cannot fork while a region runs). A child forked
+  while other live threads had used TBB (TBB cannot shut down then) runs every kernel on its
+  serial twin, with a warning, instead of risking a hang.
+- Serial twins: each parallel kernel also has a serial compile under another name (the disk
+  cache does not tell compile options apart), for that child and for calls too small to wake
+  the pool.
 - Disk cache: entries are keyed also by a digest of every kernel file here, since Numba itself
   notices changes only in the file that holds a kernel (not in helpers imported from others).
   With no writable cache location (read-only install, no writable home, unusable
   NUMBA_CACHE_DIR) ``cache=True`` raises at decoration; fastpe then compiles in memory and warns
   once.
-- BLAS: kernels that call BLAS from fastpe's threads limit it to one thread while they run
+- BLAS: kernels that call BLAS from Numba's threads limit it to one thread while they run
   (``single_threaded_blas``); the limit is process-wide, so it is taken under a lock.
 - Compile notice: a kernel compile (a cache miss) still running after ``NOTICE_AFTER`` seconds
   logs one line on the ``fastpe`` logger — which kernel, that it happens once, where it is
@@ -31,124 +37,201 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import itertools
 import logging
 import os
 import pathlib
-import queue
+import sys
 import threading
+import types
 import warnings
+import weakref
 
 import numba
 from numba.core import config, event
 from numba.core import types as nbtypes
 from numba.core.caching import FunctionCache
 
-# --------------------------------------------------------------------------- threads
+# Numba's own default order; any other value was put there by the user (config file or code)
+_DEFAULT_PRIORITY = ["tbb", "omp", "workqueue"]
 
 
-def thread_count() -> int:
-    """The threads a parallel kernel uses: Numba's setting (``numba.set_num_threads`` once
-    Numba's own pool runs, else ``NUMBA_NUM_THREADS``, which defaults to the CPU count).
-    Reading it never starts Numba's pool."""
-    from numba.np.ufunc import parallel
-
-    if parallel._is_initialized:
-        return numba.get_num_threads()
-    return int(config.NUMBA_NUM_THREADS)
-
-
-# chunks per thread: items differ in cost (causal attention's query blocks see more or fewer
-# keys), so threads take small chunks in turn rather than one equal share each
-CHUNKS_PER_THREAD = 4
+def _user_chose_layer() -> bool:
+    """True when the environment, a .numba_config.yaml or code already picked the layer."""
+    return (
+        "NUMBA_THREADING_LAYER" in os.environ
+        or "NUMBA_THREADING_LAYER_PRIORITY" in os.environ
+        or str(config.THREADING_LAYER).lower() != "default"
+        or list(config.THREADING_LAYER_PRIORITY) != _DEFAULT_PRIORITY
+    )
 
 
-class _Run:
-    """One call of a parallel kernel: ``chunks`` slices of ``range(items)``, taken in turn."""
+def _load_pip_tbb() -> None:
+    """Make a pip-installed TBB visible to Numba.
 
-    def __init__(self, kernel, args: tuple, items: int, chunks: int):
-        self.kernel, self.args, self.items, self.chunks = kernel, args, items, chunks
-        self._next = itertools.count()  # next() is atomic under the GIL
-        self._done = 0
-        self._finished = threading.Condition(threading.Lock())
-        self.error: BaseException | None = None
+    pip puts libtbb.so.12 in <prefix>/lib, which is not on the dynamic loader's search path, and
+    Numba's tbbpool extension carries no rpath to it: Numba would report TBB missing. Once the
+    library is loaded by its full path, Numba's own dlopen("libtbb.so.12") finds it by its
+    soname. A TBB the loader already finds (conda, the system) is left alone: two TBB runtimes
+    in one process would fight over the same threads."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    from importlib import metadata
 
-    def work(self) -> None:
-        while (chunk := next(self._next)) < self.chunks:
-            first = self.items * chunk // self.chunks
-            stop = self.items * (chunk + 1) // self.chunks
-            try:
-                if self.error is None:
-                    self.kernel(*self.args, first, stop)
-            except BaseException as error:  # raised again in the calling thread
-                self.error = error
-            with self._finished:
-                self._done += 1
-                if self._done == self.chunks:
-                    self._finished.notify_all()
-
-    def wait(self) -> None:
-        with self._finished:
-            while self._done < self.chunks:
-                self._finished.wait()
-
-
-class _Workers:
-    """fastpe's worker threads: daemon threads blocked on a queue until a call hands them work
-    (an idle worker costs no CPU). Started on first use, up to the largest count asked for."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._started = 0
-
-    def _serve(self) -> None:
-        while True:
-            self._queue.get().work()
-
-    def run(self, kernel, args: tuple, items: int, threads: int) -> None:
-        helpers = min(threads, items) - 1
-        if helpers <= 0:
-            kernel(*args, 0, items)
+    try:
+        ctypes.CDLL("libtbb.so.12")
+        return
+    except OSError:
+        pass
+    try:
+        files = metadata.files("tbb") or []
+    except metadata.PackageNotFoundError:
+        return
+    for file in files:
+        if file.name == "libtbb.so.12":
+            with contextlib.suppress(OSError):  # then Numba falls back to the next layer
+                ctypes.CDLL(str(file.locate()))
             return
-        with self._lock:
-            while self._started < helpers:
-                threading.Thread(target=self._serve, name="fastpe-cpu", daemon=True).start()
-                self._started += 1
-        run = _Run(kernel, args, items, min(items, CHUNKS_PER_THREAD * threads))
-        for _ in range(helpers):
-            self._queue.put(run)
-        run.work()  # the calling thread takes chunks too (its kernel calls release the GIL)
-        # a chunk still running on a worker must end before the outputs are read; a worker
-        # that finds no chunk left (another call kept it busy) just returns
-        run.wait()
-        if run.error is not None:
-            raise run.error
 
 
-_workers = _Workers()
+def _start_threads() -> str:
+    """Choose the threading layer (unless the user did) and start Numba's threads now.
+
+    Starting them here, rather than at the first parallel call, fixes the choice: Numba's
+    compiler reloads its config from the environment when a NUMBA_* variable changes, which would
+    otherwise put the default layer back before the threads start."""
+    try:
+        return numba.threading_layer()  # already running: whatever started it chose
+    except ValueError:
+        pass
+    if not _user_chose_layer():
+        config.THREADING_LAYER = "forksafe"
+    if str(config.THREADING_LAYER).lower() not in ("omp", "workqueue"):  # TBB may be picked
+        _load_pip_tbb()
+    numba.get_num_threads()  # launches the threads with the configured layer
+    return numba.threading_layer()
+
+
+THREADING_LAYER = _start_threads()
+
+
+def threading_layer() -> str:
+    """The Numba threading layer fastpe's kernels run on ("tbb", "omp" or "workqueue")."""
+    return THREADING_LAYER
+
+
+class _LaunchGate:
+    """Counts the parallel regions in flight; ``fork()`` waits for them to end.
+
+    Numba's TBB layer shuts TBB's workers down before ``fork()`` so the child can start its own;
+    a region still running makes that fail. The gate's before-fork hook runs from ``os.fork()``
+    ahead of the C-level ``pthread_atfork`` handlers TBB uses: it waits until no region runs and
+    keeps new ones out until the fork is done. ``workqueue`` cannot run two regions at once (it
+    aborts the process), so there the gate also admits one at a time.
+    """
+
+    def __init__(self, limit: int | None):
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._limit = limit
+        self._forking = False
+        self.users = weakref.WeakSet()  # threads that ever ran a region
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._forking or (self._limit is not None and self._active >= self._limit):
+                self._cond.wait()
+            self._active += 1
+            self.users.add(threading.current_thread())
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()  # held through fork(): no thread can enter a region meanwhile
+        self._forking = True
+        while self._active:
+            self._cond.wait()
+
+    def after_fork(self) -> None:  # parent and child: the forking thread holds the lock in both
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+
+_gate = _LaunchGate(limit=1 if THREADING_LAYER == "workqueue" else None)
+
+# TBB shuts down for fork() only when the fork comes from the thread that started Numba's pool and
+# no other live thread ever ran a region (each such thread stays attached to TBB until it exits);
+# otherwise TBB prints "Unable to join threads to shut down before fork()" and the child's first
+# parallel region may hang. Such a child runs every kernel on its serial twin instead.
+_POOL_THREAD = threading.get_ident()
+_serial_only = False
+_fork_breaks_tbb = False
+
+
+def _tbb_survives_fork() -> bool:
+    if THREADING_LAYER != "tbb":
+        return True
+    me = threading.current_thread()
+    return threading.get_ident() == _POOL_THREAD and not any(
+        thread is not me and thread.is_alive() for thread in list(_gate.users)
+    )
+
+
+def _warn_serial_only() -> None:
+    warnings.warn(
+        "fastpe: this process was forked while other threads had run parallel CPU kernels (or "
+        "from a thread other than the one that started Numba's thread pool), so TBB's threads "
+        "could not be shut down for the fork; fastpe's CPU kernels run on one thread in this "
+        "process. Fork before starting threads that call fastpe, or use the spawn or "
+        "forkserver start method, to keep them parallel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _renamed(func, suffix: str):
+    """A copy of ``func`` under another qualified name: Numba's disk cache is keyed by the
+    function's name, code and argument types, not by compile options, so a serial and a parallel
+    compile of one function would overwrite each other's cache entries (and the parallel kernel
+    then loads the serial machine code, or crashes)."""
+    twin = types.FunctionType(
+        func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
+    twin.__kwdefaults__ = func.__kwdefaults__
+    twin.__qualname__ = f"{func.__qualname__}__{suffix}"
+    twin.__module__ = func.__module__
+    return twin
 
 
 class ParallelKernel:
-    """A kernel whose last two parameters ``first, stop`` bound the work items it runs (a plain
-    ``for item in range(first, stop)`` loop), compiled once, without the GIL.
+    """A ``parallel=True`` kernel and its serial twin (``prange`` runs as ``range``).
 
-    ``kernel(*args, items=n)`` runs ``range(n)`` across fastpe's threads; ``threads=1`` runs it
-    whole on the calling thread (calls too small to be worth waking a worker). ``.dispatcher``
-    is the compiled function, for other kernels to call; attribute access (``py_func``,
-    ``signatures``…) reaches it too."""
+    Calling it runs the parallel compile through ``_gate`` (Numba releases the GIL inside
+    parallel regions, so other Python threads run, and may fork, meanwhile) — or the serial twin
+    in a process forked where TBB could not shut down. ``.serial`` is the twin, for calls too
+    small to be worth waking the pool. Attribute access (``py_func``, ``signatures``…) reaches
+    the parallel dispatcher."""
 
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
-        functools.update_wrapper(
-            self, dispatcher.py_func if hasattr(dispatcher, "py_func") else dispatcher
-        )
+    def __init__(self, func, options: dict, cache: bool):
+        self._parallel = _dispatcher(func, dict(options, parallel=True), cache)
+        self.serial = _dispatcher(_renamed(func, "serial"), options, cache)
+        functools.update_wrapper(self, func)
 
-    def __call__(self, *args, items: int, threads: int | None = None):
-        _workers.run(self.dispatcher, args, items, thread_count() if threads is None else threads)
+    def __call__(self, *args, **kwargs):
+        if _serial_only:
+            return self.serial(*args, **kwargs)
+        _gate.enter()
+        try:
+            return self._parallel(*args, **kwargs)
+        finally:
+            _gate.leave()
 
     def __getattr__(self, name):
-        return getattr(self.dispatcher, name)
+        return getattr(self._parallel, name)
 
 
 _no_cache_warned = False
@@ -203,14 +286,14 @@ def njit(**options):
 
     ``cache=True`` falls back to an in-memory compile (with one warning per process) when Numba
     has nowhere to write its cache, instead of failing every call; ``parallel=True`` makes a
-    ``ParallelKernel`` (the function's last two parameters bound its work items).
+    ``ParallelKernel`` (launch gate, serial twin).
     """
     cache = options.pop("cache", False)
     parallel = options.pop("parallel", False)
 
     def decorate(func):
-        if parallel:
-            return ParallelKernel(_dispatcher(func, dict(options, nogil=True), cache))
+        if parallel and not numba.config.DISABLE_JIT:
+            return ParallelKernel(func, options, cache)
         return _dispatcher(func, options, cache)
 
     return decorate
@@ -251,11 +334,19 @@ def single_threaded_blas():
             _blas_limiter = None
 
 
+def _before_fork():
+    global _fork_breaks_tbb
+    _gate.before_fork()
+    _fork_breaks_tbb = not _tbb_survives_fork()
+
+
 def _after_fork_in_child():
-    """The parent's worker threads do not exist in a forked child, and locks held by another
-    thread at fork() would stay held forever: the child starts afresh."""
-    global _workers, _blas_lock, _blas_limiter
-    _workers = _Workers()
+    """Locks held by another thread at fork() would stay held forever in the child."""
+    global _blas_lock, _blas_limiter, _serial_only
+    _gate.after_fork()
+    if _fork_breaks_tbb and not _serial_only:
+        _serial_only = True
+        _warn_serial_only()
     _blas_lock = threading.Lock()
     if _blas_limiter is not None:  # another thread was inside single_threaded_blas
         limiter, _blas_limiter = _blas_limiter, None
@@ -272,9 +363,11 @@ _KERNEL_PACKAGE = __name__.rpartition(".")[0]  # fastpe.kernels.numba
 
 
 def kernel_name(dispatcher) -> str:
-    """'attention._attention_numba' for a fastpe dispatcher."""
+    """'attention._attention_numba (serial)' for a fastpe dispatcher."""
     func = dispatcher.py_func
-    return f"{func.__module__.rpartition('.')[2]}.{func.__qualname__}"
+    module = func.__module__.rpartition(".")[2]
+    name, twin, _ = func.__qualname__.partition("__serial")
+    return f"{module}.{name}" + (" (serial)" if twin else "")
 
 
 def _argument_dtype(args) -> str:
@@ -390,4 +483,6 @@ def clear_cache() -> dict:
     return removed
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_gate.after_fork, after_in_child=_after_fork_in_child
+)

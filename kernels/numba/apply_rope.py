@@ -11,12 +11,13 @@ from __future__ import annotations
 import numpy as np
 from fastpe.kernels.numba._half import _narrow, _widen
 from fastpe.kernels.numba._runtime import njit
+from numba import prange
 
 
-def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail, inverse, first, stop):
-    heads, seq, dim = x.shape[1:]
+def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail, inverse):
+    batch, heads, seq, dim = x.shape
     half = cos.shape[1]
-    for row in range(first, stop):
+    for row in prange(batch * seq):
         b, s = row // seq, row % seq
         p = positions[b, s]
         for h in range(heads):
@@ -50,16 +51,15 @@ _apply_rope_kernel = njit(parallel=True, cache=True)(_apply_rope_numba)
 
 HALF_BITS = (np.uint16, np.int16)  # bfloat16, float16 bits
 
-_apply_rope_rows = _apply_rope_kernel.dispatcher
+_apply_rope_serial = _apply_rope_kernel.serial
 
 
 @njit(cache=True)
 def _apply_rope_pair(x1, out1, tail1, x2, out2, tail2, cos, sin, positions, interleaved, inverse):
     """Two arrays that share tables and positions (q and k of a decode step) in one launch: a
     one-token call costs about as much to launch as to compute."""
-    rows = positions.size  # [B, S]
-    _apply_rope_rows(x1, cos, sin, positions, out1, interleaved, tail1, inverse, 0, rows)
-    _apply_rope_rows(x2, cos, sin, positions, out2, interleaved, tail2, inverse, 0, rows)
+    _apply_rope_serial(x1, cos, sin, positions, out1, interleaved, tail1, inverse)
+    _apply_rope_serial(x2, cos, sin, positions, out2, interleaved, tail2, inverse)
 
 
 def _tables(cos, sin, x):
@@ -86,18 +86,16 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, i
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)  # C order in the caller's layout
     as_bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.swapaxes(1, 2))
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
-    _apply_rope_kernel(
+    kernel = _apply_rope_kernel.serial if x.size <= SERIAL_ELEMENTS else _apply_rope_kernel
+    kernel(
         as_bhsd(x),
         cos,
         sin,
-        positions,
+        np.ascontiguousarray(positions, dtype=np.int64),
         as_bhsd(out),
         interleaved,
         not inplace and 2 * cos.shape[1] < x.shape[3],
         inverse,
-        items=positions.size,
-        threads=1 if x.size <= SERIAL_ELEMENTS else None,
     )
     return out
 

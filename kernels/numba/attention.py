@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numba
 import numpy as np
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, dense_score_mods
 from fastpe.kernels.numba._attention_tiles import (
@@ -39,18 +40,17 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas, thread_count
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from numba import prange
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
-def _attention_numba(
-    q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32, first, stop
-):
+def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32):
     batch, hq, sq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     group = hq // hkv
     n_mblocks = (sq + block_m - 1) // block_m
-    for item in range(first, stop):
+    for item in prange(batch * hkv * n_mblocks * n_splits):
         split = item % n_splits
         rest = item // n_splits
         mb = rest % n_mblocks
@@ -143,7 +143,7 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     # split keys when (batch, kv head, query block) items cannot keep every thread busy; a call
     # too small to be worth waking the pool runs whole on the calling thread
     serial = batch * hq * sq * sk * (d + dv) <= SERIAL_WORK
-    threads = 1 if serial else thread_count()
+    threads = 1 if serial else numba.get_num_threads()
     items = batch * hkv * n_mblocks
     key_tiles = -(-sk // block_n)
     n_splits = key_splits(items, key_tiles, threads)
@@ -168,20 +168,8 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     uses_blas = group * block_m > SMALL_ROWS
     # Numba's threads already fill the cores: a threaded BLAS inside them would oversubscribe
     with single_threaded_blas() if uses_blas else contextlib.nullcontext():
-        _attention_numba(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            mods,
-            block_m,
-            block_n,
-            n_splits,
-            dtype == np.float32,
-            items=items * n_splits,
-            threads=threads,
-        )
+        kernel = _attention_numba.serial if serial else _attention_numba
+        kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

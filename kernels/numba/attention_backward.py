@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numba
 import numpy as np
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
@@ -37,7 +38,8 @@ from fastpe.kernels.numba._attention_common import (
 )
 from fastpe.kernels.numba._attention_tiles import _load_tile, key_splits
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas, thread_count
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from numba import prange
 
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
@@ -167,10 +169,9 @@ def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, bl
 
 
 @njit(parallel=True, cache=True)
-def _attention_backward_numba(
-    q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n, first, stop
-):
-    for item in range(first, stop):
+def _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n):
+    batch, hkv, n_splits = k.shape[0], k.shape[1], grads.dq_part.shape[0]
+    for item in prange(batch * hkv * n_splits):
         _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
 
 
@@ -229,7 +230,7 @@ def attention_backward_numba(
 
     block_m = max(1, min(sq, max(128 // group, 16)))
     block_n = max(1, min(256, sk))
-    threads = thread_count()
+    threads = numba.get_num_threads()
     key_tiles = -(-sk // block_n)
     n_splits = key_splits(batch * hkv, key_tiles, threads)
     items = batch * hkv * n_splits
@@ -242,9 +243,7 @@ def attention_backward_numba(
     if batch * hq * sq > 0 and sk > 0:
         with single_threaded_blas():
             grads = BackwardGrads(dq_part, dk, dv, dbias_part)
-            _attention_backward_numba(
-                q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n, items=items
-            )
+            _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n)
     dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
     dtable = None
     if relative_bias is not None:

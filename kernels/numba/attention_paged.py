@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
+import numba
 import numpy as np
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
@@ -57,10 +58,10 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas, thread_count
+from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from fastpe.kernels.numba.attention import SERIAL_WORK
 from llvmlite import ir
-from numba import types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -284,14 +285,14 @@ def _attend_direct(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, first, stop
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
     kv head, so that each cache row is read once, in order."""
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
-    for work_item in range(first, stop):
+    for work_item in prange(rows.item_seq.shape[0] * n_splits):
         split = work_item % n_splits
         # the tile of kv head 0: its sequence and queries, which every kv head shares here
         tile, row0 = _item_span(rows, work_item // n_splits, 0, group, block_m)
@@ -351,12 +352,12 @@ def _attention_paged_direct_numba(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, first, stop
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32
 ):
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
-    for work_item in range(first, stop):
+    for work_item in prange(rows.item_seq.shape[0] * hkv * n_splits):
         split = work_item % n_splits
         rest = work_item // n_splits
         hk = rest % hkv
@@ -421,7 +422,7 @@ def attention_paged_numba(q, k, v, *, q_start, q_len, k_len, page_start, page_si
     # every thread busy
     direct = group * block_m <= SMALL_ROWS
     serial = total_q * hq * max_k * (d + dv) <= SERIAL_WORK
-    threads = 1 if serial else thread_count()
+    threads = 1 if serial else numba.get_num_threads()
     items = item_seq.shape[0] * (1 if direct else hkv)
     key_tiles = -(-max_k // block_n)
     n_splits = key_splits(items, key_tiles, threads)
@@ -441,21 +442,11 @@ def attention_paged_numba(q, k, v, *, q_start, q_len, k_len, page_start, page_si
     # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
     part_lse = np.empty((n_splits, total_q, hq), dtype=np.float64 if n_splits > 1 else np.float32)
     kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
+    if serial:
+        kernel = kernel.serial
     with contextlib.nullcontext() if direct else single_threaded_blas():
         kernel(
-            q,
-            k,
-            v,
-            part_out,
-            part_lse,
-            rows,
-            mods,
-            block_m,
-            block_n,
-            n_splits,
-            dtype == np.float32,
-            items=items * n_splits,
-            threads=threads,
+            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, dtype == np.float32
         )
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from fastpe.kernels.numba._angles import gather_basis
 from fastpe.kernels.numba._half import _narrow, _widen
-from fastpe.kernels.numba._runtime import njit, thread_count
-from numba import types
+from fastpe.kernels.numba._runtime import njit
+from numba import prange, types
 from numba.extending import overload
 
 PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
@@ -40,11 +40,9 @@ def _embed_numba(
     type_ids,
     type_weight,
     out,
-    first,
-    stop,
 ):
-    dim = out.shape[1]
-    for t in range(first, stop):
+    tokens, dim = out.shape
+    for t in prange(tokens):
         row = ids[t]
         tt = type_ids[t] if has_types else 0
         p = positions[t]
@@ -108,7 +106,8 @@ def embed_numba(
     type_weight = (
         np.ascontiguousarray(token_type_weight) if has_types else np.zeros((1, 1), weight.dtype)
     )
-    _embed_kernel(
+    kernel = _embed_kernel.serial if out.size <= SERIAL_ELEMENTS else _embed_kernel
+    kernel(
         flat_ids,
         np.ascontiguousarray(weight),
         np.dtype(compute).type(scale),
@@ -120,8 +119,6 @@ def embed_numba(
         type_ids,
         type_weight,
         out,
-        items=out.shape[0],
-        threads=1 if out.size <= SERIAL_ELEMENTS else None,
     )
     return out.reshape(batch, seq, dim)
 
@@ -162,10 +159,10 @@ def _accumulate_impl(out, src, first):
     return plain
 
 
-def _scatter_rows_numba(order, starts, rows, grad, scale, acc, block, first, stop):
+def _scatter_rows_numba(order, starts, rows, grad, scale, acc, block):
     dim = grad.shape[1]
     blocks = (dim + block - 1) // block
-    for item in range(first, stop):
+    for item in prange(rows.size * blocks):
         g, first = item // blocks, (item % blocks) * block
         last = min(dim, first + block)
         out = acc[rows[g], first:last]
@@ -174,8 +171,8 @@ def _scatter_rows_numba(order, starts, rows, grad, scale, acc, block, first, sto
         out *= scale
 
 
-def _narrow_rows_numba(rows, acc, out, first, stop):
-    for g in range(first, stop):
+def _narrow_rows_numba(rows, acc, out):
+    for g in prange(rows.size):
         r = rows[g]
         for c in range(acc.shape[1]):
             out[r, c] = _narrow(out, acc[r, c])
@@ -189,6 +186,8 @@ def scatter_rows_numba(index, grad, num_rows, scale=1.0):
     """The gradient of ``table[index]`` for a table of ``num_rows`` rows: index int [...],
     grad [..., D] float32, float64 or half bits (uint16 / int16, summed in float32 and rounded
     once). Returns [num_rows, D] in grad's dtype; rows no index names are zero."""
+    import numba
+
     dim = grad.shape[-1]
     flat = np.ascontiguousarray(index, dtype=np.int64).reshape(-1)
     grad = grad.reshape(flat.size, dim)
@@ -205,22 +204,13 @@ def scatter_rows_numba(index, grad, num_rows, scale=1.0):
     starts = np.append(starts, flat.size).astype(np.int64)
     # whole rows per iteration, unless there are too few rows to keep every thread busy (the
     # two token types of BERT): then column blocks of at least 64
-    pieces = -(-4 * thread_count() // max(rows.size, 1))
+    pieces = -(-4 * numba.get_num_threads() // max(rows.size, 1))
     block = max(64, -(-dim // pieces)) if pieces > 1 else max(dim, 1)
-    threads = 1 if grad.size <= SERIAL_ELEMENTS else None
-    _scatter_rows_kernel(
-        order.astype(np.int64),
-        starts,
-        rows,
-        grad,
-        np.dtype(compute).type(scale),
-        acc,
-        block,
-        items=rows.size * -(-dim // block),  # (row, column block) pairs
-        threads=threads,
-    )
+    small = grad.size <= SERIAL_ELEMENTS
+    kernel = _scatter_rows_kernel.serial if small else _scatter_rows_kernel
+    kernel(order.astype(np.int64), starts, rows, grad, np.dtype(compute).type(scale), acc, block)
     if not half:
         return acc
     out = np.zeros((num_rows, dim), dtype=grad.dtype)  # all-zero bits: +0.0 in both half types
-    _narrow_rows_kernel(rows, acc, out, items=rows.size, threads=threads)
+    (_narrow_rows_kernel.serial if small else _narrow_rows_kernel)(rows, acc, out)
     return out

@@ -13,14 +13,15 @@ import math
 
 import numpy as np
 from fastpe.kernels.numba._runtime import njit
+from numba import prange
 
 
 @njit(parallel=True, cache=True)
 def _merge_backward(
-    out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b, d_lse_b, first, stop
+    out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b, d_lse_b
 ):
-    heads, seq, dv = out_a.shape[1:]
-    for row in range(first, stop):
+    batch, heads, seq, dv = out_a.shape
+    for row in prange(batch * heads * seq):
         i = row % seq
         h = (row // seq) % heads
         b = row // (seq * heads)
@@ -56,16 +57,6 @@ def merge_attention_backward_numba(grad_out, grad_lse, out_a, lse_a, out_b, lse_
     d_lse_a = np.empty(lse_a.shape, dtype=np.float64)
     d_lse_b = np.empty(lse_a.shape, dtype=np.float64)
     _merge_backward(
-        out_a,
-        lse_a,
-        out_b,
-        lse_b,
-        grad_out,
-        grad_lse,
-        d_out_a,
-        d_lse_a,
-        d_out_b,
-        d_lse_b,
-        items=int(np.prod(lse_a.shape)),
+        out_a, lse_a, out_b, lse_b, grad_out, grad_lse, d_out_a, d_lse_a, d_out_b, d_lse_b
     )
     return d_out_a, d_lse_a, d_out_b, d_lse_b

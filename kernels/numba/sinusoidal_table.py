@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 from fastpe.kernels.numba._angles import column_basis
 from fastpe.kernels.numba._runtime import njit
+from numba import prange
 
 
 @njit(parallel=True, cache=True)
-def _sinusoidal_table_numba(out, block, hi_a, hi_b, lo_x, lo_y, first, stop):
-    dim = out.shape[1]
-    for p in range(first, stop):
+def _sinusoidal_table_numba(out, block, hi_a, hi_b, lo_x, lo_y):
+    rows, dim = out.shape
+    for p in prange(rows):
         t, l = p // block, p % block
         for j in range(dim):
             out[p, j] = hi_a[t, j] * lo_x[l, j] + hi_b[t, j] * lo_y[l, j]
@@ -24,6 +25,5 @@ def _sinusoidal_table_numba(out, block, hi_a, hi_b, lo_x, lo_y, first, stop):
 def sinusoidal_table_numba(omega, num_positions, offset, interleaved, dtype):
     """[num_positions, 2·len(omega)] table in ``dtype`` (float32/float64) for the frequencies ω."""
     out = np.empty((num_positions, 2 * omega.shape[0]), dtype=dtype)
-    basis = column_basis(offset, num_positions, omega, interleaved, dtype)
-    _sinusoidal_table_numba(out, *basis, items=num_positions)
+    _sinusoidal_table_numba(out, *column_basis(offset, num_positions, omega, interleaved, dtype))
     return out

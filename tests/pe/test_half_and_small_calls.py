@@ -71,8 +71,8 @@ def test_apply_rope_half_tables_equal_widened_tables(backend, table_dtype, x_dty
 @pytest.mark.parametrize("op", ["apply_rope", "embed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_serial_and_parallel_kernels_agree(op, dtype, monkeypatch, rng):
-    """Small calls run whole on the calling thread: they must give what a call split across
-    threads gives, on the same inputs, whichever the size threshold picks."""
+    """Small calls run a serial copy of the kernel: it must give what the parallel one gives,
+    on the same inputs, whichever the size threshold picks."""
     pytest.importorskip("numba")
     if fastpe.backends()["numba"] != "available":
         pytest.skip(fastpe.backends()["numba"])
