@@ -272,7 +272,8 @@ def attention_configs(dtype, d, variant, target):
     configs = attention._gpu_configs()
     kept = set()
     for sq in (1, 1024):
-        for c in attention._prune(configs, {**named, "Sq": sq}, capability=target, **constexprs):
+        lengths = {"tuning_lengths": (sq, sq)}  # powers of two: their own tuning lengths
+        for c in attention._prune(configs, {**named, **lengths}, capability=target, **constexprs):
             kept.add(id(c))
     return [(c, id(c) in kept) for c in configs]
 

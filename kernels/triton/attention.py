@@ -173,6 +173,14 @@ def _per_element_bias(flags) -> bool:
     )
 
 
+def tuning_length(n: int) -> int:
+    """A sequence length as the autotuning key holds it: rounded down to a power of two, so
+    that a decoding loop, whose key length grows by one per token, tunes once per doubling
+    (and never while a CUDA graph is captured) rather than at every new length. The best
+    tiles do not change within such a range."""
+    return 1 << max(n, 1).bit_length() - 1
+
+
 def _capability(named_args):
     q = named_args.get("q_ptr")
     if q is None or not hasattr(q, "device") or q.device.type != "cuda":
@@ -201,7 +209,7 @@ def _prune(configs, named_args, capability=None, **kwargs):
         fits = {f for f in fits if f[3] <= 2} or fits
     key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
     kept = [c for c in configs if key(c) in fits]
-    if named_args["Sq"] <= 64:
+    if named_args["tuning_lengths"][0] <= 32:  # fewer than 64 queries: a decode step
         kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 64] or kept
     return kept or configs[-1:]
 
@@ -211,8 +219,7 @@ def _prune(configs, named_args, capability=None, **kwargs):
     # the flags _prune reads are part of the key: a config tuned without RoPE must not be
     # reused for a call with it
     key=[
-        "Sq",
-        "Sk",
+        "tuning_lengths",
         "D",
         "Dv",
         "group",
@@ -252,6 +259,7 @@ def _attention_kernel(
     window,
     strides,
     scales,
+    tuning_lengths,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -622,6 +630,7 @@ def launch_args(
             k_pos_strides,
         ),
         scales,
+        (tuning_length(sq), tuning_length(sk)),
     )
     constexprs = dict(
         **forward_flags(options),
