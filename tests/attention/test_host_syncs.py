@@ -224,7 +224,7 @@ def test_flash_attn_functions_plan_once_per_step(gpu_host_code):
     changed in place makes a new plan (the next step)."""
     q, k, v, caches, cache_seqlens, block_table, _ = _decode_step()
     counts = []
-    for step in range(2):
+    for _step in range(2):
         for k_cache, v_cache in caches:
             with SyncTrace() as trace:
                 flash_attn_with_kvcache(
@@ -285,7 +285,7 @@ def test_a_plan_gives_the_oracle_result_over_layers():
             q, caches[0][0], k, cache_seqlens=cache_seqlens, block_table=block_table
         )
     options = dict(rotary_cos=cos, rotary_sin=sin, causal=True, return_lse=True)
-    for (kc, vc), (ekc, evc) in list(zip(caches, expected_caches))[:2]:
+    for (kc, vc), (ekc, evc) in list(zip(caches, expected_caches, strict=True))[:2]:
         out, lse = fastpe.attention_kvcache(q, kc, vc, k, v, plan=plan, backend="triton", **options)
         want, want_lse = fastpe.attention_kvcache(
             q,
@@ -320,3 +320,22 @@ def test_plan_misuse_is_refused_by_name():
         fastpe.attention_varlen(
             np.zeros((4, 2, 8)), np.zeros((5, 2, 8)), np.zeros((5, 2, 8)), plan=varlen
         )
+
+
+def test_patch_rotary_compares_the_halves_once_per_forward(gpu_host_code):
+    from fastpe.integrations.transformers_rope import _make_replacement
+
+    fallbacks = []
+    rotate = _make_replacement(lambda *args, **kwargs: fallbacks.append(args))
+    cos, sin = (torch.cat([t, t], dim=-1)[None] for t in fastpe.rope_table(5, 8, device="cpu"))
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    counts = []
+    for _layer in range(LAYERS):
+        with SyncTrace() as trace:
+            rotate(q, k, cos, sin)
+        counts.append(trace.counts)
+    assert counts == [(2, 0)] + [(0, 0)] * (LAYERS - 1), counts  # two torch.equal, then none
+    cos.mul_(1.0)  # changed in place (the next forward's tables): compared again
+    with SyncTrace() as trace:
+        rotate(q, k, cos, sin)
+    assert trace.reads == ["equal", "equal"] and not fallbacks
