@@ -625,7 +625,7 @@ class AttentionKVCacheInputs(_Inputs):
                 block_table=block_table,
                 cache_batch_idx=cache_batch_idx,
                 **shapes,
-                rows_per_block=None,
+                rows_per_block=per_block,
                 device=None,
             )
             metadata = {

@@ -13,6 +13,7 @@ a version are planned this way; NumPy arrays, CPU tensors and tensors made under
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from collections import OrderedDict
@@ -27,8 +28,8 @@ _lock = threading.Lock()
 def _identity(x):
     """What makes a metadata value the same one again: (id, version) of a tensor, the value of
     an int or None; None for a value that cannot be told apart from a changed one."""
-    if x is None or isinstance(x, int):
-        return ("value", x)
+    if x is None or isinstance(x, numbers.Integral):
+        return ("value", int(x) if x is not None else None)
     if not _arrays.is_tensor(x):
         return None
     try:

@@ -84,15 +84,15 @@ class SyncTrace(torch.overrides.TorchFunctionMode):
         result = func(*args, **kwargs)
         if name in READS and on_device:
             self.reads.append(name)
-            return result if name == "equal" else self._mark_host(result)
+            return result if name == "equal" else self._mark_host(self._distinct(result, args))
         to_device = kwargs.get("device", next((a for a in args[1:] if _is_device(a)), None))
         if name in ("to", "cuda") and tensors and self.is_host(args[0]):
             if name == "cuda" or to_device is not None and to_device != "cpu":
                 self.uploads.append(name)
-                return result
+                return self._distinct(result, args)
         if name == "to" and on_device and to_device == "cpu":
             self.reads.append("to('cpu')")
-            return self._mark_host(result)
+            return self._mark_host(self._distinct(result, args))
         if name in FACTORIES_OF_DATA and not on_device:
             if kwargs.get("device") is not None or name == "new_tensor":
                 self.uploads.append(name)
@@ -111,6 +111,12 @@ class SyncTrace(torch.overrides.TorchFunctionMode):
                 for out in result if isinstance(result, tuple) else (result,):
                     self._mark_host(out)
         return result
+
+    @staticmethod
+    def _distinct(result, args):
+        """A copy between host and device is a new tensor on CUDA; on the CPU torch returns
+        the tensor itself, which must not change sides: a distinct tensor stands for it."""
+        return result.clone() if args and result is args[0] else result
 
     @property
     def counts(self) -> tuple[int, int]:
