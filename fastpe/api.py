@@ -376,6 +376,11 @@ def attention_varlen(
     (one device read and one upload on a GPU).
     """
     tables = [rope.get(key) for key in ("cos", "sin")] if isinstance(rope, dict) else []
+    if plan is None and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise TypeError(
+            "attention_varlen needs cu_seqlens_q and cu_seqlens_k (int [B + 1] sequence "
+            "boundaries), or a plan from fastpe.plan_varlen"
+        )
     if plan is not None and _torch_graph(q, k, v, *tables, sinks, alibi_slopes):
         # the custom op takes tensors, not a plan: the plan's boundaries, which it checks again
         given = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
