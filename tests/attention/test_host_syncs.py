@@ -279,6 +279,10 @@ def test_device_checks_of_positions_key_lengths_and_merge_make_no_host_sync(gpu_
     with SyncTrace() as trace:
         fastpe.merge_attention(out, lse, out, lse)
     assert trace.counts == (0, 0), (trace.reads, trace.uploads)
+    # the device-side check still refuses a bad entry (on a CPU tensor it raises at once; on
+    # CUDA at the next synchronizing call), naming the argument
+    with pytest.raises(RuntimeError, match=r"key_lengths has an entry outside \[0, 4\)"):
+        fastpe.attention(q, k, v, key_lengths=torch.tensor([3, 4]))
 
 
 def test_a_plan_gives_the_oracle_result_over_layers():
