@@ -8,6 +8,7 @@ their framework, device and dtype; scalars are normalised to plain Python values
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,6 +20,7 @@ from fastpe._options import AttentionOptions, Positions, RelativeBias, Rope, che
 from fastpe._validate import (
     MAX_DIM,
     MAX_POSITION,
+    _skip_device_values,
     check_bool,
     check_choice,
     check_device_data,
@@ -490,6 +492,10 @@ def _default_query_positions(bottom_right: bool, key_lengths, sq: int, sk: int):
         return 0
     if key_lengths is None:
         return max(sk - sq, 0)
+    if _arrays.on_gpu(key_lengths):  # computed where the lengths live: no host round trip
+        torch = sys.modules["torch"]
+        steps = torch.arange(sq, device=key_lengths.device)
+        return (key_lengths.to(torch.int64)[:, None] - sq + steps[None, :]).clamp_(min=0)
     lengths = _arrays.to_int64(key_lengths)
     positions = np.maximum(lengths[:, None] - sq + np.arange(sq)[None, :], 0)
     return _arrays.array_like(positions, key_lengths)
@@ -592,8 +598,11 @@ class MergeAttentionInputs(_Inputs):
                     f"{name} must have shape [B, H, S] = {list(out_a.shape[:3])}; "
                     f"got {tuple(lse.shape)}"
                 )
-            values = _arrays.to_float64(lse)
-            if np.isnan(values).any() or np.isposinf(values).any():
+            if _skip_device_values(lse):
+                # as the finite checks of ALiBi slopes: a NaN gives NaN rows, no stray access
+                continue
+            top = _arrays.max_value(lse)  # a reduction, no host copy: NaN or +inf if any
+            if top is not None and (math.isnan(top) or top == math.inf):
                 raise ValueError(f"{name} must not contain NaN or +inf (-inf marks an empty row)")
         lse_a, lse_b = _arrays.as_array(lse_a), _arrays.as_array(lse_b)
         placement = check_same_placement(

@@ -1,10 +1,13 @@
 """Validated inputs of the serving ops: packed variable-length attention and KV-cache attention.
 
-Kept apart from ``_inputs.py`` (same conventions, same helpers). Sequence boundaries
-(``cu_seqlens``), cache lengths and block tables are read on the host once, here: every later
-index computation trusts them, so these checks are what keeps the kernels inside their tensors.
-On a GPU that read is one host sync per call (FlashAttention itself reads ``max_seqlen`` from
-the caller instead; we check the values because a wrong boundary is an out-of-bounds access).
+Kept apart from ``_inputs.py`` (same conventions, same helpers). A step's metadata — sequence
+boundaries (``cu_seqlens``), cache lengths, block tables — is checked on the host once, into a
+plan (``VarlenPlan``, ``KVCachePlan``): every later index computation trusts it, so these checks
+are what keeps the kernels inside their tensors. A plan holds the checked values as host int64
+arrays (for the CPU backends and for sizing launches) and uploads what the GPU kernels index with
+once per device, in one copy; every layer's call of that step then reuses both, with no device
+read and no blocking copy (docs/integrations.md#one-plan-per-step). A call without a plan makes
+its own: one read of device metadata and one upload per call on a GPU.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ def _host_ints(name: str, x, *, ndim: int) -> np.ndarray:
     return _arrays.to_int64(x)
 
 
-def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
+def check_cu_seqlens(name: str, cu, total: int | None) -> np.ndarray:
     """``cu`` int32/int64 [B + 1]: starts at 0, non-decreasing, ends at ``total`` (the packed
-    length). Returned as host int64."""
+    length; None: a plan's, checked against each call's arrays). Returned as host int64."""
     cu_array = check_int_array(name, cu, ndim=1)
     if _arrays.dtype_name(cu_array) not in ("int32", "int64"):
         raise TypeError(f"{name} must be int32 or int64; got {_arrays.dtype_name(cu_array)}")
@@ -53,7 +56,7 @@ def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
             f"{name} must be non-decreasing; got {name}[{at}] = {int(values[at])} < "
             f"{name}[{at - 1}] = {int(values[at - 1])}"
         )
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(
             f"{name} must end at the packed length {total}; got {name}[-1] = {int(values[-1])}"
         )
@@ -74,6 +77,20 @@ def _check_max_seqlen(name: str, value, lengths: np.ndarray) -> int:
             f"{longest} or None"
         )
     return min(value, int(lengths.sum()))
+
+
+def check_plan(plan, kind, given: dict) -> None:
+    """A plan replaces the metadata arguments it was made from: they must not be given too."""
+    if not isinstance(plan, kind):
+        raise TypeError(
+            f"plan must be a {kind.__name__} (from fastpe.plan_{kind.op.removeprefix('attention_')})"
+            f"; got {type(plan).__name__}"
+        )
+    passed = [name for name, value in given.items() if value is not None]
+    if passed:
+        raise ValueError(
+            f"{', '.join(passed)} come from the plan; pass them to the plan, not with plan="
+        )
 
 
 def _default_positions(cu: np.ndarray, shift: np.ndarray) -> np.ndarray:
@@ -101,31 +118,298 @@ def _check_heads_and_dim(q, hq, k_name, hkv, d):
         raise ValueError(f"head_dim must be >= 1; got q of shape {tuple(q.shape)}")
 
 
+def _host_copy(values) -> np.ndarray:
+    """A private, contiguous host int64 copy: a plan keeps the values it checked, whatever the
+    caller later does to its own arrays."""
+    return np.array(values, dtype=np.int64, copy=True, order="C")
+
+
+class _Plan:
+    """What both plans share: host int64 arrays, and their device copies made once per device.
+
+    The arrays the GPU kernels index with are registered (``_register``) and uploaded together,
+    in one host-to-device copy, the first time a device asks for them (at plan time when the
+    plan knows its device); later calls find them in ``on_device``. Arrays derived later
+    (fused RoPE's default positions, another cache layout's page starts) are uploaded once each
+    when first needed."""
+
+    def __init__(self, device):
+        self.device = device  # the torch device its tables go to, or None (host only so far)
+        self._registered: list[np.ndarray] = []
+        self._on_device: dict = {}  # (device, id(host array)) -> tensor
+        self._derived: dict = {}  # key -> host array computed on first need
+
+    def _register(self, array: np.ndarray) -> np.ndarray:
+        self._registered.append(array)
+        return array
+
+    def _derive(self, key, compute) -> np.ndarray:
+        array = self._derived.get(key)
+        if array is None:
+            array = self._derived[key] = _host_copy(compute())
+        return array
+
+    def _upload(self) -> None:
+        if self.device is not None:
+            self.on_device(self._registered[0], self.device)
+
+    def on_device(self, host: np.ndarray, device):
+        """``host`` (one of this plan's arrays) as an int64 tensor on ``device``: uploaded with
+        the plan's other tables at its first use on that device, then reused. An array the plan
+        does not hold is uploaded now (a blocking copy; the plan-less path)."""
+        import torch
+
+        tensor = self._on_device.get((device, id(host)))
+        if tensor is not None:
+            return tensor
+        if any(host is array for array in self._registered):
+            flat = np.concatenate([array.reshape(-1) for array in self._registered])
+            block = torch.from_numpy(flat).to(device)  # the plan's one upload
+            start = 0
+            for array in self._registered:
+                view = block[start : start + array.size].view(array.shape)
+                self._on_device[device, id(array)] = view
+                start += array.size
+            return self._on_device[device, id(host)]
+        tensor = torch.from_numpy(np.ascontiguousarray(host, np.int64)).to(device)
+        if any(host is array for array in self._derived.values()):
+            self._on_device[device, id(host)] = tensor
+        return tensor
+
+    def _check_device(self, placement: Placement) -> None:
+        if self.device is not None and placement.framework == "torch":
+            if str(self.device) != placement.device:  # both as torch reports a tensor's
+                raise ValueError(
+                    f"the plan's tables are on {self.device}; this call's tensors are on "
+                    f"{placement.device}: make the plan with tensors on that device"
+                )
+
+
+def plan_device(device, *arrays):
+    """Where a plan's tables go: ``device`` if given, else the device of the first tensor among
+    ``arrays`` (None: host data only; a GPU call then uploads them at its first use)."""
+    if device is not None:
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # as tensors report it
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    for x in arrays:
+        if _arrays.is_tensor(x):
+            return x.device
+    return None
+
+
+class VarlenPlan(_Plan):
+    """One step's ``cu_seqlens_q``/``cu_seqlens_k`` and ``max_seqlen_*`` for every layer's
+    ``attention_varlen`` call (``fastpe.plan_varlen``)."""
+
+    op = "attention_varlen"
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, device):
+        super().__init__(device)
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None)
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must both have B + 1 entries; got "
+                f"{cu_q.shape[0]} and {cu_k.shape[0]}"
+            )
+        self.cu_q, self.cu_k = _host_copy(cu_q), _host_copy(cu_k)
+        # for the custom op of a call under autograd or compile, which takes the tensors
+        self._derived.update(cu_q=self.cu_q, cu_k=self.cu_k)
+        self.total_q, self.total_k = int(self.cu_q[-1]), int(self.cu_k[-1])
+        self.batch = self.cu_q.shape[0] - 1
+        self.q_len = self._register(np.diff(self.cu_q))
+        self.k_len = self._register(np.diff(self.cu_k))
+        self.q_start = self._register(_host_copy(self.cu_q[:-1]))
+        self.page_start = self._register(_host_copy(self.cu_k[:-1, None]))
+        self.max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, self.q_len)
+        self.max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, self.k_len)
+        self.longest_q = int(self.q_len.max(initial=0))
+        self.longest_k = int(self.k_len.max(initial=0))
+        self._upload()
+
+    def default_positions(self, bottom_right: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Fused RoPE's default (query, key) positions: each token's index in its sequence, the
+        queries' shifted to their aligned positions."""
+        batch, q_len, k_len = self.batch, self.q_len, self.k_len
+        shift = k_len - q_len if bottom_right else np.zeros(batch, np.int64)
+        return (
+            self._derive(("q", bottom_right), lambda: _default_positions(self.cu_q, shift)),
+            self._derive("k", lambda: _default_positions(self.cu_k, np.zeros(batch, np.int64))),
+        )
+
+    def check_call(self, total_q: int, total_k: int, placement: Placement) -> None:
+        for name, total, planned in (("q", total_q, self.total_q), ("k", total_k, self.total_k)):
+            if total != planned:
+                raise ValueError(
+                    f"{name} has {total} packed rows; the plan's cu_seqlens_{name} end at "
+                    f"{planned}: pass the plan made for this step"
+                )
+        self._check_device(placement)
+
+
+class KVCachePlan(_Plan):
+    """One decode (or prefill) step's cache lengths and block table for every layer's
+    ``attention_kvcache`` call (``fastpe.plan_kvcache``): the checks of ``attention_kvcache``
+    on them, done once, and the tables its kernels index with."""
+
+    op = "attention_kvcache"
+
+    def __init__(
+        self,
+        cache_seqlens,
+        *,
+        block_table,
+        cache_batch_idx,
+        batch: int,
+        seqlen_q: int,
+        new_tokens: int,
+        num_blocks: int,
+        block_size: int,
+        rows_per_block: int | None,
+        device,
+    ):
+        super().__init__(device)
+        rows, width, new = num_blocks, block_size, new_tokens
+        self.batch, self.seqlen_q, self.new_tokens = batch, seqlen_q, new
+        self.num_blocks, self.block_size = rows, width
+        self.paged = paged = block_table is not None
+        if paged:
+            if cache_batch_idx is not None:
+                raise ValueError(
+                    "cache_batch_idx selects rows of a contiguous cache; "
+                    "with block_table pages are chosen by the table"
+                )
+            table = _host_ints("block_table", block_table, ndim=2)
+            if table.shape[0] != batch:
+                raise ValueError(
+                    f"block_table must be [B, max_blocks] with B = {batch}; got {table.shape}"
+                )
+            capacity = table.shape[1] * width
+        else:
+            if cache_batch_idx is None:
+                if rows < batch:
+                    raise ValueError(
+                        f"k_cache has {rows} rows for a batch of {batch}; pass cache_batch_idx "
+                        "or a cache with at least B rows"
+                    )
+                table = np.arange(batch, dtype=np.int64)[:, None]
+            else:
+                index = _host_ints("cache_batch_idx", cache_batch_idx, ndim=1)
+                if index.shape != (batch,):
+                    raise ValueError(
+                        f"cache_batch_idx must have shape [B] = [{batch}]; got {index.shape}"
+                    )
+                check_range("cache_batch_idx", index, 0, rows, what=f"(k_cache has {rows} rows)")
+                table = index[:, None]
+            capacity = width
+        self.capacity = capacity
+        lengths = _check_cache_seqlens(cache_seqlens, batch, capacity, new)
+        total = lengths + new
+        pages = -(-total // width)  # pages each sequence reads
+        used = np.arange(table.shape[1])[None, :] < pages[:, None]
+        if paged:
+            bad = used & ((table < 0) | (table >= rows))
+            if bad.any():
+                b, p = (int(i) for i in np.argwhere(bad)[0])
+                raise IndexError(
+                    f"block_table contains {int(table[b, p])} at index [{b}, {p}], outside "
+                    f"[0, {rows}) (k_cache has {rows} blocks); sequence {b} reads its first "
+                    f"{int(pages[b])} blocks"
+                )
+        if new:
+            _check_no_shared_written_pages(table, used, lengths, total, width, paged)
+        self.cache_seqlens = _host_copy(lengths)
+        self.page_table = _host_copy(table)
+        # what the kernels index with, uploaded together
+        self.seqlens = self._register(_host_copy(total))  # keys each query row sees
+        self.longest_k = int(total.max(initial=0))
+        self.q_start = self._register(np.arange(batch, dtype=np.int64) * seqlen_q)
+        self.q_len = self._register(np.full(batch, seqlen_q, np.int64))
+        if rows_per_block is not None:
+            self._register(self.page_start(rows_per_block))
+        # where the new tokens go and fused RoPE's positions (rotary needs k, even of 0 tokens;
+        # uploaded with the rest only when there are tokens to append)
+        keep = self._register if new else lambda array: self._derive(id(array), lambda: array)
+        pos = lengths[:, None] + np.arange(new)[None, :]
+        page = pos // width
+        block = np.take_along_axis(self.page_table, page, axis=1)
+        self.written_block = keep(_host_copy(block))
+        self.written_offset = keep(_host_copy(pos - page * width))
+        self.k_positions = keep(_host_copy(pos))
+        # fused RoPE's query positions: FlashAttention's two rules (see attention_kvcache)
+        steps = lengths[:, None] + np.arange(seqlen_q)[None, :]
+        self._q_positions = {
+            True: keep(_host_copy(steps)),
+            False: keep(_host_copy(np.repeat(lengths[:, None], seqlen_q, 1))),
+        }
+        self._upload()
+
+    def page_start(self, rows_per_block: int) -> np.ndarray:
+        """[B, pages]: the first row of each page in the caches' row views
+        (backends/_serving.py), for caches whose blocks lie ``rows_per_block`` rows apart."""
+        return self._derive(
+            ("page_start", rows_per_block), lambda: self.page_table * rows_per_block
+        )
+
+    def q_positions(self, steps: bool) -> np.ndarray:
+        """Fused RoPE's query positions [B, Sq]: ``cache_seqlens[b] + i`` (``steps``, with causal
+        or a window) or all at ``cache_seqlens[b]`` (FlashAttention's rule otherwise)."""
+        return self._q_positions[steps]
+
+    def check_call(self, *, batch, seqlen_q, new_tokens, num_blocks, block_size, placement):
+        given = (batch, seqlen_q, new_tokens, num_blocks, block_size)
+        planned = (self.batch, self.seqlen_q, self.new_tokens, self.num_blocks, self.block_size)
+        if given != planned:
+            names = "(B, Sq, S_new, k_cache.shape[0], k_cache.shape[1])"
+            raise ValueError(
+                f"this call has {names} = {given}; the plan was made for {planned}: pass the "
+                "plan made for this step's shapes"
+            )
+        self._check_device(placement)
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionVarlenInputs(_Inputs):
     op: ClassVar[str] = "attention_varlen"
     q: Any  # [Tq, Hq, D]
     k: Any  # [Tk, Hkv, D]
     v: Any  # [Tk, Hkv, Dv]
-    cu_q: np.ndarray  # host int64 [B + 1]
-    cu_k: np.ndarray
-    max_seqlen_q: int
-    max_seqlen_k: int
+    plan: VarlenPlan  # cu_seqlens and max_seqlen, checked (host int64) and on the device
     options: AttentionOptions  # fused RoPE's positions: host int64, one per packed token
     dtype: str
     placement: Placement
 
     @property
+    def cu_q(self) -> np.ndarray:
+        return self.plan.cu_q
+
+    @property
+    def cu_k(self) -> np.ndarray:
+        return self.plan.cu_k
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return self.plan.max_seqlen_q
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return self.plan.max_seqlen_k
+
+    @property
     def batch(self) -> int:
-        return self.cu_q.shape[0] - 1
+        return self.plan.batch
 
     @property
     def q_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_q)
+        return self.plan.q_len
 
     @property
     def k_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_k)
+        return self.plan.k_len
 
     @property
     def features(self) -> frozenset[str]:
@@ -135,8 +419,21 @@ class AttentionVarlenInputs(_Inputs):
         )
 
     @classmethod
-    def build(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, **options):
-        """``options``: the public keywords of ``AttentionOptions.build``."""
+    def build(
+        cls,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        *,
+        max_seqlen_q,
+        max_seqlen_k,
+        plan=None,
+        **options,
+    ):
+        """``options``: the public keywords of ``AttentionOptions.build``; ``plan`` a
+        ``VarlenPlan`` in place of cu_seqlens and max_seqlen (None: made here, from them)."""
         q = check_float_array("q", q, ndim=3)
         k = check_float_array("k", k, ndim=3)
         v = check_float_array("v", v, ndim=3)
@@ -151,24 +448,29 @@ class AttentionVarlenInputs(_Inputs):
                 f"got {tuple(v.shape)}"
             )
         _check_heads_and_dim(q, hq, "k/v", hkv, d)
-        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
-        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
-        if cu_q.shape != cu_k.shape:
-            raise ValueError(
-                f"cu_seqlens_q and cu_seqlens_k must both have B + 1 entries; got "
-                f"{cu_q.shape[0]} and {cu_k.shape[0]}"
+        metadata = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        if plan is None:
+            # the one read of device metadata of a plan-less call
+            plan = VarlenPlan(
+                check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q),
+                check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k),
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                device=None,
             )
-        batch = cu_q.shape[0] - 1
-        q_len, k_len = np.diff(cu_q), np.diff(cu_k)
+            metadata = {name: _arrays.as_array(x) for name, x in metadata.items()}
+        else:
+            check_plan(
+                plan,
+                VarlenPlan,
+                {**metadata, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k},
+            )
+            metadata = {}
+        batch = plan.batch
 
         def build_rope(value, options):
-            shift = k_len - q_len if options.bottom_right else np.zeros(batch, np.int64)
-            return Rope.build_packed(
-                value,
-                head_dim=d,
-                q_default=_default_positions(cu_q, shift),
-                k_default=_default_positions(cu_k, np.zeros(batch, np.int64)),
-            )
+            q_default, k_default = plan.default_positions(options.bottom_right)
+            return Rope.build_packed(value, head_dim=d, q_default=q_default, k_default=k_default)
 
         options = AttentionOptions.build(
             **options,
@@ -176,7 +478,7 @@ class AttentionVarlenInputs(_Inputs):
             heads=hq,
             batch=batch,
             # a query and a key of one sequence are less than Sq + Sk positions apart
-            span=int(q_len.max(initial=0) + k_len.max(initial=0)),
+            span=plan.longest_q + plan.longest_k,
             build_rope=build_rope,
         )
         rope = options.rope
@@ -185,25 +487,14 @@ class AttentionVarlenInputs(_Inputs):
                 "q": q,
                 "k": k,
                 "v": v,
-                "cu_seqlens_q": _arrays.as_array(cu_seqlens_q),
-                "cu_seqlens_k": _arrays.as_array(cu_seqlens_k),
+                **metadata,
                 "rope['cos']": None if rope is None else rope.cos,
                 "rope['sin']": None if rope is None else rope.sin,
                 **options.arrays(),
             }
         )
-        return cls(
-            q=q,
-            k=k,
-            v=v,
-            cu_q=cu_q,
-            cu_k=cu_k,
-            max_seqlen_q=_check_max_seqlen("max_seqlen_q", max_seqlen_q, q_len),
-            max_seqlen_k=_check_max_seqlen("max_seqlen_k", max_seqlen_k, k_len),
-            options=options,
-            dtype=dtype,
-            placement=placement,
-        )
+        plan.check_call(total_q, total_k, placement)
+        return cls(q=q, k=k, v=v, plan=plan, options=options, dtype=dtype, placement=placement)
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,15 +510,30 @@ class AttentionKVCacheInputs(_Inputs):
     v_cache: Any
     k: Any  # new keys [B, Sn, Hkv, D] or None
     v: Any
-    cache_seqlens: np.ndarray  # host int64 [B]: keys already in the cache
-    page_table: np.ndarray  # host int64 [B, pages]
-    page_size: int
+    plan: KVCachePlan  # cache_seqlens and the page table, checked (host int64) and on the device
     rows_per_block: int  # block stride in rows of the caches' row views (backends/_serving.py)
-    paged: bool
     # bottom-right aligned; fused RoPE (rotary_cos/sin) positions host int64 [B, Sq] and [B, Sn]
     options: AttentionOptions
     dtype: str
     placement: Placement
+
+    @property
+    def cache_seqlens(self) -> np.ndarray:
+        """Host int64 [B]: keys already in the cache."""
+        return self.plan.cache_seqlens
+
+    @property
+    def page_table(self) -> np.ndarray:
+        """Host int64 [B, pages]."""
+        return self.plan.page_table
+
+    @property
+    def page_size(self) -> int:
+        return self.plan.block_size
+
+    @property
+    def paged(self) -> bool:
+        return self.plan.paged
 
     @property
     def new_tokens(self) -> int:
@@ -236,7 +542,7 @@ class AttentionKVCacheInputs(_Inputs):
     @property
     def seqlens(self) -> np.ndarray:
         """Keys each query row sees: the cache plus the appended tokens."""
-        return self.cache_seqlens + self.new_tokens
+        return self.plan.seqlens
 
     @property
     def features(self) -> frozenset[str]:
@@ -262,10 +568,13 @@ class AttentionKVCacheInputs(_Inputs):
         rotary_cos,
         rotary_sin,
         rotary_interleaved,
+        plan=None,
         **options,
     ):
         """``options``: the public keywords of ``AttentionOptions.build`` but ``rope`` (here
-        ``rotary_cos``, ``rotary_sin``, ``rotary_interleaved``); always bottom-right aligned."""
+        ``rotary_cos``, ``rotary_sin``, ``rotary_interleaved``); always bottom-right aligned.
+        ``plan``: a ``KVCachePlan`` in place of cache_seqlens, block_table and cache_batch_idx
+        (None: made here, from them)."""
         q = check_float_array("q", q, ndim=4)
         k_cache = check_float_array("k_cache", k_cache, ndim=4)
         v_cache = check_float_array("v_cache", v_cache, ndim=4)
@@ -305,51 +614,30 @@ class AttentionKVCacheInputs(_Inputs):
                     )
         dtype = _check_dtype_and_dims(named)
         new = 0 if k is None else k.shape[1]
-        paged = block_table is not None
-        if paged:
-            if cache_batch_idx is not None:
-                raise ValueError(
-                    "cache_batch_idx selects rows of a contiguous cache; "
-                    "with block_table pages are chosen by the table"
-                )
-            table = _host_ints("block_table", block_table, ndim=2)
-            if table.shape[0] != batch:
-                raise ValueError(
-                    f"block_table must be [B, max_blocks] with B = {batch}; got {table.shape}"
-                )
-            page_size, capacity = width, table.shape[1] * width
+        shapes = dict(batch=batch, seqlen_q=sq, new_tokens=new, num_blocks=rows, block_size=width)
+        metadata = {
+            "cache_seqlens": cache_seqlens,
+            "block_table": block_table,
+            "cache_batch_idx": cache_batch_idx,
+        }
+        if plan is None:
+            # the one read of device metadata of a plan-less call
+            plan = KVCachePlan(
+                cache_seqlens,
+                block_table=block_table,
+                cache_batch_idx=cache_batch_idx,
+                **shapes,
+                rows_per_block=per_block,
+                device=None,
+            )
+            metadata = {
+                name: None if x is None or is_int_scalar(x) else _arrays.as_array(x)
+                for name, x in metadata.items()
+            }
         else:
-            if cache_batch_idx is None:
-                if rows < batch:
-                    raise ValueError(
-                        f"k_cache has {rows} rows for a batch of {batch}; pass cache_batch_idx "
-                        "or a cache with at least B rows"
-                    )
-                table = np.arange(batch, dtype=np.int64)[:, None]
-            else:
-                index = _host_ints("cache_batch_idx", cache_batch_idx, ndim=1)
-                if index.shape != (batch,):
-                    raise ValueError(
-                        f"cache_batch_idx must have shape [B] = [{batch}]; got {index.shape}"
-                    )
-                check_range("cache_batch_idx", index, 0, rows, what=f"(k_cache has {rows} rows)")
-                table = index[:, None]
-            page_size, capacity = width, width
-        lengths = _check_cache_seqlens(cache_seqlens, batch, capacity, new)
-        total = lengths + new
-        pages = -(-total // page_size)  # pages each sequence reads
-        used = np.arange(table.shape[1])[None, :] < pages[:, None]
-        if paged:
-            bad = used & ((table < 0) | (table >= rows))
-            if bad.any():
-                b, p = (int(i) for i in np.argwhere(bad)[0])
-                raise IndexError(
-                    f"block_table contains {int(table[b, p])} at index [{b}, {p}], outside "
-                    f"[0, {rows}) (k_cache has {rows} blocks); sequence {b} reads its first "
-                    f"{int(pages[b])} blocks"
-                )
-        if new:
-            _check_no_shared_written_pages(table, used, lengths, total, page_size, paged)
+            check_plan(plan, KVCachePlan, metadata)
+            metadata = {}
+        capacity = plan.capacity
 
         def build_rope(value, options):
             if k is None:
@@ -358,11 +646,9 @@ class AttentionKVCacheInputs(_Inputs):
                     "they need k and v (keys already in the cache are stored rotated)"
                 )
             cos, sin = check_rope_tables("rotary_", *value, d)
-            k_positions = lengths[:, None] + np.arange(new)[None, :]
-            if options.causal or options.window is not None:
-                q_positions = lengths[:, None] + np.arange(sq)[None, :]
-            else:  # FlashAttention: every query at the first new position
-                q_positions = np.broadcast_to(lengths[:, None], (batch, sq))
+            k_positions = plan.k_positions
+            # FlashAttention: without causal or a window every query at the first new position
+            q_positions = plan.q_positions(options.causal or options.window is not None)
             needed = int(max(k_positions.max(initial=0), q_positions.max(initial=0))) + 1
             if needed > cos.shape[0]:
                 raise IndexError(
@@ -386,8 +672,8 @@ class AttentionKVCacheInputs(_Inputs):
             build_rope=build_rope,
         )
         if k is not None:
-            q, k, v, lengths, table, options = _read_before_the_append(
-                k_cache, v_cache, q=q, k=k, v=v, lengths=lengths, table=table, options=options
+            q, k, v, options = _read_before_the_append(
+                k_cache, v_cache, q=q, k=k, v=v, options=options
             )
         rope = options.rope
         placement = check_same_placement(
@@ -395,38 +681,27 @@ class AttentionKVCacheInputs(_Inputs):
                 **named,
                 "rotary_cos": None if rope is None else rope.cos,
                 "rotary_sin": None if rope is None else rope.sin,
-                "cache_seqlens": _arrays.as_array(cache_seqlens)
-                if not is_int_scalar(cache_seqlens)
-                else None,
-                "block_table": None if block_table is None else _arrays.as_array(block_table),
-                "cache_batch_idx": None
-                if cache_batch_idx is None
-                else _arrays.as_array(cache_batch_idx),
+                **metadata,
                 **options.arrays(),
             }
         )
+        plan.check_call(**shapes, placement=placement)
         return cls(
             q=q,
             k_cache=k_cache,
             v_cache=v_cache,
             k=k,
             v=v,
-            cache_seqlens=lengths,
-            page_table=table,
-            page_size=page_size,
+            plan=plan,
             rows_per_block=per_block,
-            paged=paged,
             options=options,
             dtype=dtype,
             placement=placement,
         )
 
     def written_rows(self):
-        """(block, offset) index arrays [B, Sn] where the new tokens go."""
-        pos = self.cache_seqlens[:, None] + np.arange(self.new_tokens)[None, :]
-        page = pos // self.page_size
-        block = np.take_along_axis(self.page_table, page, axis=1)
-        return block, pos - page * self.page_size
+        """(block, offset) host int64 index arrays [B, Sn] where the new tokens go."""
+        return self.plan.written_block, self.plan.written_offset
 
 
 def _check_cache_layouts(k_cache, v_cache) -> int:
@@ -503,9 +778,8 @@ def _read_before_the_append(k_cache, v_cache, *, options, **read):
     """Every argument means its values as passed, read before the append writes into the
     caches (FlashAttention's order: q and the new k/v are read, then stored): one that shares
     memory with a cache is replaced by a private copy, taken here before anything is written,
-    so no backend reads a value the append has changed. ``lengths`` and ``table`` are the host
-    int64 arrays of cache_seqlens and block_table (views of the caller's memory when it held
-    int64). Two caches that share an element have no meaning for an append (which of k and v
+    so no backend reads a value the append has changed (the plan's cache_seqlens and page table
+    are private host copies already). Two caches that share an element have no meaning for an append (which of k and v
     lands there?): refused. Returns the read arguments in order, then ``options`` with its
     arrays (and fused RoPE's tables) read alike."""
     caches = [_arrays.byte_bounds(c) for c in (k_cache, v_cache)]

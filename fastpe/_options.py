@@ -65,6 +65,8 @@ class Positions(NamedTuple):
             )
         if limit is not None:
             check_range(name, array, 0, limit, what=f"({what} has {limit} rows)")
+        elif _arrays.on_gpu(array):  # on the device, without a host sync
+            check_range(name, array, 0, MAX_POSITION)
         elif (_arrays.min_max(array) or (0, 0))[0] < 0:  # a negative row: IndexError, as tables
             check_range(name, array, 0, MAX_POSITION)
         if limit is None or limit > MAX_POSITION:  # else implied by the row check

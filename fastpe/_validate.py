@@ -110,7 +110,14 @@ def check_int_array(name: str, x, *, ndim: int | tuple[int, ...] | None = None):
 
 
 def check_range(name: str, x, low: int, high: int, *, what: str = "") -> None:
-    """Every entry of integer array ``x`` lies in [low, high); else IndexError naming the value."""
+    """Every entry of integer array ``x`` lies in [low, high); else IndexError naming the value.
+    A GPU tensor is checked on its device (``check_on_device``), without a host sync."""
+    if _skip_device_values(x):
+        check_on_device(
+            ((x >= low) & (x < high)).all(),
+            f"{name} has an entry outside [{low}, {high})" + (f" {what}" if what else ""),
+        )
+        return
     bounds = _arrays.min_max(x)  # the common case costs one reduction, not a host int64 copy
     if bounds is None or (bounds[0] >= low and bounds[1] < high):
         return
@@ -134,6 +141,14 @@ def check_device_data() -> bool:
 
 def _skip_device_values(x) -> bool:
     return _arrays.on_gpu(x) and not check_device_data()
+
+
+def check_on_device(ok, message: str) -> None:
+    """``ok`` (a bool tensor of one element, on the GPU) asserted where it lives: the host does
+    not wait for it. A failure is a device-side assert raised, with ``message`` in the error,
+    at a later synchronizing call, and it stops every later kernel of the process, so that no
+    kernel reads out of bounds (docs/dtypes-and-errors.md#errors)."""
+    sys.modules["torch"]._assert_async(ok, message)
 
 
 def check_finite(name: str, x) -> None:

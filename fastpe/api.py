@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from fastpe import dispatch, reference
+from fastpe import _arrays, dispatch, reference
 from fastpe._inputs import (
     FREQS,
     LAYOUTS,
@@ -24,8 +24,25 @@ from fastpe._inputs import (
     SinusoidalTableInputs,
     _check_sinusoidal_dim,
 )
-from fastpe._inputs_serving import AttentionKVCacheInputs, AttentionVarlenInputs
-from fastpe._validate import MAX_DIM, MAX_POSITION, check_choice, check_float, check_int
+from fastpe._inputs_serving import (
+    AttentionKVCacheInputs,
+    AttentionVarlenInputs,
+    KVCachePlan,
+    VarlenPlan,
+    check_plan,
+    plan_device,
+)
+from fastpe._validate import (
+    MAX_DIM,
+    MAX_POSITION,
+    check_choice,
+    check_float,
+    check_float_array,
+    check_int,
+    check_same_placement,
+    is_int_scalar,
+)
+from fastpe.backends._serving import rows_per_block
 
 
 def _torch_graph(*arrays, device=None) -> bool:
@@ -316,11 +333,12 @@ def attention_varlen(
     q,
     k,
     v,
-    cu_seqlens_q,
-    cu_seqlens_k,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
     *,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    plan=None,
     causal=False,
     causal_alignment="bottom_right",
     scale=None,
@@ -350,9 +368,31 @@ def attention_varlen(
 
     Returns out [total_q, Hq, Dv] in q's dtype; with ``return_lse=True`` also lse
     [Hq, total_q] float32 (FlashAttention's varlen layout). No compute or memory is spent on
-    padding: there is none. ``cu_seqlens`` are read on the host (one sync on a GPU).
+    padding: there is none.
+
+    ``plan``: ``plan_varlen(cu_seqlens_q, cu_seqlens_k, ...)``, made once per step, in place of
+    ``cu_seqlens_*`` and ``max_seqlen_*``: every layer's call then reads nothing back from the
+    device and uploads nothing. Without one, ``cu_seqlens`` are checked on the host each call
+    (one device read and one upload on a GPU).
     """
     tables = [rope.get(key) for key in ("cos", "sin")] if isinstance(rope, dict) else []
+    if plan is None and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise TypeError(
+            "attention_varlen needs cu_seqlens_q and cu_seqlens_k (int [B + 1] sequence "
+            "boundaries), or a plan from fastpe.plan_varlen"
+        )
+    if plan is not None and _torch_graph(q, k, v, *tables, sinks, alibi_slopes):
+        # the custom op takes tensors, not a plan: the plan's boundaries, which it checks again
+        given = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        check_plan(
+            plan, VarlenPlan, {**given, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+        )
+        device = getattr(q, "device", None)
+        cu_seqlens_q, cu_seqlens_k = (
+            plan.on_device(plan.cu_q, device),
+            plan.on_device(plan.cu_k, device),
+        )
+        max_seqlen_q, max_seqlen_k, plan = plan.max_seqlen_q, plan.max_seqlen_k, None
     options = dict(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
@@ -366,8 +406,32 @@ def attention_varlen(
         sinks=sinks,
         return_lse=return_lse,
     )
+    if plan is not None:
+        options["plan"] = plan
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     return _route(AttentionVarlenInputs, arrays, options, backend, nested=tables)
+
+
+def plan_varlen(cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, device=None):
+    """One step's packed-batch metadata, checked once, for every layer's
+    ``attention_varlen(q, k, v, plan=plan, ...)`` (docs/integrations.md#one-plan-per-step).
+
+    Takes ``attention_varlen``'s ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q`` and
+    ``max_seqlen_k`` and checks them as a call would; they are read once here (host arrays or
+    lists cost nothing; device tensors one read). The plan keeps private host copies and, on a
+    GPU, uploads the tables the kernels index with in one copy: to ``device`` (default: the
+    device of ``cu_seqlens_q`` when it is a tensor), else at the first call that needs them.
+    Calls given the plan read nothing back and upload nothing. Changing ``cu_seqlens`` after
+    planning does not change the plan: make a new one for the next step.
+    """
+    device = plan_device(device, cu_seqlens_q, cu_seqlens_k)
+    return VarlenPlan(
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        device=device,
+    )
 
 
 def attention_kvcache(
@@ -377,9 +441,10 @@ def attention_kvcache(
     k=None,
     v=None,
     *,
-    cache_seqlens,
+    cache_seqlens=None,
     block_table=None,
     cache_batch_idx=None,
+    plan=None,
     rotary_cos=None,
     rotary_sin=None,
     rotary_interleaved=False,
@@ -422,7 +487,18 @@ def attention_kvcache(
     of one buffer, sliced or transposed views; layouts no page table can address are refused
     before anything is written (docs/README.md#kv-caches-and-their-memory-layout). Empty work
     (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
+
+    ``plan``: ``plan_kvcache(q, k_cache, k, cache_seqlens=..., block_table=...)``, made once per
+    step, in place of ``cache_seqlens``, ``block_table`` and ``cache_batch_idx``: every layer's
+    call then reads nothing back from the device and uploads nothing. Without one,
+    ``cache_seqlens`` is required and the metadata is checked on the host each call (one device
+    read and one upload on a GPU).
     """
+    if plan is None and cache_seqlens is None:
+        raise TypeError(
+            "attention_kvcache needs cache_seqlens (an int or an int [B] of the tokens already "
+            "in each cache row), or a plan from fastpe.plan_kvcache"
+        )
     options = dict(
         k=k,
         v=v,
@@ -440,6 +516,8 @@ def attention_kvcache(
         sinks=sinks,
         return_lse=return_lse,
     )
+    if plan is not None:
+        options["plan"] = plan
     arrays = (q, k_cache, v_cache)
     # autograd would record an op that writes its caches: torch's graph only under compile
     if (
@@ -450,7 +528,60 @@ def attention_kvcache(
             "attention_kvcache has no autograd support (an inference op that writes its "
             "caches); call it under torch.no_grad() or with inputs that do not require grad"
         )
+    if plan is not None and _torch_graph(*arrays, *options.values()):
+        raise NotImplementedError(
+            "attention_kvcache(plan=...) runs eagerly; under torch.compile pass cache_seqlens "
+            "and block_table (or cache_batch_idx) instead of a plan"
+        )
     return _route(AttentionKVCacheInputs, arrays, options, backend)
+
+
+def plan_kvcache(q, k_cache, k=None, *, cache_seqlens, block_table=None, cache_batch_idx=None):
+    """One step's KV-cache metadata, checked once, for every layer's
+    ``attention_kvcache(q, k_cache, v_cache, k, v, plan=plan, ...)``
+    (docs/integrations.md#one-plan-per-step).
+
+    ``q``, ``k_cache`` and ``k`` are one layer's (only their shapes, strides and device are
+    read: every layer that uses the plan must have the same shapes); ``cache_seqlens``,
+    ``block_table`` and ``cache_batch_idx`` are ``attention_kvcache``'s and are checked as a call
+    would check them, read once here (host arrays or lists cost nothing; device tensors one
+    read). The plan keeps private host copies and uploads the tables the kernels index with
+    (sequence lengths, page starts, where the new tokens go, fused RoPE's positions) to
+    ``k_cache``'s device in one copy. Calls given the plan read nothing back and upload
+    nothing. Changing the caller's arrays after planning does not change the plan: make a new
+    one for the next step (a decode step's lengths grow by the appended tokens).
+    """
+    q = check_float_array("q", q, ndim=4)
+    k_cache = check_float_array("k_cache", k_cache, ndim=4)
+    new = 0
+    if k is not None:
+        new = check_float_array("k", k, ndim=4).shape[1]
+    check_same_placement(
+        {
+            "q": q,
+            "k_cache": k_cache,
+            **{
+                name: None if x is None or is_int_scalar(x) else _arrays.as_array(x)
+                for name, x in (
+                    ("cache_seqlens", cache_seqlens),
+                    ("block_table", block_table),
+                    ("cache_batch_idx", cache_batch_idx),
+                )
+            },
+        }
+    )
+    return KVCachePlan(
+        cache_seqlens,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        batch=q.shape[0],
+        seqlen_q=q.shape[1],
+        new_tokens=new,
+        num_blocks=k_cache.shape[0],
+        block_size=k_cache.shape[1],
+        rows_per_block=rows_per_block("k_cache", k_cache),
+        device=plan_device(None, k_cache),
+    )
 
 
 OPS = (

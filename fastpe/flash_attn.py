@@ -26,14 +26,20 @@ and k/v appended by ``flash_attn_with_kvcache`` without ``cache_seqlens`` (as Fl
 without k/v, no cache_seqlens means the whole cache is valid). ``deterministic`` and
 ``num_splits`` are accepted and ignored (the forward pass is deterministic; splits are chosen by
 the kernels).
+
+No host sync per layer on a GPU: the varlen functions and ``flash_attn_with_kvcache`` check a
+step's metadata (``cu_seqlens``, ``max_seqlen``; ``cache_seqlens``, ``block_table``,
+``cache_batch_idx``) at the first layer's call and reuse that plan while the same tensors, not
+changed in place since, come back (fastpe/_step_plans.py, docs/integrations.md#one-plan-per-step).
 """
 
 from __future__ import annotations
 
 from fastpe import _arrays
 from fastpe._options import check_sinks, check_window
+from fastpe._step_plans import step_plan
 from fastpe._validate import check_float, check_int, is_int_scalar
-from fastpe.api import attention, attention_kvcache, attention_varlen
+from fastpe.api import attention, attention_kvcache, attention_varlen, plan_kvcache, plan_varlen
 
 __all__ = [
     "flash_attn_func",
@@ -242,6 +248,16 @@ def flash_attn_varlen_func(
             "block_table in flash_attn_varlen_func (paged keys for packed queries) is not "
             "supported; use flash_attn_with_kvcache(q, k_cache, v_cache, block_table=...)"
         )
+    plan = step_plan(
+        lambda: plan_varlen(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k
+        ),
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        (),
+        q,
+    )
+    if plan is not None:
+        cu_seqlens_q = cu_seqlens_k = max_seqlen_q = max_seqlen_k = None
     return attention_varlen(
         q,
         k,
@@ -250,6 +266,7 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        plan=plan,
         causal=causal,
         causal_alignment="bottom_right",
         alibi_slopes=alibi_slopes,
@@ -355,6 +372,22 @@ def flash_attn_with_kvcache(
                 "the tokens already in each cache row); got cache_seqlens=None"
             )
         cache_seqlens = capacity  # FlashAttention: the whole cache is valid
+    metadata = (cache_seqlens, block_table, cache_batch_idx)
+    plan = step_plan(
+        lambda: plan_kvcache(
+            q,
+            k_cache,
+            k,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            cache_batch_idx=cache_batch_idx,
+        ),
+        metadata,
+        _shapes(q, k_cache, k),
+        q,
+    )
+    if plan is not None:
+        cache_seqlens = block_table = cache_batch_idx = None
     return attention_kvcache(
         q,
         k_cache,
@@ -364,6 +397,7 @@ def flash_attn_with_kvcache(
         cache_seqlens=cache_seqlens,
         block_table=block_table,
         cache_batch_idx=cache_batch_idx,
+        plan=plan,
         rotary_cos=rotary_cos,
         rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved,
@@ -373,3 +407,14 @@ def flash_attn_with_kvcache(
         return_lse=return_softmax_lse,
         **options,
     )
+
+
+def _shapes(q, k_cache, k):
+    """What a KV-cache plan is made for besides its metadata: the batch and query length, the
+    cache's blocks and their layout, the new tokens (None where a shape is not a 4-dim array:
+    refused by the call, by name)."""
+    shapes = [getattr(x, "shape", None) for x in (q, k_cache, k)]
+    if any(shape is not None and len(shape) != 4 for shape in shapes):
+        return None
+    strides = _arrays.strides(k_cache) if _arrays.is_tensor(k_cache) else None
+    return (*(None if shape is None else tuple(shape[:2]) for shape in shapes), strides)

@@ -31,8 +31,9 @@ def test_range_checks_reduce_tensors_in_place(monkeypatch):
 @pytest.mark.skipif(torch is None, reason="needs torch")
 def test_value_checks_skip_device_tensors_unless_asked(monkeypatch):
     """Checks that guard only the result (finite ALiBi/T5 tables, positions < 2^32) do not read
-    accelerator tensors (a host sync per call) unless FASTPE_CHECK_DEVICE_DATA=1. A meta tensor
-    stands in for a CUDA one: it has a device but no data, so any read of it raises."""
+    accelerator tensors (a host sync per call) unless FASTPE_CHECK_DEVICE_DATA=1, and index
+    checks run on the device (an asynchronous assert) unless it is set. A meta tensor stands in
+    for a CUDA one: it has a device but no data, so any read of it raises."""
     from fastpe._validate import check_finite, check_position, check_range
 
     slopes = torch.empty(8, device="meta")
@@ -40,13 +41,14 @@ def test_value_checks_skip_device_tensors_unless_asked(monkeypatch):
     monkeypatch.delenv("FASTPE_CHECK_DEVICE_DATA", raising=False)
     check_finite("alibi_slopes", slopes)
     check_position("positions", positions)
-    with pytest.raises((RuntimeError, NotImplementedError)):  # memory-safety checks always read
-        check_range("ids", positions, 0, 10)
+    check_range("ids", positions, 0, 10)  # asserted on the device: nothing read back
     monkeypatch.setenv("FASTPE_CHECK_DEVICE_DATA", "1")
     with pytest.raises((RuntimeError, NotImplementedError)):
         check_finite("alibi_slopes", slopes)
     with pytest.raises((RuntimeError, NotImplementedError)):
         check_position("positions", positions)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the host check, naming the index
+        check_range("ids", positions, 0, 10)
     # on the CPU the checks always run
     monkeypatch.delenv("FASTPE_CHECK_DEVICE_DATA")
     with pytest.raises(ValueError, match="alibi_slopes must be finite"):

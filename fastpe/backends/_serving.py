@@ -23,7 +23,6 @@ before anything is written (docs/README.md#kv-caches-and-their-memory-layout).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -79,19 +78,23 @@ def cache_rows(inp, k_cache, v_cache):
     """(k rows, v rows, page_start int64 [B, pages]) for the kernels, from the record's caches
     or their host views (same shapes and strides)."""
     per_block = inp.rows_per_block
-    return (row_view(k_cache, per_block), row_view(v_cache, per_block), inp.page_table * per_block)
+    return (
+        row_view(k_cache, per_block),
+        row_view(v_cache, per_block),
+        inp.plan.page_start(per_block),
+    )
 
 
 def write_new_tokens(inp, k_cache, v_cache, k_new, v_new) -> None:
     """k_cache[block, offset] = k_new (and v), for the (block, offset) of every new token.
-    The caches are the caller's or views of their memory (CPU kernels write host views)."""
+    The caches are the caller's or views of their memory (CPU kernels write host views); a
+    tensor cache is indexed with the plan's device copies of those arrays (no upload here)."""
     block, offset = inp.written_rows()
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
         if _arrays.is_tensor(cache):
-            torch = sys.modules["torch"]
             index = (
-                torch.from_numpy(block).to(cache.device),
-                torch.from_numpy(offset).to(cache.device),
+                inp.plan.on_device(block, cache.device),
+                inp.plan.on_device(offset, cache.device),
             )
             cache[index] = new.to(cache.dtype)
         else:
@@ -106,11 +109,14 @@ class PagedArguments(NamedTuple):
     q: Any  # [Tq, Hq, D], already rotated where the call fuses RoPE
     k: Any  # [R, Hkv, D] rows (a cache's row view: no copy)
     v: Any  # [R, Hkv, Dv]
-    q_start: np.ndarray  # host int64 [B]
-    q_len: np.ndarray  # host int64 [B]
-    k_len: np.ndarray  # host int64 [B]: keys each sequence reads
-    page_start: np.ndarray  # host int64 [B, pages]: first row of each page
+    # host int64 arrays of the record's plan (a GPU backend finds their device copies there)
+    q_start: np.ndarray  # [B]
+    q_len: np.ndarray  # [B]
+    k_len: np.ndarray  # [B]: keys each sequence reads
+    page_start: np.ndarray  # [B, pages]: first row of each page
     page_size: int
+    max_q: int  # the longest sequence's queries and keys (launch sizes, read on the host)
+    max_k: int
 
 
 class ServingArrays:
@@ -135,7 +141,8 @@ class ServingArrays:
         raise NotImplementedError
 
     def rotate(self, x, cos, sin, positions, interleaved: bool, *, store: bool):
-        """x [B, T, H, D] rotated at positions (host int64 [B, T]). ``store``: keys about to be
+        """x [B, T, H, D] rotated at positions (host int64 [B, T], or [T] when B = 1: an array
+        of the record's plan, as given, so that a GPU backend finds its device copy). ``store``: keys about to be
         written to the cache, returned in the cache's dtype (what later steps read back); else
         in whatever precision the kernel reads best."""
         raise NotImplementedError
@@ -202,21 +209,22 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
             # rotated once before the kernel: the packed tokens as one row of one position each
             cos, sin = arrays.tables(rope.cos, rope.sin)
             q, k = [
-                arrays.rotate(
-                    x[None], cos, sin, positions.array[None], rope.interleaved, store=False
-                )[0]
+                arrays.rotate(x[None], cos, sin, positions.array, rope.interleaved, store=False)[0]
                 for x, positions in ((q, rope.q_positions), (k, rope.k_positions))
             ]
         # one page per sequence: its keys are the packed rows from cu_k[b]
+        plan = inp.plan
         return PagedArguments(
             q,
             k,
             v,
-            q_start=inp.cu_q[:-1],
-            q_len=inp.q_lengths,
-            k_len=inp.k_lengths,
-            page_start=inp.cu_k[:-1, None],
-            page_size=max(inp.max_seqlen_k, 1),
+            q_start=plan.q_start,
+            q_len=plan.q_len,
+            k_len=plan.k_len,
+            page_start=plan.page_start,
+            page_size=max(plan.max_seqlen_k, 1),
+            max_q=plan.longest_q,
+            max_k=plan.longest_k,
         )
     batch, sq, hq, d = inp.q.shape
     # CPU caches become views of the caller's memory: the append writes the caller's caches
@@ -226,15 +234,18 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
     # the caches are read in place through row views, whatever their strides (a reshape to
     # rows would copy a non-contiguous cache whole on every call)
     k_rows, v_rows, page_start = cache_rows(inp, k_cache, v_cache)
+    plan = inp.plan
     return PagedArguments(
         q.reshape(batch * sq, hq, d),
         k_rows,
         v_rows,
-        q_start=np.arange(batch, dtype=np.int64) * sq,
-        q_len=np.full(batch, sq, np.int64),
-        k_len=inp.seqlens,
+        q_start=plan.q_start,
+        q_len=plan.q_len,
+        k_len=plan.seqlens,
         page_start=page_start,
-        page_size=inp.page_size,
+        page_size=plan.block_size,
+        max_q=sq if batch else 0,
+        max_k=plan.longest_k,
     )
 
 

@@ -374,7 +374,7 @@ class _ServingArrays(_serving.ServingArrays):
             x,
             cos,
             sin,
-            positions,
+            positions.reshape(x.shape[:2]),
             interleaved=interleaved,
             layout="bshd",
             out=np.empty(x.shape, np.float32) if wide else None,

@@ -232,6 +232,7 @@ class _ServingArrays(_serving.ServingArrays):
         return to_float64(cos), to_float64(sin)
 
     def rotate(self, x, cos, sin, positions, interleaved, *, store):
+        positions = positions.reshape(x.shape[:2])
         rotated = reference.apply_rope(
             to_float64(x).transpose(0, 2, 1, 3), cos, sin, positions, interleaved
         ).transpose(0, 2, 1, 3)

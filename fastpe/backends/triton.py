@@ -10,8 +10,6 @@ import importlib.util
 import os
 import sys
 
-import numpy as np
-
 from fastpe import reference
 from fastpe.backends import _serving
 from fastpe.backends.base import ALL_FLOAT, AttentionVarlenBackward, Implementation
@@ -309,12 +307,6 @@ class MergeAttentionBackward(_Triton):
         return tuple(grads)
 
 
-def _host_int64(values, device):
-    import torch
-
-    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)  # small: a copy
-
-
 def _sms(device):
     import torch
 
@@ -334,6 +326,10 @@ class _ServingArrays(_serving.ServingArrays):
     def tables(self, cos, sin):
         return cos.contiguous(), sin.contiguous()
 
+    def _on_device(self, host, device):
+        """One of the plan's host arrays as its device copy (uploaded once per plan)."""
+        return self.inp.plan.on_device(host, device)
+
     def rotate(self, x, cos, sin, positions, interleaved, *, store):
         from fastpe.kernels.triton.apply_rope import apply_rope_triton
 
@@ -341,7 +337,7 @@ class _ServingArrays(_serving.ServingArrays):
             (x,),
             cos,
             sin,
-            _host_int64(positions, x.device),
+            self._on_device(positions, x.device).view(x.shape[:2]),
             0,
             interleaved=interleaved,
             layout="bshd",
@@ -358,11 +354,13 @@ class _ServingArrays(_serving.ServingArrays):
             args.q,
             args.k,
             args.v,
-            q_start=_host_int64(args.q_start, device),
-            q_len=_host_int64(args.q_len, device),
-            k_len=_host_int64(args.k_len, device),
-            page_start=_host_int64(args.page_start, device),
+            q_start=self._on_device(args.q_start, device),
+            q_len=self._on_device(args.q_len, device),
+            k_len=self._on_device(args.k_len, device),
+            page_start=self._on_device(args.page_start, device),
             page_size=args.page_size,
+            max_q=args.max_q,
+            max_k=args.max_k,
             options=self.inp.options.launched(_fp32),
             num_sms=_sms(device),
         )

@@ -22,7 +22,8 @@ with dropout and with a learned T5 ``position_bias``, which reaches fastpe as an
 Padding-free packed batches: when the model is called with FlashAttention's sequence
 boundaries — ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments, which transformers forwards
 to the attention function, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
-produces them — the packed batch ``[1, total, ...]`` runs through ``fastpe.attention_varlen``:
+produces them — the packed batch ``[1, total, ...]`` runs through ``fastpe.attention_varlen``
+(on a GPU with the boundaries checked once per forward, at the first layer: fastpe/_step_plans.py):
 each sequence attends only to itself, and no cross-sequence score is computed, forward and
 backward (attention_varlen has a backward, so padding-free training works too). (Packed
 ``position_ids`` without those kwargs still work, through the block-diagonal mask transformers
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import fastpe
 from fastpe import flash_attn
+from fastpe._step_plans import step_plan
 
 
 def fastpe_attention_forward(
@@ -126,14 +128,25 @@ def _packed_forward(query, key, value, cu_q, cu_k, kwargs, options):
         )
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("a T5 position_bias with packed sequences is not supported")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    # every layer of the forward passes the same boundary tensors: checked once, at the first
+    plan = step_plan(
+        lambda: fastpe.plan_varlen(cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k),
+        (cu_q, cu_k, max_q, max_k),
+        (),
+        query,
+    )
+    if plan is not None:
+        cu_q = cu_k = max_q = max_k = None
     out = fastpe.attention_varlen(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         cu_q,
         cu_k,
-        max_seqlen_q=kwargs.get("max_length_q"),
-        max_seqlen_k=kwargs.get("max_length_k"),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        plan=plan,
         **options,
     )
     return out[None], None

@@ -13,7 +13,10 @@ one rounding to q's dtype (transformers rounds after each multiply and add in ha
 half-precision results differ in the last bit). transformers hands over cos/sin already gathered
 per token, ``[B or 1, S, D]`` with the two halves duplicated; fastpe reads their first halves as a
 table with one row per token. q and k that need gradients go through fastpe too (its backward
-rotates the gradients back, docs/math.md#rope-gradient). Anything else — halves that differ, a
+rotates the gradients back, docs/math.md#rope-gradient). The halves are compared once per
+(cos, sin) pair, not per layer: the same tensors, unchanged in place since, are not compared again
+(tensors made under ``torch.inference_mode`` carry no version and are compared at every call).
+Anything else — halves that differ, a
 layout other than ``unsqueeze_dim`` 1 or 2, cos/sin that need gradients (fastpe treats the
 tables as constants) — goes to the original function.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 
 import fastpe
 
@@ -32,6 +36,30 @@ _depth: dict[str, int] = {}  # module name -> how many live patches hold it
 
 def _module_name(model: str) -> str:
     return model if "." in model else f"transformers.models.{model}.modeling_{model}"
+
+
+# The last (cos, sin) pair compared, as weak references with their versions, and the answer: a
+# model computes cos/sin once per forward and passes the same tensors to every layer, so they
+# are compared once per forward (torch.equal is a host sync on a GPU), not once per layer.
+_last_compared: tuple = ()
+
+
+def _duplicated_halves(torch, cos, sin, half: int) -> bool:
+    global _last_compared
+    try:
+        versions = (cos._version, sin._version)
+    except RuntimeError:  # inference tensors have no version: compared on every call
+        versions = None
+    if versions is not None and _last_compared and not torch.compiler.is_compiling():
+        cos_ref, sin_ref, seen_versions, answer = _last_compared
+        if cos_ref() is cos and sin_ref() is sin and seen_versions == versions:
+            return answer
+    answer = torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(
+        sin[..., :half], sin[..., half:]
+    )
+    if versions is not None:
+        _last_compared = (weakref.ref(cos), weakref.ref(sin), versions, answer)
+    return answer
 
 
 def _make_replacement(original):
@@ -52,10 +80,7 @@ def _make_replacement(original):
         half = dim // 2
         # rotate_half pairs (i, i + D/2) and transformers duplicates each frequency: a table of
         # the first halves is fastpe's; if a model ever stores different halves, fall back
-        if not (
-            torch.equal(cos[..., :half], cos[..., half:])
-            and torch.equal(sin[..., :half], sin[..., half:])
-        ):
+        if not _duplicated_halves(torch, cos, sin, half):
             return original(q, k, cos, sin, *args, **kwargs)
         table_cos = cos.reshape(batch * seq, dim)[:, :half]
         table_sin = sin.reshape(batch * seq, dim)[:, :half]

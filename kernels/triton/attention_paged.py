@@ -239,17 +239,17 @@ def launch_args(
 
 
 def attention_paged_triton(
-    q, k, v, *, q_start, q_len, k_len, page_start, page_size, options, num_sms=None
+    q, k, v, *, q_start, q_len, k_len, page_start, page_size, max_q, max_k, options, num_sms=None
 ):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). q_start, q_len, k_len
-    int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` are read from
-    the host copies the caller validated (``q_len.max()`` here would sync); ``options`` the
-    attention options (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq,
-    Dv] in q's dtype, lse fp32 [Hq, Tq])."""
+    int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` (Python ints)
+    the longest sequence's query and key counts, from the host values the caller validated
+    (``int(q_len.max())`` here would be a host sync per call); ``options`` the attention options
+    (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq, Dv] in q's dtype,
+    lse fp32 [Hq, Tq])."""
     total_q, hq, d = q.shape
     dv = v.shape[2]
     batch = q_len.shape[0]
-    max_q, max_k = int(q_len.max()) if batch else 0, int(k_len.max()) if batch else 0
     device = q.device
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
     block_m, _ = block_sizes(max_q, d, dot_fp32)
