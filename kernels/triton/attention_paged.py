@@ -8,7 +8,8 @@ batches and KV caches (paged or contiguous) alike. Shapes:
   ``page_start[b, j // page_size] + j % page_size``;
 - out [Tq, Hq, Dv], lse [Hq, Tq] (float32, natural log).
 
-One program = (block of one sequence's queries, sequence and query head, key split); programs
+One program = (block of one sequence's queries, sequence and query head, key split), laid out
+as ``program_ids`` of ``_attention_common`` says; programs
 whose block lies past their sequence's queries return at once, so the grid is sized by the
 longest sequence but no work is done for the others' padding. Keys past k_len[b] are never
 read. The options arrive as one record (``options``, described in ``_attention_common``).
@@ -24,6 +25,7 @@ from fastpe.kernels.triton._attention_common import (
     alibi_slope,
     epilogue,
     forward_flags,
+    forward_grid,
     key_range,
     modify_scores,
     program_ids,
@@ -234,7 +236,7 @@ def launch_args(
         BLOCK_D=next_pow2(d),
         BLOCK_DV=next_pow2(dv),
     )
-    grid = (triton.cdiv(max_q, block_m), q_len.shape[0] * hq, part_out.shape[0])
+    grid = forward_grid(triton.cdiv(max_q, block_m), q_len.shape[0] * hq, part_out.shape[0])
     return _attention_paged_kernel, grid, args, constexprs
 
 
