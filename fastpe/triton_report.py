@@ -130,7 +130,7 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
             for d in dims:
                 for kernel, variants in KERNEL_VARIANTS.items():
                     for variant in variants if full else variants[:1]:
-                        consts = launch(kernel, dtype, d, variant)[3]
+                        consts = launch(kernel, dtype, d, variant, target)[3]
                         meta = {k: v for k, v in consts.items() if k in _BLOCK_NAMES}
                         # what the launcher passes, else Triton's defaults, 4 warps and 3 stages
                         warps, stages = consts.get("num_warps", 4), consts.get("num_stages", 3)
@@ -176,7 +176,9 @@ def _source(case: Case):
 
     config = dict(case.config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-    kernel, _, args, consts = launch(case.kernel, case.dtype, case.head_dim, case.variant)
+    kernel, _, args, consts = launch(
+        case.kernel, case.dtype, case.head_dim, case.variant, case.target
+    )
     consts = {**{k: v for k, v in consts.items() if k not in options}, **config}
     fn = jit_function(kernel)
     backend = make_backend(GPUTarget("cuda", case.target, 32))

@@ -98,3 +98,28 @@ def test_paged_grid_holds_batch_times_heads_on_axis_0(on_gpu):
     )
     assert grid == (BATCH * HEADS, 1, n_splits)
     assert _within_limits(grid)
+
+
+def test_paged_kernel_takes_wide_tiles_for_long_sequences():
+    """From 64 queries a sequence, heads of 65-128 take 64 x 64 tiles (tensor cores at the
+    dense forward's size); through the interpreter in fp16 (bf16 computes through fp32 there)
+    against the float64 oracle."""
+    import numpy as np
+
+    import fastpe
+    from fastpe.kernels.triton import attention_paged
+
+    if fastpe.backends()["triton"] != "available":
+        pytest.skip(fastpe.backends()["triton"])
+    assert attention_paged.tiles(70, 96, False, 90)["BLOCK_M"] == 64
+    assert attention_paged.tiles(70, 96, False, 90)["BLOCK_N"] == 64
+    assert attention_paged.tiles(63, 96, False, 90)["BLOCK_M"] == 32
+    gen = torch.Generator().manual_seed(70)
+    lengths = np.array([70, 3])
+    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    q, k, v = (torch.randn(int(cu[-1]), 1, 96, generator=gen).half() for _ in range(3))
+    out = fastpe.attention_varlen(q, k, v, cu, cu, causal=True, backend="triton")
+    want = fastpe.attention_varlen(
+        q.double(), k.double(), v.double(), cu, cu, causal=True, backend="numpy"
+    )
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
