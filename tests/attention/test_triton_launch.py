@@ -105,9 +105,9 @@ def test_paged_kernel_takes_wide_tiles_for_long_sequences():
     dense forward's size); through the interpreter in fp16 (bf16 computes through fp32 there)
     against the float64 oracle."""
     import numpy as np
+    from fastpe.kernels.triton import attention_paged
 
     import fastpe
-    from fastpe.kernels.triton import attention_paged
 
     if fastpe.backends()["triton"] != "available":
         pytest.skip(fastpe.backends()["triton"])
