@@ -121,7 +121,7 @@ def _backward_launch(kernel, d, variant):
     return bw.dq_launch_args(q, kv, kv, q, rows, rows, q, dtable, **inputs)
 
 
-def _paged_launch(dtype, d, variant):
+def _paged_launch(dtype, d, variant, target):
     import torch
 
     from fastpe.kernels.triton import attention_paged
@@ -153,6 +153,7 @@ def _paged_launch(dtype, d, variant):
             sinks=_meta((hq,), torch.float32) if every else None,
             alibi_slopes=_meta((hq,), torch.float32).expand(batch, hq) if every else None,
         ),
+        capability=target,
     )
 
 
@@ -217,9 +218,10 @@ def _pe_launch(kernel, dtype, d, variant):
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def launch(kernel, dtype, d, variant):
-    """(kernel, grid, args, constexprs) of one report case, from its launcher's launch_args.
-    The attention forward's constexprs lack the autotuned block sizes (the case's config)."""
+def launch(kernel, dtype, d, variant, target=90):
+    """(kernel, grid, args, constexprs) of one report case, from its launcher's launch_args,
+    for compute capability ``target`` (the paged kernel's tiles depend on it). The attention
+    forward's constexprs lack the autotuned block sizes (the case's config)."""
     import torch
 
     from fastpe.kernels.triton import attention
@@ -230,7 +232,7 @@ def launch(kernel, dtype, d, variant):
         # the backward launcher widens every input to fp32
         return _backward_launch(kernel, d, variant)
     if kernel == "attention_paged":
-        return _paged_launch(dtype, d, variant)
+        return _paged_launch(dtype, d, variant, target)
     if kernel == "merge":
         # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
         part = torch.float32 if variant == "split_kv" else getattr(torch, dtype)

@@ -565,9 +565,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Compile every Triton kernel for real NVIDIA targets with Triton's own "
         "compiler (no GPU needed): each kernel x the configs its launcher or autotuner may use x "
         "feature flags x dtype x head dim. Reads registers, stack (spills) and shared memory with "
-        "cuobjdump and counts tensor-core instructions and 128-bit loads in the SASS. Prints a "
-        "markdown table; exits 1 if a kernel does not compile, needs more shared memory than "
-        "its target has, or an attention config the autotuner may pick on sm_80/sm_90 spills.",
+        "cuobjdump and counts tensor-core instructions (in the kernel and per iteration of its "
+        "hot loop) and 128-bit loads in the SASS. Prints a markdown table; exits 1 if a kernel "
+        "does not compile, needs more shared memory than its target has, an attention config "
+        "the autotuner may pick on sm_80/sm_90 spills, or an fp16/bf16 attention kernel "
+        "(forward, paged, backward) has no tensor-core instruction.",
     )
     t.add_argument(
         "--full",

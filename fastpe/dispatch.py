@@ -110,14 +110,29 @@ def run_group(group, backend: str | None = None):
             raise BackendNotSupportedError(
                 f"backend {impl.backend!r} cannot run {inputs.op} on every array of the group: {'; '.join(reasons)}"
             )
-    return impl.run_group(group)
+    with on_device(group[0].placement):
+        return impl.run_group(group)
 
 
 def run(inputs, backend: str | None = None):
     """Run ``inputs.op`` on the chosen backend (or, inside ``explaining``, describe the choice)."""
     if _explaining.get():
         return Explanation(inputs, backend)
-    return select(inputs, backend).run(inputs)
+    impl = select(inputs, backend)
+    with on_device(inputs.placement):
+        return impl.run(inputs)
+
+
+def on_device(placement):
+    """The block runs with the inputs' GPU as the current CUDA device (nothing to do off CUDA).
+    Triton launches a kernel on the current device and its stream, whatever device the
+    tensors are on: those of a model spread over GPUs (``device_map="auto"``) would otherwise
+    be read from the wrong one. Every op runs through here, so no launcher sets it itself."""
+    if placement.device_type != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(placement.device)
 
 
 class Explanation(str):

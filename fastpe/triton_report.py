@@ -130,7 +130,7 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
             for d in dims:
                 for kernel, variants in KERNEL_VARIANTS.items():
                     for variant in variants if full else variants[:1]:
-                        consts = launch(kernel, dtype, d, variant)[3]
+                        consts = launch(kernel, dtype, d, variant, target)[3]
                         meta = {k: v for k, v in consts.items() if k in _BLOCK_NAMES}
                         # what the launcher passes, else Triton's defaults, 4 warps and 3 stages
                         warps, stages = consts.get("num_warps", 4), consts.get("num_stages", 3)
@@ -176,7 +176,9 @@ def _source(case: Case):
 
     config = dict(case.config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-    kernel, _, args, consts = launch(case.kernel, case.dtype, case.head_dim, case.variant)
+    kernel, _, args, consts = launch(
+        case.kernel, case.dtype, case.head_dim, case.variant, case.target
+    )
     consts = {**{k: v for k, v in consts.items() if k not in options}, **config}
     fn = jit_function(kernel)
     backend = make_backend(GPUTarget("cuda", case.target, 32))
@@ -191,6 +193,53 @@ def _source(case: Case):
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _TENSOR_CORE = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA|IMMA)\b")
 _OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+# one SASS line: its address, opcode and operands; a label (a branch target) on its own line
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*)")
+_LABEL = re.compile(r"^\s*(\.L\w+):")
+_TARGET = re.compile(r"\((\.L\w+)\)")
+# the kernels whose inner loop is a matrix product (the autotuned forward first): in fp16/bf16
+# it must run on tensor cores
+MMA_KERNELS = ("attention", "attention_paged", "attention_dkdv", "attention_dq")
+
+
+def is_tensor_core(opcode: str) -> bool:
+    return bool(_TENSOR_CORE.match(opcode.split(".")[0]))
+
+
+def hot_loop(sass: str) -> dict | None:
+    """The loop of a kernel's SASS that does its matrix products, counted statically: the
+    instructions from a backward branch's target to that branch (a loop's body, one iteration
+    when Triton software-pipelines it), for the loop holding the most tensor-core instructions
+    (the narrowest of those with as many: an inner loop rather than one around it); where no
+    loop holds one (fp32's IEEE dots run on FMA units), the loop with the most instructions.
+    Returns {"mma": tensor-core instructions, "other": the other instructions, NOP padding
+    excluded}, or None for a kernel without a loop."""
+    program, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = _INSTRUCTION.match(line)
+        if ins:
+            address = int(ins.group(1), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            program.append((address, ins.group(2), ins.group(3)))
+    best = None
+    for address, opcode, operands in program:
+        target = _TARGET.search(operands)
+        if opcode.split(".")[0] != "BRA" or not target or target.group(1) not in labels:
+            continue
+        head = labels[target.group(1)]
+        if head > address:  # a forward branch
+            continue
+        body = [op for a, op, _ in program if head <= a <= address and op != "NOP"]
+        mma = sum(map(is_tensor_core, body))
+        rank = (mma, len(body) if mma == 0 else -len(body))
+        if best is None or rank > best[0]:
+            best = (rank, {"mma": mma, "other": len(body) - mma})
+    return None if best is None else best[1]
 
 
 def _read_cubin(cubin: bytes) -> dict:
@@ -217,10 +266,9 @@ def _read_cubin(cubin: bytes) -> dict:
         "static_shared": static_shared,
         "spill_stores": sum(n for op, n in ops.items() if op.startswith("STL")),
         "spill_loads": sum(n for op, n in ops.items() if op.startswith("LDL")),
-        "tensor_core": sum(n for op, n in ops.items() if _TENSOR_CORE.match(op.split(".")[0])),
-        "tensor_core_ops": sorted(
-            {op.split(".")[0] for op in ops if _TENSOR_CORE.match(op.split(".")[0])}
-        ),
+        "tensor_core": sum(n for op, n in ops.items() if is_tensor_core(op)),
+        "tensor_core_ops": sorted({op.split(".")[0] for op in ops if is_tensor_core(op)}),
+        "hot_loop": hot_loop(sass),
         "global_loads": loads,
         "global_stores": stores,
         "loads_128": sum(n for op, n in loads.items() if op.endswith(".128")),
@@ -228,11 +276,17 @@ def _read_cubin(cubin: bytes) -> dict:
     }
 
 
+# what _read_cubin reads, in the cache key: a cached record read by an older version lacks
+# the newer fields
+_READER_VERSION = 2
+
+
 def _cache_key(case: Case, fn, signature, constexprs, attrs, options) -> str:
     import triton
 
     text = repr(
         (
+            _READER_VERSION,
             fn.cache_key,
             sorted(signature.items()),
             sorted(constexprs.items()),
@@ -323,7 +377,9 @@ def plan(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> li
 
 def problems(records) -> list[str]:
     """What fails the check: a kernel that does not compile, needs more shared memory than its
-    target has, or an attention config the autotuner may pick on sm_80/sm_90 that spills."""
+    target has, an attention config the autotuner may pick on sm_80/sm_90 that spills, or an
+    fp16/bf16 attention kernel (forward, paged, backward) without a tensor-core instruction
+    (fp32 takes IEEE fp32 dots, on FMA units by design)."""
     out = []
     for r in records:
         case = r["case"]
@@ -343,6 +399,9 @@ def problems(records) -> list[str]:
                 f"{r['key']}: spills ({r['registers']} registers, {r['stack_bytes']}-byte stack, "
                 f"{r['spill_stores']} STL / {r['spill_loads']} LDL)"
             )
+        half = case["dtype"] in ("float16", "bfloat16")
+        if case["kernel"] in MMA_KERNELS and half and case["pickable"] and not r["tensor_core"]:
+            out.append(f"{r['key']}: no tensor-core instruction in a {case['dtype']} kernel")
     return out
 
 
@@ -372,6 +431,20 @@ def _fmt_loads(r) -> str:
     return ", ".join(f"{op} x{n}" for op, n in sorted(r["global_loads"].items()))
 
 
+def _span(values) -> str:
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}–{high}"
+
+
+def _loop_cells(ok) -> str:
+    """The hot loop's tensor-core and other instructions over records: 'mma | other', each a
+    value or a range."""
+    loops = [r["hot_loop"] for r in ok if r.get("hot_loop")]
+    if not loops:
+        return " | "
+    return f"{_span([x['mma'] for x in loops])} | {_span([x['other'] for x in loops])}"
+
+
 def format_markdown(doc: dict) -> str:
     recs = doc["records"]
     lines = [
@@ -385,8 +458,12 @@ def format_markdown(doc: dict) -> str:
         "Registers and stack from `cuobjdump --dump-resource-usage` (a stack frame and STL/LDL "
         "mean spilled registers); shared memory = Triton's dynamic allocation + static, against "
         "the target's per-block limit; tensor-core instructions (HMMA sm_80, HGMMA sm_90, "
-        "UTC*MMA sm_100) counted in `nvdisasm` SASS. fp32 attention uses IEEE fp32 dots "
-        "(no tensor cores, by design). *pick*: the autotuner may choose the config on that "
+        "UTC*MMA sm_100) counted in `nvdisasm` SASS, in the whole kernel and per iteration of its "
+        "hot loop (*MMA/iter*, *other/iter*: the instructions between the head and the backward "
+        "branch of the loop holding the most tensor-core instructions, NOPs left out; the "
+        "largest loop where none holds one). fp32 attention uses IEEE fp32 dots "
+        "(no tensor cores, by design); an fp16/bf16 attention kernel without them is a "
+        "problem. *pick*: the autotuner may choose the config on that "
         "target (after `_prune`); unpicked configs are listed for reference only.",
         "",
         f"**Problems: {len(doc['problems'])}**" + ("" if doc["problems"] else " (none)"),
@@ -399,8 +476,8 @@ def format_markdown(doc: dict) -> str:
         "## Attention (worst over the feature variants)",
         "",
         "| target | dtype | D | config | pick | variants | max regs | max stack B | "
-        "spill ST/LD | max smem KB / limit | tensor-core instr | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "spill ST/LD | max smem KB / limit | tensor-core instr | MMA/iter | other/iter | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups = {}
     for r in recs:
@@ -421,13 +498,35 @@ def format_markdown(doc: dict) -> str:
             ld = max(r["spill_loads"] for r in ok)
             smem = max(r["shared"] + r["static_shared"] for r in ok)
             tc = "/".join(sorted({str(r["tensor_core"]) for r in ok}, key=int))
-            stats = f"{regs} | {stack} | {st}/{ld} | {smem / 1024:.0f} / {limit // 1024} | {tc}"
+            stats = (
+                f"{regs} | {stack} | {st}/{ld} | {smem / 1024:.0f} / {limit // 1024} | {tc} | "
+                + _loop_cells(ok)
+            )
         else:
-            stats = "| | | | "
+            stats = "| | | | | | "
         verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
         lines.append(
             f"| sm_{target} | {dtype} | {d} | {label} | {'yes' if pick else 'no'} | {len(rs)} | "
             f"{stats} | {verdict} |"
+        )
+    lines += [
+        "",
+        "## Paged and backward attention (launcher's block sizes; worst over variants)",
+        "",
+        "| target | kernel | dtype | D | config | variants | max regs | max stack B | "
+        "smem KB | tensor-core instr | MMA/iter | other/iter | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (target, kernel, dtype, d, label), rs in _launcher_groups(recs, MMA_KERNELS[1:]):
+        ok = [r for r in rs if r["ok"]]
+        if ok:
+            tc = "/".join(sorted({str(r["tensor_core"]) for r in ok}, key=int))
+            stats = f"{_launcher_stats(ok)} | {tc} | {_loop_cells(ok)}"
+        else:
+            stats = "| | | | | "
+        verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
+        lines.append(
+            f"| sm_{target} | {kernel} | {dtype} | {d} | {label} | {len(rs)} | {stats} | {verdict} |"
         )
     lines += [
         "",
@@ -437,26 +536,31 @@ def format_markdown(doc: dict) -> str:
         "smem KB | global loads (SASS) | ok |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    groups = {}
-    for r in recs:
-        c = r["case"]
-        if c["kernel"] == "attention":
-            continue
-        groups.setdefault(
-            (c["target"], c["kernel"], c["dtype"], c["head_dim"], Case(**c).config_label), []
-        ).append(r)
-    for (target, kernel, dtype, d, label), rs in groups.items():
+    others = [k for k in KERNELS if k not in MMA_KERNELS]
+    for (target, kernel, dtype, d, label), rs in _launcher_groups(recs, others):
         ok = [r for r in rs if r["ok"]]
         loads = "; ".join(sorted({_fmt_loads(r) for r in ok}))
-        if ok:
-            stats = (
-                f"{max(r['registers'] for r in ok)} | {max(r['stack_bytes'] for r in ok)} | "
-                f"{max(r['shared'] + r['static_shared'] for r in ok) / 1024:.1f}"
-            )
-        else:
-            stats = "| |"
+        stats = _launcher_stats(ok) if ok else "| |"
         verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
         lines.append(
             f"| sm_{target} | {kernel} | {dtype} | {d} | {label} | {len(rs)} | {stats} | {loads} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _launcher_groups(records, kernels):
+    """The records of ``kernels`` by (target, kernel, dtype, head dim, config)."""
+    groups = {}
+    for r in records:
+        c = r["case"]
+        if c["kernel"] in kernels:
+            key = (c["target"], c["kernel"], c["dtype"], c["head_dim"], Case(**c).config_label)
+            groups.setdefault(key, []).append(r)
+    return groups.items()
+
+
+def _launcher_stats(ok) -> str:
+    return (
+        f"{max(r['registers'] for r in ok)} | {max(r['stack_bytes'] for r in ok)} | "
+        f"{max(r['shared'] + r['static_shared'] for r in ok) / 1024:.1f}"
+    )

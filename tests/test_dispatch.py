@@ -126,3 +126,68 @@ def test_explicit_unavailable_backend_raises_with_reason():
     ) as err:
         fastpe.attention(q, q, q, backend="triton")
     assert reasons in str(err.value)
+
+
+class _RecordsDevice(Implementation):
+    """A stand-in kernel: notes the CUDA devices current around each of its runs."""
+
+    backend, op = "triton", "merge_attention"
+
+    def __init__(self, devices):
+        self.devices, self.seen = devices, []
+
+    def not_supported_reasons(self, inputs):
+        return []
+
+    def run(self, inputs):
+        self.seen.append(list(self.devices.current))
+
+
+@pytest.fixture
+def cuda_devices(monkeypatch):
+    """torch.cuda.device replaced by a recorder (no GPU here): ``entered`` lists every device
+    entered, ``current`` those entered and not yet left."""
+    import contextlib
+    import types
+
+    torch = pytest.importorskip("torch")
+    devices = types.SimpleNamespace(entered=[], current=[])
+
+    @contextlib.contextmanager
+    def device(d):
+        devices.entered.append(str(d))
+        devices.current.append(str(d))
+        yield
+        devices.current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return devices
+
+
+def test_ops_run_with_their_inputs_gpu_current(monkeypatch, cuda_devices):
+    """A model spread over GPUs (device_map="auto") calls with tensors on a GPU that is not the
+    current one: Triton launches on the current device, so the op must make theirs current."""
+    from fastpe import dispatch
+    from fastpe._arrays import Placement
+
+    impl = _RecordsDevice(cuda_devices)
+    monkeypatch.setitem(REGISTRY, ("triton", "merge_attention"), impl)
+
+    class Record:
+        op, dtype, placement = "merge_attention", "float16", Placement("torch", "cuda:1")
+
+    dispatch.run(Record(), "triton")
+    dispatch.run_group([Record(), Record()], "triton")
+    assert impl.seen == [["cuda:1"]] * 3  # one run, then a group of two
+    assert cuda_devices.current == []  # left on exit
+
+
+def test_cpu_tensors_enter_no_cuda_guard(cuda_devices):
+    import torch
+
+    if fastpe.backends()["triton"] != "available":
+        pytest.skip(fastpe.backends()["triton"])
+    out, lse = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3)
+    fastpe.merge_attention(out, lse, out, lse, backend="triton")
+    fastpe.merge_attention(out, lse, out, lse, backend="numpy")
+    assert cuda_devices.entered == []

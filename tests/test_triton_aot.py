@@ -1,6 +1,7 @@
 """The Triton kernels compiled ahead of time for real NVIDIA targets, without a GPU (issue 16):
-they must compile, fit the target's shared memory, and no attention config the autotuner may
-pick on sm_80/sm_90 may spill registers. The default run compiles a representative subset (bf16,
+they must compile, fit the target's shared memory, no attention config the autotuner may
+pick on sm_80/sm_90 may spill registers, and every fp16/bf16 attention kernel (forward, paged,
+backward) must use tensor cores. The default run compiles a representative subset (bf16,
 head dims 64 and 128, the causal and everything-on attention variants, sm_80 and sm_90); the
 full sweep is ``slow``. Results are cached (~/.cache/fastpe/triton-aot), so a rerun only
 compiles kernels whose source changed."""
@@ -60,10 +61,12 @@ def test_attention_uses_tensor_cores_in_half_precision(quick_records):
             want = {"HMMA"} if r["case"]["target"] == 80 else {"HMMA", "HGMMA"}
             assert want & set(r["tensor_core_ops"]), r["key"]
             assert r["tensor_core"] > 0, r["key"]
+            # ... in the loop over the key tiles, not only in a peeled prologue or epilogue
+            assert 0 < r["hot_loop"]["mma"] <= r["tensor_core"], r["key"]
 
 
-def _record(target=90, pickable=True, **stats):
-    case = tr.Case("attention", "plain", "bfloat16", 128, (("BLOCK_M", 64),), target, pickable)
+def _record(target=90, pickable=True, kernel="attention", dtype="bfloat16", **stats):
+    case = tr.Case(kernel, "plain", dtype, 128, (("BLOCK_M", 64),), target, pickable)
     base = {
         "ok": True,
         "error": None,
@@ -74,6 +77,7 @@ def _record(target=90, pickable=True, **stats):
         "spill_loads": 0,
         "shared": 1024,
         "static_shared": 0,
+        "tensor_core": 32,
     }
     return {"case": tr.dataclasses.asdict(case), "key": case.key(), **base, **stats}
 
@@ -81,6 +85,11 @@ def _record(target=90, pickable=True, **stats):
 def test_verdicts():
     """The rules themselves, on made-up records."""
     assert tr.problems([_record()]) == []
+    # half precision without tensor cores, in any attention kernel; fp32 runs IEEE dots by design
+    for kernel in ("attention", "attention_paged", "attention_dkdv", "attention_dq"):
+        assert "no tensor-core" in tr.problems([_record(kernel=kernel, tensor_core=0)])[0]
+        assert tr.problems([_record(kernel=kernel, dtype="float32", tensor_core=0)]) == []
+    assert tr.problems([_record(kernel="merge", tensor_core=0)]) == []
     assert "spills" in tr.problems([_record(stack_bytes=56)])[0]
     assert "spills" in tr.problems([_record(target=80, spill_stores=3)])[0]
     assert tr.problems([_record(pickable=False, stack_bytes=56)]) == []  # never picked
@@ -88,6 +97,40 @@ def test_verdicts():
     too_big = _record(target=80, shared=163 * 1024, static_shared=1)
     assert "shared memory" in tr.problems([too_big])[0]
     assert "does not compile" in tr.problems([_record(ok=False, error="PTXASError: x")])[0]
+
+
+# A made-up sm_90 kernel in nvdisasm's layout: a prologue with one HGMMA and a forward branch,
+# a loop (.L_x_1 … the backward branch at 0x01c0) holding two HGMMA, five other instructions
+# and a NOP, with a wait loop inside it (.L_x_2, one instruction and its branch), an
+# epilogue, and the trap loop nvdisasm ends kernels with.
+_SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0020*/              @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0030*/                   WARPGROUP.ARRIVE ;
+        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+.L_x_2:
+        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R3 ;
+        /*0060*/              @!P1 BRA `(.L_x_2) ;
+        /*0070*/                   NOP ;
+        /*0080*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], R24, gsb0 ;
+        /*0090*/                   FMUL R4, R4, 1.4426950216293334961 ;
+        /*01c0*/              @P2 BRA `(.L_x_1) ;
+.L_x_0:
+        /*01d0*/                   STG.E desc[UR6][R2.64], R24 ;
+        /*01e0*/                   EXIT ;
+.L_x_3:
+        /*01f0*/                   BRA `(.L_x_3);
+"""
+
+
+def test_hot_loop_counts_one_iteration_of_the_mma_loop():
+    assert tr.hot_loop(_SASS) == {"mma": 2, "other": 5}
+    # no loop holds a tensor-core instruction (an fp32 kernel): the largest loop instead
+    fma = _SASS.replace("HGMMA.64x64x16.F32.BF16", "FFMA")
+    assert tr.hot_loop(fma) == {"mma": 0, "other": 7}
+    assert tr.hot_loop("        /*0000*/                   EXIT ;") is None
 
 
 @pytest.mark.slow

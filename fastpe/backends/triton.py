@@ -175,15 +175,28 @@ def _positions_tensor(fwd, device):
     return positions.array.expand(fwd.batch, fwd.seq)
 
 
+# The most queries of one sequence the attention kernels take: their grids hold a sequence's
+# query blocks (16 rows or more) on a grid axis of at most 65535 programs (forward_grid in
+# kernels/triton/_attention_common.py).
+MAX_QUERIES = 65535 * 16
+
+
+def _attention_reasons(impl, queries, d, dv) -> list[str]:
+    reasons = []
+    if max(d, dv) > impl.max_head_dim:
+        reasons.append(f"head dims up to {impl.max_head_dim}, not {max(d, dv)}")
+    if queries > MAX_QUERIES:
+        reasons.append(f"at most {MAX_QUERIES} queries per sequence, not {queries}")
+    return reasons
+
+
 class Attention(_Triton):
     op = "attention"
     max_head_dim = 256  # a 128 x 256 q tile and 64 x 256 k/v tiles still fit in shared memory
 
     def extra_reasons(self, inp):
         b, hq, hkv, sq, sk, d, dv = inp.shape
-        if max(d, dv) > self.max_head_dim:
-            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
-        return []
+        return _attention_reasons(self, sq, d, dv)
 
     def run(self, inp):
         import torch
@@ -375,11 +388,10 @@ class _Serving(_Triton):
     max_head_dim = Attention.max_head_dim
 
     def extra_reasons(self, inp):
-        v = inp.v_cache if inp.op == "attention_kvcache" else inp.v  # k/v may be absent there
-        d, dv = inp.q.shape[-1], v.shape[-1]
-        if max(d, dv) > self.max_head_dim:
-            return [f"head dims up to {self.max_head_dim}, not {max(d, dv)}"]
-        return []
+        kvcache = inp.op == "attention_kvcache"
+        v = inp.v_cache if kvcache else inp.v  # k/v may be absent there
+        queries = inp.q.shape[1] if kvcache else inp.max_seqlen_q
+        return _attention_reasons(self, queries, inp.q.shape[-1], v.shape[-1])
 
 
 AttentionVarlen, AttentionKVCache = _serving.implementations(_Serving, _ServingArrays)

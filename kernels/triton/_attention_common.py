@@ -69,14 +69,34 @@ def _tanh(x):
 @triton.jit
 def program_ids(Hq, group):
     """(query block, key split, batch, query head, kv head) of this program of a forward kernel,
-    whose grid is (query blocks, batch x query heads, key splits); ``group`` query heads share
-    a kv head."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    whose grid is ``forward_grid``'s; ``group`` query heads share a kv head. Each index is a
+    program id of its own: ptxas recomputes the row indices from it rather than holding them in
+    registers through the key loop (the block index folded with batch x heads into axis 0, one
+    division apart, costs up to 57 registers and a spill on sm_80: ``fastpe triton-report``)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     return pid_m, split, b, h, h // group
+
+
+# grid axes 1 and 2 hold at most 65535 programs (axis 0: 2^31 - 1)
+MAX_GRID_Y = 65535
+
+
+def forward_grid(n_blocks, batch_heads, n_splits):
+    """The launch grid of a forward kernel: (batch x query heads, query blocks, key splits).
+    Batch x heads, which passes 65535 at decode batch sizes (2048 x 32), rides on axis 0 (up to
+    2^31 - 1); the query blocks stay within 65535 because the launchers' blocks hold at least
+    16 queries and the backend takes at most ``MAX_QUERIES`` (65535 x 16) queries per sequence
+    (fastpe/backends/triton.py); ``split_keys`` makes at most 2·SMs key splits."""
+    if n_blocks > MAX_GRID_Y or n_splits > MAX_GRID_Y:
+        raise ValueError(
+            f"{n_blocks} query blocks x {n_splits} key splits: grid axes 1 and 2 hold at most "
+            f"{MAX_GRID_Y} programs each"
+        )
+    return (batch_heads, n_blocks, n_splits)
 
 
 @triton.jit

@@ -25,6 +25,7 @@ from fastpe.kernels.triton._attention_common import (
     alibi_slope,
     epilogue,
     forward_flags,
+    forward_grid,
     key_range,
     modify_scores,
     program_ids,
@@ -529,7 +530,8 @@ SPLIT_GRANULE = 128
 def split_keys(programs, max_q, keys, num_sms, dtype):
     """(n_splits, keys_per_split, dtype of the parts) of a launch of ``programs`` (query blocks
     x heads x batch) over at most ``keys`` keys: the keys are split when the programs cannot
-    fill the GPU (decoding), and split parts are kept in fp32 for the merge."""
+    fill the GPU (decoding), and split parts are kept in fp32 for the merge. n_splits is at
+    most 2·num_sms (a few hundred), far below the 65535 of the grid axis that holds it."""
     n_splits = 1
     if not interpreted() and num_sms and programs < num_sms and keys > 4 * SPLIT_GRANULE:
         n_splits = min(triton.cdiv(keys, SPLIT_GRANULE), triton.cdiv(2 * num_sms, programs))
@@ -648,7 +650,7 @@ def launch_args(
     )
 
     def grid(meta):
-        return (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq, n_splits)
+        return forward_grid(triton.cdiv(sq, meta["BLOCK_M"]), batch * hq, n_splits)
 
     return _attention_kernel, grid, args, constexprs
 

@@ -8,7 +8,8 @@ batches and KV caches (paged or contiguous) alike. Shapes:
   ``page_start[b, j // page_size] + j % page_size``;
 - out [Tq, Hq, Dv], lse [Hq, Tq] (float32, natural log).
 
-One program = (block of one sequence's queries, sequence and query head, key split); programs
+One program = (block of one sequence's queries, sequence and query head, key split), laid out
+as ``program_ids`` of ``_attention_common`` says; programs
 whose block lies past their sequence's queries return at once, so the grid is sized by the
 longest sequence but no work is done for the others' padding. Keys past k_len[b] are never
 read. The options arrive as one record (``options``, described in ``_attention_common``).
@@ -24,6 +25,7 @@ from fastpe.kernels.triton._attention_common import (
     alibi_slope,
     epilogue,
     forward_flags,
+    forward_grid,
     key_range,
     modify_scores,
     program_ids,
@@ -109,9 +111,10 @@ def _attention_paged_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        page = cols // page_size
+        # keys < 2^31: an int32 division, inline (an int64 one calls a routine, in every tile)
+        page = cols.to(tl.int32) // page_size
         prow = tl.load(page_ptr + b * ps[0] + page * ps[1], mask=col_ok, other=0)
-        prow = prow + cols - page * page_size
+        prow = prow + (cols - page * page_size)
         k_tile = tl.load(
             k_ptr + prow[:, None] * ks[0] + hk * ks[1] + dcols[None, :] * ks[2],
             mask=col_ok[:, None] & (dcols[None, :] < D),
@@ -158,15 +161,36 @@ def _attention_paged_kernel(
     tl.store(lse_ptr + split * ls[0] + t * ls[1] + h * ls[2], row_lse, mask=row_ok)
 
 
-def block_sizes(max_q: int, d: int, fp32: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) that compile without register spills on sm_80/sm_90 (checked by
-    ``fastpe triton-report``): thin query tiles for decoding, smaller tiles for fp32 and wide
-    heads."""
+def tiles(max_q: int, d: int, fp32: bool, capability: int) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps and num_stages that compile without register spills on
+    sm_80/sm_90 (checked by ``fastpe triton-report``): thin query tiles for decoding, smaller
+    tiles for fp32 and wide heads; from 64 queries a sequence, heads up to 128 wide take the
+    dense forward's 64 x 64 tiles (HGMMA on sm_90) with 8 warps. Before sm_90, wide tiles
+    pipeline 2 stages: a third spills there once the scores carry ALiBi, a window, a cap and
+    sinks."""
+    stages = 3 if capability >= 90 else 2
     if fp32:
-        return 16, 16
+        return _tiles(16, 16)
     if max_q <= 16:
-        return 16, 64 if d <= 128 else 32
-    return (64, 64) if d <= 64 else (32, 32)
+        return _tiles(16, 64 if d <= 128 else 32)
+    if d <= 64:
+        return _tiles(64, 64)
+    if d <= 128 and max_q >= 64:
+        return _tiles(64, 64, num_warps=8, num_stages=stages)
+    return _tiles(32, 32, num_stages=3 if d <= 128 else stages)
+
+
+def _tiles(block_m, block_n, num_warps=4, num_stages=3):
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def _capability(device) -> int:
+    """The compute capability of a CUDA device as 10·major + minor; 90 elsewhere (the
+    interpreter, meta tensors)."""
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def launch_args(
@@ -185,15 +209,19 @@ def launch_args(
     max_k,
     keys_per_split,
     options,
+    capability=None,
 ):
     """(kernel, grid, args, constexprs) of the paged kernel: the one place its arguments are
     assembled, for ``attention_paged_triton`` and for ``fastpe triton-report`` (on meta
     tensors). part_out [n_splits, Tq, Hq, Dv], part_lse [n_splits, Tq, Hq]; ``max_q``/``max_k``
-    the longest sequence's query and key counts; the rest as in ``attention_paged_triton``."""
+    the longest sequence's query and key counts; ``capability`` (e.g. 80) defaults to q's GPU
+    (the report passes its target); the rest as in ``attention_paged_triton``."""
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
-    block_m, block_n = block_sizes(max_q, d, dot_fp32)
+    if capability is None:
+        capability = _capability(q.device)
+    sizes = tiles(max_q, d, dot_fp32, capability)
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
     alibi = options.alibi_slopes if options.alibi_slopes is not None else dummy[None]
     (window, scales), param_flags = score_param_args(options, max_q + max_k + 1)
@@ -229,12 +257,13 @@ def launch_args(
         **param_flags,
         HAS_ALIBI=options.alibi_slopes is not None,
         DOT_FP32=dot_fp32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        **sizes,
         BLOCK_D=next_pow2(d),
         BLOCK_DV=next_pow2(dv),
     )
-    grid = (triton.cdiv(max_q, block_m), q_len.shape[0] * hq, part_out.shape[0])
+    grid = forward_grid(
+        triton.cdiv(max_q, sizes["BLOCK_M"]), q_len.shape[0] * hq, part_out.shape[0]
+    )
     return _attention_paged_kernel, grid, args, constexprs
 
 
@@ -252,7 +281,8 @@ def attention_paged_triton(
     batch = q_len.shape[0]
     device = q.device
     dot_fp32 = low_precision_via_fp32(q.dtype) or q.dtype == torch.float32
-    block_m, _ = block_sizes(max_q, d, dot_fp32)
+    capability = _capability(device)
+    block_m = tiles(max_q, d, dot_fp32, capability)["BLOCK_M"]
     n_splits, keys_per_split, out_dtype = split_keys(
         triton.cdiv(max(max_q, 1), block_m) * batch * hq, max_q, max(max_k, 1), num_sms, q.dtype
     )
@@ -276,6 +306,7 @@ def attention_paged_triton(
             max_k=max_k,
             keys_per_split=keys_per_split,
             options=options,
+            capability=capability,
         )
         kernel[grid](*args, **constexprs)
     elif options.sinks is not None:  # no key anywhere: lse is the sink
