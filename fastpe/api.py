@@ -390,6 +390,8 @@ def attention_kvcache(
     softcap=None,
     sinks=None,
     return_lse=False,
+    k_scale=None,
+    v_scale=None,
     backend=None,
 ):
     """Attention of new queries against a KV cache, optionally appending new keys/values first
@@ -422,6 +424,13 @@ def attention_kvcache(
     of one buffer, sliced or transposed views; layouts no page table can address are refused
     before anything is written (docs/README.md#kv-caches-and-their-memory-layout). Empty work
     (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
+
+    Quantized caches (docs/math.md#quantized-kv-caches), value = stored × scale: torch
+    ``float8_e4m3fn`` caches with ``k_scale``/``v_scale`` a float or float32 [Hkv] (or [B, Hkv]),
+    new k/v stored as ``clamp(x / scale, ±448)``; int8 caches (NumPy or torch) with float32
+    scales shaped like the cache without its last dim, one per token and kv head, which an
+    append fills in place (``max|x| / 127``). q and out keep q's dtype (float32, bfloat16 or
+    float16); the cache is widened as it is read, never copied.
     """
     options = dict(
         k=k,
@@ -439,6 +448,8 @@ def attention_kvcache(
         softcap=softcap,
         sinks=sinks,
         return_lse=return_lse,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     arrays = (q, k_cache, v_cache)
     # autograd would record an op that writes its caches: torch's graph only under compile

@@ -331,6 +331,9 @@ class _ServingArrays(_serving.ServingArrays):
 
     view = load
 
+    def widen(self, x):
+        return x.float()
+
     def tables(self, cos, sin):
         return cos.contiguous(), sin.contiguous()
 
@@ -365,6 +368,8 @@ class _ServingArrays(_serving.ServingArrays):
             page_size=args.page_size,
             options=self.inp.options.launched(_fp32),
             num_sms=_sms(device),
+            k_scale=args.k_scale,
+            v_scale=args.v_scale,
         )
 
     def output(self, x, dtype):
