@@ -218,12 +218,13 @@ def _page_run(page_start, page_size, b, j, left):
 
 def _needs_scratch(array):
     """True for arrays the few-row loops do not read in place (a compile-time constant):
-    float16 bits and any array that is not C-contiguous."""
+    float16 bits, quantized caches (decoded a head at a time, ``_head_rows``) and any array that
+    is not C-contiguous."""
 
 
 @overload(_needs_scratch, inline="always")
 def _needs_scratch_impl(array):
-    copy = array.dtype == types.int16 or array.layout != "C"
+    copy = array.dtype in (types.int16, types.uint8, types.int8) or array.layout != "C"
     return lambda array: copy
 
 
@@ -234,6 +235,62 @@ def _loop_rows(rows, scratch):
     per query row, it kept them from vectorising and ran 2.3x slower than the contiguous
     decode), and for strided rows (packed k/v views, every-other-head): on layout 'A' the loops
     do not know the unit stride of D and ran 9x slower."""
+
+
+def _head_rows(rows, hk, scratch):
+    """(rows, head) for the few-row loops to read head hk of run rows [n, H, D] from:
+    quantized rows have head hk decoded (widened, not yet scaled) into scratch, [n, 1, D] and
+    head 0, small enough to stay in L1 while every query row of the group reads it (the loops
+    then convert nothing; widening in the loops, once per query row, ran up to 3.7x slower for
+    fp8); other rows as they are."""
+
+
+@overload(_head_rows, inline="always")
+def _head_rows_impl(rows, hk, scratch):
+    if rows.dtype == types.uint8 and rows.layout == "C":
+
+        def fp8_head(rows, hk, scratch):
+            # exact, in two passes of plain arithmetic that LLVM vectorises (a table lookup per
+            # element, a gather, ran 3x slower): the exponent (bias 7) and mantissa moved into
+            # float32's bits, rebiased by 120 for normals and by 121 for subnormals (e = 0),
+            # whose implicit leading 1 is then subtracted — (1 + m/8)·2^-6 - 2^-6 = m·2^-9;
+            # then the sign, by a product (-1 · 0 keeps a negative zero). S.1111.111 is NaN.
+            n, width = rows.shape[0], rows.shape[2]
+            flat = scratch[: n * width]
+            bits = flat.view(np.uint32)
+            for r in range(n):
+                src = rows[r, hk]
+                base = r * width
+                for i in range(width):
+                    b = np.uint32(src[i])
+                    mag = b & np.uint32(0x7F)
+                    sub = np.uint32(mag < np.uint32(8))
+                    word = (mag << np.uint32(20)) + ((np.uint32(120) + sub) << np.uint32(23))
+                    is_nan = np.uint32(0) - np.uint32(mag == np.uint32(0x7F))  # all ones: NaN
+                    bits[base + i] = (word & ~is_nan) | (np.uint32(0x7FC00000) & is_nan)
+            for r in range(n):
+                src = rows[r, hk]
+                base = r * width
+                for i in range(width):
+                    b = np.uint32(src[i])
+                    sub = np.float32(np.uint32(b & np.uint32(0x78)) == np.uint32(0))
+                    sign = np.float32(1.0) - np.float32(2.0) * np.float32(b >> np.uint32(7))
+                    flat[base + i] = (flat[base + i] - sub * np.float32(2.0**-6)) * sign
+            return flat.reshape((n, 1, width)), 0
+
+        return fp8_head
+    if rows.dtype == types.int8 and rows.layout == "C":
+
+        def int8_head(rows, hk, scratch):
+            n, width = rows.shape[0], rows.shape[2]
+            out = scratch[: n * width].reshape((n, 1, width))
+            for r in range(n):
+                for c in range(width):
+                    out[r, 0, c] = np.float32(rows[r, hk, c])
+            return out, 0
+
+        return int8_head
+    return lambda rows, hk, scratch: (rows, hk)
 
 
 @overload(_loop_rows, inline="always")
@@ -300,7 +357,8 @@ def _attend_direct(
                 _prefetch_rows(v, ahead, ahead_rows, hk)
             else:
                 _prefetch_rows(k, ahead, ahead_rows, hk)
-            _scores_small(qt[hk], keys, hk, s[hk], c0)
+            head_keys, head = _head_rows(keys, hk, scratch)
+            _scores_small(qt[hk], head_keys, head, s[hk], c0)
             _scale_columns(s[hk], c0, k_scale, b, row, run, hk)
         c0 += run
     for hk in range(hkv):
@@ -316,7 +374,8 @@ def _attend_direct(
         for hk in range(hkv):
             _prefetch_rows(v, ahead, ahead_rows, hk)
             _scale_columns(p[hk], c0, v_scale, b, row, run, hk)  # p is not read after this
-            _add_weighted_values_small(p[hk], c0, values, hk, acc[hk])
+            head_values, head = _head_rows(values, hk, scratch)
+            _add_weighted_values_small(p[hk], c0, head_values, head, acc[hk])
         c0 += run
 
 

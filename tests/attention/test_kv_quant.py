@@ -39,7 +39,7 @@ def _quantize(kind, x, scale=None):
 
 def _make_cache(kind, paged, gen):
     """(k_cache, v_cache, k_scale, v_scale, block_table) filled with quantized random rows."""
-    shape = (9, BLOCK, HKV, D) if paged else (3, 16, HKV, D)
+    shape = (12, BLOCK, HKV, D) if paged else (3, 20, HKV, D)
     caches, scales = [], []
     for _ in range(2):
         x = torch.randn(shape, generator=gen) * 3
@@ -53,7 +53,9 @@ def _make_cache(kind, paged, gen):
             scale = scale.reshape(shape[:3])
         caches.append(stored.reshape(shape))
         scales.append(scale)
-    table = torch.tensor([[3, 0, 7, -1], [5, 1, -1, -1], [6, 2, 4, 8]], dtype=torch.int32)
+    table = torch.tensor(
+        [[3, 0, 7, 10, -1], [5, 1, 11, -1, -1], [6, 2, 4, 8, 9]], dtype=torch.int32
+    )
     return (*caches, *scales, table if paged else None)
 
 
@@ -90,9 +92,10 @@ def _reference(q, keys, values, *, sq, causal, window, softcap, alibi, sinks):
 
 
 CASES = {
-    # several new tokens (the Numba tile path), fused rotary on append, causal window, softcap
+    # several new tokens (9 x 2 query heads per kv head: the Numba tile path), fused rotary on
+    # append, causal window, softcap
     "prefill-rope-window-softcap": dict(
-        new=6, sq=6, rope=True, causal=True, window=(4, 0), softcap=5.0
+        new=9, sq=9, rope=True, causal=True, window=(4, 0), softcap=5.0
     ),
     # one new token (the decode path), sinks and ALiBi; appended rows compared bit for bit
     "decode-sinks-alibi": dict(new=1, sq=1, alibi=True, sinks=True),
