@@ -319,3 +319,41 @@ def test_bad_quantized_calls_name_the_argument(index):
         fastpe.attention_kvcache(q, k_cache, v_cache, cache_seqlens=3, **kwargs)
     with pytest.raises(ValueError, match="not both"):
         flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_scale=1.0, k_descale=1.0)
+
+
+def test_bfloat16_queries_on_an_fp8_cache_hold_the_half_precision_rule():
+    """q bfloat16 (the benchmarked decode): out within twice the error of a plain bfloat16
+    computation on the same dequantized cache (+1e-6), both against float64."""
+    gen = torch.Generator().manual_seed(3)
+    k8, v8, ks, vs, table = _make_cache("fp8", True, gen)
+    q = torch.randn(3, 1, HQ, D, generator=gen).to(torch.bfloat16)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32) + 3
+    out = fastpe.attention_kvcache(
+        q, k8, v8, cache_seqlens=lengths, block_table=table, k_scale=ks, v_scale=vs, backend="numba"
+    )
+    assert out.dtype == torch.bfloat16
+    errors = {"fastpe": 0.0, "plain bfloat16": 0.0}
+    for b in range(3):
+        blk, off = _rows(True, table, b, range(int(lengths[b])))
+        keys = k8[blk, off].to(torch.float64) * ks[None, :, None]
+        values = v8[blk, off].to(torch.float64) * vs[None, :, None]
+        want = _reference(
+            q[b],
+            keys,
+            values,
+            sq=1,
+            causal=False,
+            window=None,
+            softcap=None,
+            alibi=None,
+            sinks=None,
+        )
+        group = HQ // HKV
+        k16, v16 = (x.to(torch.bfloat16).repeat_interleave(group, 1) for x in (keys, values))
+        s = torch.einsum("ihd,jhd->hij", q[b], k16) / math.sqrt(D)
+        plain = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v16)
+        errors["fastpe"] = max(errors["fastpe"], (out[b].double() - want).abs().max().item())
+        errors["plain bfloat16"] = max(
+            errors["plain bfloat16"], (plain.double() - want).abs().max().item()
+        )
+    assert errors["fastpe"] <= 2 * errors["plain bfloat16"] + 1e-6, errors
