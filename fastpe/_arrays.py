@@ -327,9 +327,14 @@ def to_host(x, dtype) -> np.ndarray:
 def to_host_bits(x, dtype) -> np.ndarray:
     """Like ``to_host``, but a half-precision tensor comes as a view of its bits (no copy):
     bfloat16 as uint16, float16 as int16 — the type tells the kernel which half it holds — for
-    kernels that widen and round half types themselves (docs/dtypes-and-errors.md)."""
+    kernels that widen and round half types themselves (docs/dtypes-and-errors.md). Quantized
+    KV caches come as their stored bits too: float8_e4m3fn as uint8, int8 as int8."""
+    name = dtype_name(x)
+    if name == "int8":
+        return x.detach().numpy() if is_tensor(x) else x
+    if name == "float8_e4m3fn":
+        return x.detach().view(sys.modules["torch"].uint8).numpy()
     if is_tensor(x):
-        name = dtype_name(x)
         if name == "bfloat16":
             return x.detach().view(sys.modules["torch"].int16).numpy().view(np.uint16)
         if name == "float16":

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fastpe import _arrays
+from fastpe import _arrays, _kv_quant
 from fastpe._arrays import Placement
 from fastpe._inputs import _AttentionGradients, _features, _Inputs
 from fastpe._options import AttentionOptions, Positions, Rope, check_rope_tables
@@ -516,6 +516,7 @@ class AttentionKVCacheInputs(_Inputs):
     options: AttentionOptions
     dtype: str
     placement: Placement
+    quant: _kv_quant.KVQuant | None = None  # quantized caches: their kind and scales
 
     @property
     def cache_seqlens(self) -> np.ndarray:
@@ -569,6 +570,8 @@ class AttentionKVCacheInputs(_Inputs):
         rotary_sin,
         rotary_interleaved,
         plan=None,
+        k_scale=None,
+        v_scale=None,
         **options,
     ):
         """``options``: the public keywords of ``AttentionOptions.build`` but ``rope`` (here
@@ -576,8 +579,8 @@ class AttentionKVCacheInputs(_Inputs):
         ``plan``: a ``KVCachePlan`` in place of cache_seqlens, block_table and cache_batch_idx
         (None: made here, from them)."""
         q = check_float_array("q", q, ndim=4)
-        k_cache = check_float_array("k_cache", k_cache, ndim=4)
-        v_cache = check_float_array("v_cache", v_cache, ndim=4)
+        k_cache = _kv_quant.check_cache("k_cache", k_cache)
+        v_cache = _kv_quant.check_cache("v_cache", v_cache)
         batch, sq, hq, d = q.shape
         rows, width, hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
         if k_cache.shape[3] != d:
@@ -589,7 +592,17 @@ class AttentionKVCacheInputs(_Inputs):
             )
         _check_heads_and_dim(q, hq, "k_cache", hkv, d)
         per_block = _check_cache_layouts(k_cache, v_cache)
-        named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        quant = _kv_quant.check(
+            q,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            batch=batch,
+            per_block=per_block,
+            appending=k is not None,
+        )
+        named = {"q": q} if quant else {"q": q, "k_cache": k_cache, "v_cache": v_cache}
         if (k is None) != (v is None):
             raise ValueError("k and v (new tokens to append) must be given together")
         if k is not None:
@@ -683,6 +696,7 @@ class AttentionKVCacheInputs(_Inputs):
                 "rotary_sin": None if rope is None else rope.sin,
                 **metadata,
                 **options.arrays(),
+                **(quant.arrays() if quant else {}),
             }
         )
         plan.check_call(**shapes, placement=placement)
@@ -697,6 +711,7 @@ class AttentionKVCacheInputs(_Inputs):
             options=options,
             dtype=dtype,
             placement=placement,
+            quant=quant,
         )
 
     def written_rows(self):

@@ -455,6 +455,8 @@ def attention_kvcache(
     softcap=None,
     sinks=None,
     return_lse=False,
+    k_scale=None,
+    v_scale=None,
     backend=None,
 ):
     """Attention of new queries against a KV cache, optionally appending new keys/values first
@@ -488,6 +490,13 @@ def attention_kvcache(
     before anything is written (docs/README.md#kv-caches-and-their-memory-layout). Empty work
     (B, Sq or Hq = 0) returns empty results; new k/v are appended even when Sq = 0.
 
+    Quantized caches (docs/math.md#quantized-kv-caches), value = stored × scale: torch
+    ``float8_e4m3fn`` caches with ``k_scale``/``v_scale`` a float or float32 [Hkv] (or [B, Hkv]),
+    new k/v stored as ``clamp(x / scale, ±448)``; int8 caches (NumPy or torch) with float32
+    scales shaped like the cache without its last dim, one per token and kv head, which an
+    append fills in place (``max|x| / 127``). q and out keep q's dtype (float32, bfloat16 or
+    float16); the cache is widened as it is read, never copied.
+
     ``plan``: ``plan_kvcache(q, k_cache, k, cache_seqlens=..., block_table=...)``, made once per
     step, in place of ``cache_seqlens``, ``block_table`` and ``cache_batch_idx``: every layer's
     call then reads nothing back from the device and uploads nothing. Without one,
@@ -515,6 +524,8 @@ def attention_kvcache(
         softcap=softcap,
         sinks=sinks,
         return_lse=return_lse,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if plan is not None:
         options["plan"] = plan

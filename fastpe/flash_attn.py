@@ -354,11 +354,21 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     *,
     s_aux=None,
+    k_scale=None,
+    v_scale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """q [B, Sq, Hq, D]; k_cache/v_cache [B_cache, S_cache, Hkv, D] or, with block_table
     [B, max_blocks], [num_blocks, block_size, Hkv, D]; k/v [B, S_new, Hkv, D] are appended
     into the caches in place at cache_seqlens (see fastpe.attention_kvcache). Returns out
-    [B, Sq, Hq, D] (and lse [B, Hq, Sq] with return_softmax_lse)."""
+    [B, Sq, Hq, D] (and lse [B, Hq, Sq] with return_softmax_lse).
+
+    Quantized caches (keyword only): ``k_scale``/``v_scale`` as in fastpe.attention_kvcache;
+    ``k_descale``/``v_descale`` are FlashAttention 3's names for the same factors (value =
+    stored × descale; float32 [B, Hkv] there) — pass one name of each pair."""
+    k_scale = _one_of("k_scale", k_scale, "k_descale", k_descale)
+    v_scale = _one_of("v_scale", v_scale, "v_descale", v_descale)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad is not supported; pass caches that start at position 0")
     width, pages = _seqlen(k_cache, 1), 1 if block_table is None else _seqlen(block_table, 1)
@@ -405,6 +415,8 @@ def flash_attn_with_kvcache(
         alibi_slopes=alibi_slopes,
         sinks=_sinks(s_aux, q, 4),
         return_lse=return_softmax_lse,
+        k_scale=k_scale,
+        v_scale=v_scale,
         **options,
     )
 
@@ -418,3 +430,9 @@ def _shapes(q, k_cache, k):
         return None
     strides = _arrays.strides(k_cache) if _arrays.is_tensor(k_cache) else None
     return (*(None if shape is None else tuple(shape[:2]) for shape in shapes), strides)
+
+
+def _one_of(name, value, alias, alias_value):
+    if value is not None and alias_value is not None:
+        raise ValueError(f"pass {name} or {alias} (the same factor), not both")
+    return alias_value if value is None else value

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fastpe import _arrays
+from fastpe import _arrays, _kv_quant
 
 
 def rows_per_block(name: str, cache) -> int:
@@ -117,6 +117,9 @@ class PagedArguments(NamedTuple):
     page_size: int
     max_q: int  # the longest sequence's queries and keys (launch sizes, read on the host)
     max_k: int
+    # quantized caches: the scale of row r of sequence b, kv head h, is k_scale[b, r, h]
+    k_scale: Any = None  # [B, R, Hkv] float32 (a view: zero strides where it does not vary)
+    v_scale: Any = None
 
 
 class ServingArrays:
@@ -134,6 +137,11 @@ class ServingArrays:
     def view(self, x):
         """A cache, or new keys/values to store in it, as an array over the caller's memory
         (writes through it reach the caller's cache)."""
+        raise NotImplementedError
+
+    def widen(self, x):
+        """New keys/values for a quantized cache, in float32 or wider (they are quantized
+        from it)."""
         raise NotImplementedError
 
     def tables(self, cos, sin):
@@ -189,13 +197,19 @@ def implementations(backend: type, serving_arrays: type[ServingArrays]) -> tuple
 def rotate_then_append(inp, arrays: ServingArrays, q, k_cache, v_cache):
     """Store the call's new keys/values into the caches (keys rotated first where the call
     fuses rotary); returns q, rotated at its positions where the call fuses rotary."""
-    k_new, v_new = arrays.view(inp.k), arrays.view(inp.v)
+    quantized = inp.quant is not None  # new rows are quantized from float32 (or wider)
+    k_new, v_new = ((arrays.widen if quantized else arrays.view)(x) for x in (inp.k, inp.v))
     rope = inp.options.rope
     if rope is not None:
         cos, sin = arrays.tables(rope.cos, rope.sin)
-        k_new = arrays.rotate(k_new, cos, sin, rope.k_positions.array, rope.interleaved, store=True)
+        k_new = arrays.rotate(
+            k_new, cos, sin, rope.k_positions.array, rope.interleaved, store=not quantized
+        )
         q = arrays.rotate(q, cos, sin, rope.q_positions.array, rope.interleaved, store=False)
-    write_new_tokens(inp, k_cache, v_cache, k_new, v_new)
+    if quantized:
+        _kv_quant.append(inp, k_cache, v_cache, k_new, v_new)
+    else:
+        write_new_tokens(inp, k_cache, v_cache, k_new, v_new)
     return q
 
 
@@ -235,6 +249,11 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
     # rows would copy a non-contiguous cache whole on every call)
     k_rows, v_rows, page_start = cache_rows(inp, k_cache, v_cache)
     plan = inp.plan
+    scales = {}
+    if inp.quant is not None:
+        host = not _arrays.is_tensor(k_rows)  # the CPU kernels' host views
+        views = _kv_quant.scale_rows(inp.quant, inp.rows_per_block, k_rows.shape[0], host)
+        scales = dict(zip(("k_scale", "v_scale"), views, strict=True))
     return PagedArguments(
         q.reshape(batch * sq, hq, d),
         k_rows,
@@ -246,6 +265,7 @@ def paged_arguments(inp, arrays: ServingArrays) -> PagedArguments:
         page_size=plan.block_size,
         max_q=sq if batch else 0,
         max_k=plan.longest_k,
+        **scales,
     )
 
 

@@ -360,6 +360,9 @@ class _ServingArrays(_serving.ServingArrays):
 
     view = load
 
+    def widen(self, x):
+        return to_host(x, self.dtype)
+
     def tables(self, cos, sin):
         return to_host(cos, self.dtype), to_host(sin, self.dtype)
 
@@ -393,6 +396,8 @@ class _ServingArrays(_serving.ServingArrays):
             page_start=args.page_start,
             page_size=args.page_size,
             options=self.inp.options.launched(_arrays.to_float64),
+            k_scale=args.k_scale,
+            v_scale=args.v_scale,
         )
 
     def output(self, x, dtype):

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from fastpe import _arrays, reference
+from fastpe import _arrays, _kv_quant, reference
 from fastpe._arrays import from_float64, to_float64
 from fastpe.backends import _serving
 from fastpe.backends.base import (
@@ -228,6 +228,8 @@ class _ServingArrays(_serving.ServingArrays):
     def view(self, x):
         return x  # the caller's own caches (arrays or tensors), written in place
 
+    widen = load
+
     def tables(self, cos, sin):
         return to_float64(cos), to_float64(sin)
 
@@ -247,7 +249,14 @@ class _ServingArrays(_serving.ServingArrays):
                 for b, j in enumerate(np.arange(n) for n in args.k_len)
             ]
         )
-        k, v = (to_float64(_take_rows(rows, index)) for rows in (args.k, args.v))
+        if args.k_scale is None:
+            k, v = (to_float64(_take_rows(rows, index)) for rows in (args.k, args.v))
+        else:  # quantized caches: float64 of stored × scale
+            seq = np.repeat(np.arange(len(args.k_len)), args.k_len)
+            k, v = (
+                _kv_quant.dequantize(_take_rows(rows, index), _take_scales(scale, seq, index))
+                for rows, scale in ((args.k, args.k_scale), (args.v, args.v_scale))
+            )
         # the queries of one sequence follow those of the previous one (packed or [B, Sq])
         ends = args.q_start + args.q_len
         cu_q = np.concatenate([args.q_start[:1], ends]) if len(ends) else np.zeros(1, np.int64)
@@ -258,6 +267,17 @@ class _ServingArrays(_serving.ServingArrays):
 
     def output(self, x, dtype):
         return from_float64(x, self.inp.placement, dtype)
+
+
+def _take_scales(scale, seq, index):
+    """scale[seq, index] of a [B, R, Hkv] scale view (its B may be 1: the same for all)."""
+    seq = seq if scale.shape[0] > 1 else np.zeros_like(seq)
+    if _arrays.is_tensor(scale):
+        torch = sys.modules["torch"]
+        return scale[
+            torch.from_numpy(seq).to(scale.device), torch.from_numpy(index).to(scale.device)
+        ]
+    return scale[seq, index]
 
 
 def _take_rows(rows, index):

@@ -336,6 +336,9 @@ class _ServingArrays(_serving.ServingArrays):
 
     view = load
 
+    def widen(self, x):
+        return x.float()
+
     def tables(self, cos, sin):
         return cos.contiguous(), sin.contiguous()
 
@@ -376,6 +379,8 @@ class _ServingArrays(_serving.ServingArrays):
             max_k=args.max_k,
             options=self.inp.options.launched(_fp32),
             num_sms=_sms(device),
+            k_scale=args.k_scale,
+            v_scale=args.v_scale,
         )
 
     def output(self, x, dtype):

@@ -165,15 +165,28 @@ def call_attention_varlen(
 
 @torch.library.custom_op(
     "fastpe::attention_kvcache",
-    mutates_args=("k_cache", "v_cache"),
+    # int8 caches' scales are written by an append
+    mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"),
     schema=(
         "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
         "Tensor? cache_seqlens, int cache_seqlens_int, Tensor? block_table, "
-        f"Tensor? cache_batch_idx, {AttentionOptions.SCHEMA}, str backend) -> (Tensor, Tensor)"
+        "Tensor? cache_batch_idx, Tensor(c!)? k_scale, Tensor(d!)? v_scale, "
+        f"{AttentionOptions.SCHEMA}, str backend) -> (Tensor, Tensor)"
     ),
 )
 def attention_kvcache_op(
-    q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, cache_batch_idx, *args
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    cache_seqlens_int,
+    block_table,
+    cache_batch_idx,
+    k_scale,
+    v_scale,
+    *args,
 ):
     from fastpe._inputs_serving import AttentionKVCacheInputs
 
@@ -193,6 +206,8 @@ def attention_kvcache_op(
         rotary_sin=rotary.get("sin"),
         rotary_interleaved=rotary.get("interleaved", False),
         return_lse=True,
+        k_scale=k_scale,
+        v_scale=v_scale,
         **options,
     )
     out, lse = dispatch.run(inputs, _backend(backend))
@@ -224,9 +239,18 @@ def call_attention_kvcache(
     rotary_interleaved,
     return_lse,
     backend,
+    k_scale=None,
+    v_scale=None,
     **options,
 ):
     cache_seqlens = _plain(cache_seqlens)
+    # a float fp8 scale travels as a 0-dim tensor (the schema's Tensor?)
+    k_scale, v_scale = (
+        torch.tensor(float(x), dtype=torch.float32, device=q.device)
+        if isinstance(x, (int, float)) and not isinstance(x, bool)
+        else x
+        for x in (k_scale, v_scale)
+    )
     if isinstance(cache_seqlens, int):
         cache_seqlens = _schema_int("cache_seqlens", cache_seqlens)
     length = cache_seqlens if isinstance(cache_seqlens, int) else 0
@@ -252,6 +276,8 @@ def call_attention_kvcache(
         length,
         block_table,
         cache_batch_idx,
+        k_scale,
+        v_scale,
         *AttentionOptions.flatten(q.device, rope=rope, **options),
         backend or "",
     )

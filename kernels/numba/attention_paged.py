@@ -66,9 +66,42 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 
+def _scale_of(scale, b, row, hk):
+    """The dequantization factor of a cache row (1 for caches that are not quantized)."""
+
+
+@overload(_scale_of, inline="always")
+def _scale_of_impl(scale, b, row, hk):
+    if isinstance(scale, types.NoneType):
+        return lambda scale, b, row, hk: np.float32(1.0)
+    # fp8 scales vary with the sequence, not the row; int8 scales with the row (their B is 1)
+    return lambda scale, b, row, hk: scale[min(b, scale.shape[0] - 1), row, hk]
+
+
+def _scale_columns(s, col, scale, b, row, n, hk):
+    """s[:, col + c] *= the scale of cache row row + c, for c < n: the dequantization of the
+    keys of a run applied to their scores (values: to their weights), once per score rather
+    than once per element read. Nothing for caches that are not quantized."""
+
+
+@overload(_scale_columns, inline="always")
+def _scale_columns_impl(s, col, scale, b, row, n, hk):
+    if isinstance(scale, types.NoneType):
+        return lambda s, col, scale, b, row, n, hk: None
+
+    def scale_columns(s, col, scale, b, row, n, hk):
+        for c in range(n):
+            factor = s.dtype.type(_scale_of(scale, b, row + c, hk))
+            for r in range(s.shape[0]):
+                s[r, col + c] *= factor
+
+    return scale_columns
+
+
 @njit(cache=True, fastmath=_FLAGS)
-def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst):
-    """dst[r] = row (b, j0 + r) of head hk of src, through the page table, widened."""
+def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst, scale):
+    """dst[r] = row (b, j0 + r) of head hk of src, through the page table, widened (and
+    dequantized: times its ``scale``, for quantized caches)."""
     width = src.shape[2]
     r = 0
     while r < n:
@@ -79,8 +112,9 @@ def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst):
         for t in range(run):
             source = src[row + t, hk]
             target = dst[r + t]
+            factor = dst.dtype.type(_scale_of(scale, b, row + t, hk))
             for c in range(width):
-                target[c] = _widen(source[c])
+                target[c] = _widen(source[c]) * factor
         r += run
     return dst[:n]
 
@@ -184,12 +218,13 @@ def _page_run(page_start, page_size, b, j, left):
 
 def _needs_scratch(array):
     """True for arrays the few-row loops do not read in place (a compile-time constant):
-    float16 bits and any array that is not C-contiguous."""
+    float16 bits, quantized caches (decoded a head at a time, ``_head_rows``) and any array that
+    is not C-contiguous."""
 
 
 @overload(_needs_scratch, inline="always")
 def _needs_scratch_impl(array):
-    copy = array.dtype == types.int16 or array.layout != "C"
+    copy = array.dtype in (types.int16, types.uint8, types.int8) or array.layout != "C"
     return lambda array: copy
 
 
@@ -200,6 +235,62 @@ def _loop_rows(rows, scratch):
     per query row, it kept them from vectorising and ran 2.3x slower than the contiguous
     decode), and for strided rows (packed k/v views, every-other-head): on layout 'A' the loops
     do not know the unit stride of D and ran 9x slower."""
+
+
+def _head_rows(rows, hk, scratch):
+    """(rows, head) for the few-row loops to read head hk of run rows [n, H, D] from:
+    quantized rows have head hk decoded (widened, not yet scaled) into scratch, [n, 1, D] and
+    head 0, small enough to stay in L1 while every query row of the group reads it (the loops
+    then convert nothing; widening in the loops, once per query row, ran up to 3.7x slower for
+    fp8); other rows as they are."""
+
+
+@overload(_head_rows, inline="always")
+def _head_rows_impl(rows, hk, scratch):
+    if rows.dtype == types.uint8 and rows.layout == "C":
+
+        def fp8_head(rows, hk, scratch):
+            # exact, in two passes of plain arithmetic that LLVM vectorises (a table lookup per
+            # element, a gather, ran 3x slower): the exponent (bias 7) and mantissa moved into
+            # float32's bits, rebiased by 120 for normals and by 121 for subnormals (e = 0),
+            # whose implicit leading 1 is then subtracted — (1 + m/8)·2^-6 - 2^-6 = m·2^-9;
+            # then the sign, by a product (-1 · 0 keeps a negative zero). S.1111.111 is NaN.
+            n, width = rows.shape[0], rows.shape[2]
+            flat = scratch[: n * width]
+            bits = flat.view(np.uint32)
+            for r in range(n):
+                src = rows[r, hk]
+                base = r * width
+                for i in range(width):
+                    b = np.uint32(src[i])
+                    mag = b & np.uint32(0x7F)
+                    sub = np.uint32(mag < np.uint32(8))
+                    word = (mag << np.uint32(20)) + ((np.uint32(120) + sub) << np.uint32(23))
+                    is_nan = np.uint32(0) - np.uint32(mag == np.uint32(0x7F))  # all ones: NaN
+                    bits[base + i] = (word & ~is_nan) | (np.uint32(0x7FC00000) & is_nan)
+            for r in range(n):
+                src = rows[r, hk]
+                base = r * width
+                for i in range(width):
+                    b = np.uint32(src[i])
+                    sub = np.float32(np.uint32(b & np.uint32(0x78)) == np.uint32(0))
+                    sign = np.float32(1.0) - np.float32(2.0) * np.float32(b >> np.uint32(7))
+                    flat[base + i] = (flat[base + i] - sub * np.float32(2.0**-6)) * sign
+            return flat.reshape((n, 1, width)), 0
+
+        return fp8_head
+    if rows.dtype == types.int8 and rows.layout == "C":
+
+        def int8_head(rows, hk, scratch):
+            n, width = rows.shape[0], rows.shape[2]
+            out = scratch[: n * width].reshape((n, 1, width))
+            for r in range(n):
+                for c in range(width):
+                    out[r, 0, c] = np.float32(rows[r, hk, c])
+            return out, 0
+
+        return int8_head
+    return lambda rows, hk, scratch: (rows, hk)
 
 
 @overload(_loop_rows, inline="always")
@@ -241,7 +332,7 @@ def _item_span(rows, item, hk, group, block_m):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
-    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, is_f32, scratch
+    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, is_f32, scratch, scales
 ):
     """Keys j0 … j0 + n - 1 for the thin row tiles of every kv head at once (``tile`` names
     the sequence and queries; qt [Hkv, m, D], s/p [Hkv, m, n], acc [Hkv, m, Dv]), reading k and
@@ -251,6 +342,7 @@ def _attend_direct(
     cannot guess where the next page lies)."""
     hkv = qt.shape[0]
     b, page_start, page_size = tile.b, rows.page_start, rows.page_size
+    k_scale, v_scale = scales
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
@@ -265,7 +357,9 @@ def _attend_direct(
                 _prefetch_rows(v, ahead, ahead_rows, hk)
             else:
                 _prefetch_rows(k, ahead, ahead_rows, hk)
-            _scores_small(qt[hk], keys, hk, s[hk], c0)
+            head_keys, head = _head_rows(keys, hk, scratch)
+            _scores_small(qt[hk], head_keys, head, s[hk], c0)
+            _scale_columns(s[hk], c0, k_scale, b, row, run, hk)
         c0 += run
     for hk in range(hkv):
         _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n, is_f32)
@@ -279,13 +373,15 @@ def _attend_direct(
         values = _loop_rows(v[row : row + run], scratch)
         for hk in range(hkv):
             _prefetch_rows(v, ahead, ahead_rows, hk)
-            _add_weighted_values_small(p[hk], c0, values, hk, acc[hk])
+            _scale_columns(p[hk], c0, v_scale, b, row, run, hk)  # p is not read after this
+            head_values, head = _head_rows(values, hk, scratch)
+            _add_weighted_values_small(p[hk], c0, head_values, head, acc[hk])
         c0 += run
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
     kv head, so that each cache row is read once, in order."""
@@ -343,6 +439,7 @@ def _attention_paged_direct_numba(
                 mods,
                 is_f32,
                 scratch,
+                scales,
             )
         for hk in range(hkv):
             head = RowTile(tile.b, hk, group, tile.i0, npos)
@@ -352,7 +449,7 @@ def _attention_paged_direct_numba(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales
 ):
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
@@ -379,22 +476,26 @@ def _attention_paged_numba(
         v_tile = np.empty((block_n, dv), dtype=part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             n = min(block_n, j_stop - j0)
-            kt = _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile)
-            vt = _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile)
+            kt = _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile, scales[0])
+            vt = _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile, scales[1])
             s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
             _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
 
-def attention_paged_numba(q, k, v, *, q_start, q_len, k_len, page_start, page_size, options):
+def attention_paged_numba(
+    q, k, v, *, q_start, q_len, k_len, page_start, page_size, options, k_scale=None, v_scale=None
+):
     """Launch on NumPy arrays (float32, float64, or bfloat16 / float16 bits as uint16 / int16,
     computed in float32). Shapes as in the module docstring; q_start, q_len, k_len int64 [B],
     page_start int64 [B, pages] (entries past a sequence's last key page are never read);
     ``options`` the attention options record (``_attention_common``), its sequence b holding
-    q_len[b] queries and k_len[b] keys. Returns (out [Tq, Hq, Dv] in the compute dtype, lse
-    float32 [Hq, Tq])."""
-    dtype = np.dtype(np.float32) if v.dtype in (np.uint16, np.int16) else v.dtype
+    q_len[b] queries and k_len[b] keys. Quantized caches: k/v float8_e4m3fn bits (uint8) or
+    int8, with float32 ``k_scale``/``v_scale`` [B or 1, R, Hkv] (key row r of sequence b, kv head
+    h, is worth ``k[r, h] · k_scale[b, r, h]``; B of 1 serves every sequence). Returns (out [Tq,
+    Hq, Dv] in the compute dtype, lse float32 [Hq, Tq])."""
+    dtype = np.dtype(np.float32) if q.dtype in (np.uint16, np.int16) else q.dtype
     total_q, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
@@ -446,7 +547,18 @@ def attention_paged_numba(q, k, v, *, q_start, q_len, k_len, page_start, page_si
         kernel = kernel.serial
     with contextlib.nullcontext() if direct else single_threaded_blas():
         kernel(
-            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, dtype == np.float32
+            q,
+            k,
+            v,
+            part_out,
+            part_lse,
+            rows,
+            mods,
+            block_m,
+            block_n,
+            n_splits,
+            dtype == np.float32,
+            (k_scale, v_scale),
         )
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]

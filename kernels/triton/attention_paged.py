@@ -8,9 +8,14 @@ batches and KV caches (paged or contiguous) alike. Shapes:
   ``page_start[b, j // page_size] + j % page_size``;
 - out [Tq, Hq, Dv], lse [Hq, Tq] (float32, natural log).
 
+Quantized caches (KV_QUANT 1: float8_e4m3fn read as its uint8 bits; 2: int8) are widened in
+registers and dequantized per key: the scores of key row r times k_scale[b, r, hk], its weights
+times v_scale[b, r, hk] before P·V (fp8 and int8 values are exact in q's half type, so the
+tensor-core dots see them unrounded).
+
 One program = (block of one sequence's queries, sequence and query head, key split), laid out
-as ``program_ids`` of ``_attention_common`` says; programs
-whose block lies past their sequence's queries return at once, so the grid is sized by the
+as ``program_ids`` of ``_attention_common`` says; programs whose block lies past their
+sequence's queries return at once, so the grid is sized by the
 longest sequence but no work is done for the others' padding. Keys past k_len[b] are never
 read. The options arrive as one record (``options``, described in ``_attention_common``).
 """
@@ -39,6 +44,21 @@ from fastpe.kernels.triton.attention import merged, split_keys
 
 
 @triton.jit
+def dequantized(x, KV_QUANT: tl.constexpr):
+    """A loaded cache tile as float32 values (before their scale): fp8 e4m3 bits decoded by
+    integer arithmetic (no fp8 support needed in the hardware), int8 converted."""
+    if KV_QUANT == 1:
+        bits = x.to(tl.int32)
+        mag = bits & 0x7F
+        # exponent field e (bias 7) and mantissa placed in float32's, rebiased by 120
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)  # subnormal: m·2^-9
+        value = tl.where(mag == 0x7F, float("nan"), value)
+        return tl.where(bits >= 128, -value, value)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _attention_paged_kernel(
     q_ptr,
     k_ptr,
@@ -48,6 +68,7 @@ def _attention_paged_kernel(
     pages,
     alibi_ptr,
     sinks_ptr,
+    scale_ptrs,
     Hq,
     group,
     D,
@@ -64,6 +85,7 @@ def _attention_paged_kernel(
     BOTTOM_RIGHT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -71,15 +93,17 @@ def _attention_paged_kernel(
 ):
     """pages: (q_start, q_len, k_len, page_start) pointers; window and scales: the score_params
     of _attention_common; strides: ((q t, h, d), (k row, h, d), (v …), (out split, t, h, d),
-    (lse split, t, h), (page_start b, page), (alibi b, h)). Pointers, then sizes, then strides:
-    see _attention_kernel."""
+    (lse split, t, h), (page_start b, page), (alibi b, h), (k_scale b, r, h), (v_scale …));
+    scale_ptrs: (k_scale, v_scale), read when KV_QUANT. Pointers, then sizes, then strides: see
+    _attention_kernel."""
     score_params = (window, scales)
     q_start_ptr, q_len_ptr, k_len_ptr, page_ptr = pages
     pid_m, split, b, h, hk = program_ids(Hq, group)
     q_len = tl.load(q_len_ptr + b)
     if pid_m * BLOCK_M >= q_len:  # this block is past the sequence's queries
         return
-    qs, ks, vs, os, ls, ps, alibi_strides = strides
+    qs, ks, vs, os, ls, ps, alibi_strides, kss, vss = strides
+    k_scale_ptr, v_scale_ptr = scale_ptrs
     q0 = tl.load(q_start_ptr + b)
     length = tl.load(k_len_ptr + b)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,7 +117,7 @@ def _attention_paged_kernel(
     ).to(tl.float32)
     q_tile = q_tile * scales[0]
     if not DOT_FP32:
-        q_tile = q_tile.to(k_ptr.dtype.element_ty)
+        q_tile = q_tile.to(q_ptr.dtype.element_ty)
 
     shift = 0
     if BOTTOM_RIGHT:  # FlashAttention's rule: the queries are the last q_len of the keys
@@ -120,8 +144,18 @@ def _attention_paged_kernel(
             mask=col_ok[:, None] & (dcols[None, :] < D),
             other=0.0,
         )
+        if KV_QUANT:
+            s = qk_scores(q_tile, dequantized(k_tile, KV_QUANT).to(q_tile.dtype), DOT_FP32)
+            s = (
+                s
+                * tl.load(
+                    k_scale_ptr + b * kss[0] + prow * kss[1] + hk * kss[2], mask=col_ok, other=1.0
+                )[None, :]
+            )
+        else:
+            s = qk_scores(q_tile, k_tile, DOT_FP32)
         s, valid, _, _ = modify_scores(
-            qk_scores(q_tile, k_tile, DOT_FP32),
+            s,
             rows,
             cols,
             row_ok[:, None] & col_ok[None, :],
@@ -152,6 +186,14 @@ def _attention_paged_kernel(
             mask=col_ok[:, None] & (vcols[None, :] < Dv),
             other=0.0,
         )
+        if KV_QUANT:
+            v_tile = dequantized(v_tile, KV_QUANT).to(q_tile.dtype)
+            p = (
+                p
+                * tl.load(
+                    v_scale_ptr + b * vss[0] + prow * vss[1] + hk * vss[2], mask=col_ok, other=1.0
+                )[None, :]
+            )
         pv = pv_product(p, v_tile, DOT_FP32)
         acc = acc * alpha[:, None] + pv
     o, row_lse = epilogue(acc, m_i, l_i, slope, near, sinks_ptr, h, split, HAS_ALIBI, HAS_SINKS)
@@ -210,6 +252,8 @@ def launch_args(
     keys_per_split,
     options,
     capability=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """(kernel, grid, args, constexprs) of the paged kernel: the one place its arguments are
     assembled, for ``attention_paged_triton`` and for ``fastpe triton-report`` (on meta
@@ -225,6 +269,14 @@ def launch_args(
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
     alibi = options.alibi_slopes if options.alibi_slopes is not None else dummy[None]
     (window, scales), param_flags = score_param_args(options, max_q + max_k + 1)
+    kv_quant = {torch.float8_e4m3fn: 1, torch.int8: 2}.get(k.dtype, 0)
+    if kv_quant == 1:  # read as bits, decoded in the kernel (any GPU, and the interpreter)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    if kv_quant:
+        # the decoded tiles take registers: 64-key tiles spilled on sm_80/sm_90 for fp8 at D 128
+        sizes["BLOCK_N"] = min(sizes["BLOCK_N"], 32)
+    else:
+        k_scale = v_scale = dummy[None, None]
     args = (
         q,
         k,
@@ -234,6 +286,7 @@ def launch_args(
         (q_start, q_len, k_len, page_start),
         alibi,
         options.sinks if options.sinks is not None else dummy,
+        (k_scale, v_scale),
         hq,
         hq // hkv,
         d,
@@ -249,6 +302,8 @@ def launch_args(
             part_lse.stride(),
             page_start.stride(),
             alibi.stride(),
+            k_scale.stride(),
+            v_scale.stride(),
         ),
         scales,
     )
@@ -257,6 +312,7 @@ def launch_args(
         **param_flags,
         HAS_ALIBI=options.alibi_slopes is not None,
         DOT_FP32=dot_fp32,
+        KV_QUANT=kv_quant,
         **sizes,
         BLOCK_D=next_pow2(d),
         BLOCK_DV=next_pow2(dv),
@@ -268,14 +324,30 @@ def launch_args(
 
 
 def attention_paged_triton(
-    q, k, v, *, q_start, q_len, k_len, page_start, page_size, max_q, max_k, options, num_sms=None
+    q,
+    k,
+    v,
+    *,
+    q_start,
+    q_len,
+    k_len,
+    page_start,
+    page_size,
+    max_q,
+    max_k,
+    options,
+    num_sms=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Launch on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1). q_start, q_len, k_len
     int64 [B] and page_start int64 [B, pages] on q's device; ``max_q``/``max_k`` (Python ints)
     the longest sequence's query and key counts, from the host values the caller validated
     (``int(q_len.max())`` here would be a host sync per call); ``options`` the attention options
-    (see ``_attention_common``; ALiBi slopes [B, Hq]). Returns (out [Tq, Hq, Dv] in q's dtype,
-    lse fp32 [Hq, Tq])."""
+    (see ``_attention_common``; ALiBi slopes [B, Hq]). Quantized caches: k/v float8_e4m3fn or
+    int8 with float32 ``k_scale``/``v_scale`` [B or 1, R, Hkv] views (key row r of sequence b,
+    kv head h, is worth ``k[r, h] · k_scale[b, r, h]``; a B of 1, stride 0 over it, serves every
+    sequence). Returns (out [Tq, Hq, Dv] in q's dtype, lse fp32 [Hq, Tq])."""
     total_q, hq, d = q.shape
     dv = v.shape[2]
     batch = q_len.shape[0]
@@ -307,6 +379,8 @@ def attention_paged_triton(
             keys_per_split=keys_per_split,
             options=options,
             capability=capability,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         kernel[grid](*args, **constexprs)
     elif options.sinks is not None:  # no key anywhere: lse is the sink

@@ -54,10 +54,18 @@ def test_compiled_decode_step_appends_like_eager(paged):
     assert not torch.equal(k_cache, _decode_inputs(paged)[1])  # the step did write
 
 
-def test_opcheck_kvcache_op():
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+def test_opcheck_kvcache_op(quantized):
+    """The schema, fake and declared mutations; an int8 cache's append also writes its scales."""
     from fastpe import torch_ops  # noqa: F401  (registers the ops)
 
     q, k_cache, v_cache, k_new, v_new, lengths, extra = _decode_inputs(False)
+    scales = {"k_scale": None, "v_scale": None}
+    if quantized:
+        k_cache, v_cache = (
+            torch.round(c * 40).clamp(-127, 127).to(torch.int8) for c in (k_cache, v_cache)
+        )
+        scales = {name: torch.full(k_cache.shape[:3], 0.025) for name in scales}
     # by name: the schema's order is the op's own business
     arguments = dict(
         k=k_new,
@@ -82,6 +90,7 @@ def test_opcheck_kvcache_op():
         rope_k_positions=None,
         rope_k_positions_offset=None,
         backend="",
+        **scales,
     )
     torch.library.opcheck(
         torch.ops.fastpe.attention_kvcache.default, (q, k_cache, v_cache), arguments

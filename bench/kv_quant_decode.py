@@ -1,0 +1,189 @@
+"""Paged decode on quantized KV caches vs a bfloat16 cache (Numba, CPU), in one run.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/kv_quant_decode.py [--rounds 9] [--out FILE]
+
+B 8, Sk 4096 (every cache full), Hq 32 / Hkv 8, D 128, block 16, random block table, q
+bfloat16 [B, 1, Hq, D]: fastpe.attention_kvcache(backend="numba") on a bfloat16 cache, on a
+float8_e4m3fn cache (one scale per kv head) and on an int8 cache (one scale per token and kv
+head). Each round times each cache once (best of 3 calls), in turn, so machine noise hits all
+alike; the ratio bf16 time / quantized time is per round, reported as median [min, max]. Also
+each quantized output's max error against the float64 attention on its dequantized cache, to
+show that the times are of a correct computation.
+
+What bounds the decode: each cache is also timed "hot", with every page of every sequence
+mapped onto the same 16 blocks (the same arithmetic on 1/256 of the memory, which stays in the
+CPU's caches); cold / hot near 1 means memory traffic is not what limits the kernel, so halving
+the bytes cannot halve the time. And the kernel's decode step alone (``_head_rows``: one kv
+head of a run of 16 cache rows widened to float32, in L1), in ns per element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy
+import torch
+
+import fastpe
+
+B, SK, HQ, HKV, D, BLOCK = 8, 4096, 32, 8, 128, 16
+
+
+def caches():
+    gen = torch.Generator().manual_seed(0)
+    pages = SK // BLOCK
+    shape = (B * pages, BLOCK, HKV, D)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    table = torch.randperm(B * pages, generator=gen).reshape(B, pages).to(torch.int32)
+    q = torch.randn(B, 1, HQ, D, generator=gen).to(torch.bfloat16)
+    fp8_scale = torch.full((HKV,), 4.0 / 448)  # |x| up to 4 maps onto the fp8 range
+    runs = {"bf16": (k.to(torch.bfloat16), v.to(torch.bfloat16), None, None)}
+    runs["fp8"] = (
+        (k / fp8_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn),
+        (v / fp8_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn),
+        fp8_scale,
+        fp8_scale,
+    )
+    int8 = []
+    for x in (k, v):
+        scale = x.abs().amax(-1) / 127
+        int8.append((torch.round(x / scale[..., None]).to(torch.int8), scale))
+    runs["int8"] = (int8[0][0], int8[1][0], int8[0][1], int8[1][1])
+    return q, table, runs
+
+
+def decode_cost(runs, repeats=2000):
+    """ns per element of widening a run of 16 cache rows, head by head, as the decode does."""
+    from fastpe.kernels.numba.attention_paged import _head_rows
+
+    @numba.njit
+    def widen_run(rows, scratch, repeats):
+        total = 0.0
+        for _ in range(repeats):
+            for hk in range(rows.shape[1]):
+                out, head = _head_rows(rows, hk, scratch)
+                total += out[0, head, 0]
+        return total
+
+    costs = {}
+    for name in ("fp8", "int8"):
+        rows = runs[name][0][0]  # one block: 16 rows [16, Hkv, D]
+        host = rows.view(torch.uint8) if name == "fp8" else rows
+        host = host.numpy()
+        scratch = numpy.empty(host.size, numpy.float32)
+        widen_run(host, scratch, 1)
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            widen_run(host, scratch, repeats)
+            best = min(best, time.perf_counter() - t)
+        costs[name] = best / repeats / host.size * 1e9
+    return costs
+
+
+def max_error(q, table, run, out):
+    """max |out - float64 attention on the dequantized cache| over a few sequences."""
+    k, v, ks, vs = run
+    worst = 0.0
+    for b in range(2):
+        blocks = table[b].long()
+        kb, vb = k[blocks].reshape(SK, HKV, D), v[blocks].reshape(SK, HKV, D)
+        kd, vd = kb.to(torch.float64), vb.to(torch.float64)
+        if ks is not None:
+            kd = kd * (ks if ks.dim() == 1 else ks[blocks].reshape(SK, HKV))[..., None]
+            vd = vd * (vs if vs.dim() == 1 else vs[blocks].reshape(SK, HKV))[..., None]
+        group = HQ // HKV
+        kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+        s = torch.einsum("hd,khd->hk", q[b, 0].double(), kd) / D**0.5
+        want = torch.einsum("hk,khd->hd", s.softmax(-1), vd)
+        worst = max(worst, (out[b, 0].double() - want).abs().max().item())
+    return worst
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args()
+    q, table, runs = caches()
+    lengths = torch.full((B,), SK, dtype=torch.int32)
+    hot_table = (torch.arange(B * (SK // BLOCK)) % 16).reshape(B, -1).to(torch.int32)
+
+    def call(run, hot=False):
+        k, v, ks, vs = run
+        return fastpe.attention_kvcache(
+            q,
+            k,
+            v,
+            cache_seqlens=lengths,
+            block_table=hot_table if hot else table,
+            k_scale=ks,
+            v_scale=vs,
+            backend="numba",
+        )
+
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+        if line.startswith("model name")
+    ]
+    model = models[0] if models else platform.machine()
+    lines = [
+        f"$ {' '.join(['python', *sys.argv])}",
+        f"{model}, {numba.get_num_threads()} Numba threads, "
+        f"torch {torch.__version__}, numba {numba.__version__}",
+        f"paged decode B {B}, Sk {SK}, Hq {HQ} / Hkv {HKV}, D {D}, block {BLOCK}, q bfloat16",
+    ]
+    for name, run in runs.items():
+        out = call(run)  # compile / warm
+        bytes_ = sum(x.numel() * x.element_size() for x in run if x is not None)
+        error = "" if name == "bf16" else f", max error {max_error(q, table, run, out):.1e}"
+        lines.append(f"  {name:5s} cache + scales {bytes_ / 2**20:.0f} MiB{error}")
+    timed = {**{name: (run, False) for name, run in runs.items()}}
+    timed.update({f"{name} hot": (run, True) for name, run in runs.items()})
+    times = {name: [] for name in timed}
+    for _ in range(args.rounds):
+        for name, (run, hot) in timed.items():
+            best = []
+            for _ in range(3):
+                t = time.perf_counter()
+                call(run, hot)
+                best.append(time.perf_counter() - t)
+            times[name].append(min(best))
+    for name, t in times.items():
+        lines.append(
+            f"  {name:5s} median {statistics.median(t) * 1e3:7.2f} ms "
+            f"[{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]"
+        )
+    for name in ("fp8", "int8"):
+        ratios = [a / b for a, b in zip(times["bf16"], times[name], strict=True)]
+        lines.append(
+            f"  bf16 / {name}: {statistics.median(ratios):.2f}x "
+            f"[{min(ratios):.2f}, {max(ratios):.2f}] ({args.rounds} rounds)"
+        )
+    for name in runs:
+        ratios = [a / b for a, b in zip(times[name], times[f"{name} hot"], strict=True)]
+        lines.append(
+            f"  {name} cold / hot: {statistics.median(ratios):.2f}x "
+            f"[{min(ratios):.2f}, {max(ratios):.2f}]"
+        )
+    costs = decode_cost(runs)
+    lines.append(
+        "  decode step alone (a run of 16 rows widened head by head, in L1): "
+        + ", ".join(f"{name} {ns:.2f} ns/element" for name, ns in costs.items())
+    )
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Quantized KV caches (float8_e4m3fn with per-head scales, int8 with per-token scales) in
+attention_kvcache on every backend, against a float64 computation on the cache dequantized by
+torch (``cache.to(float64) * scale``), the appended rows against torch's own quantization of the
+same rows, and the errors for bad combinations (docs/math.md#quantized-kv-caches)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import fastpe
+from fastpe import flash_attn
+
+torch = pytest.importorskip("torch")
+
+HQ, HKV, D, BLOCK = 4, 2, 16, 4
+LENGTHS = [5, 0, 9]  # tokens already cached per sequence
+
+
+def _rotate(x, cos, sin, pos):
+    """x [S, H, D] float64 rotated at positions pos (non-interleaved halves of cos' width)."""
+    half = cos.shape[1]
+    c, s = cos[pos][:, None].double(), sin[pos][:, None].double()
+    x = x.double().clone()
+    a, b = x[..., :half].clone(), x[..., half : 2 * half].clone()
+    x[..., :half], x[..., half : 2 * half] = a * c - b * s, b * c + a * s
+    return x
+
+
+def _quantize(kind, x, scale=None):
+    """torch's quantization of rows x [n, H, D] (float32): (stored, scale [n, H] or None)."""
+    if kind == "fp8":
+        return (x / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), None
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / scale[..., None]).to(torch.int8), scale
+
+
+def _make_cache(kind, paged, gen):
+    """(k_cache, v_cache, k_scale, v_scale, block_table) filled with quantized random rows."""
+    shape = (12, BLOCK, HKV, D) if paged else (3, 20, HKV, D)
+    caches, scales = [], []
+    for _ in range(2):
+        x = torch.randn(shape, generator=gen) * 3
+        if kind == "fp8":
+            scale = torch.tensor([0.02, 0.5])  # one per kv head
+            stored, _ = _quantize(
+                kind, x.reshape(-1, HKV, D), scale.expand(x[..., 0].numel() // HKV, HKV)
+            )
+        else:
+            stored, scale = _quantize(kind, x.reshape(-1, HKV, D))
+            scale = scale.reshape(shape[:3])
+        caches.append(stored.reshape(shape))
+        scales.append(scale)
+    table = torch.tensor(
+        [[3, 0, 7, 10, -1], [5, 1, 11, -1, -1], [6, 2, 4, 8, 9]], dtype=torch.int32
+    )
+    return (*caches, *scales, table if paged else None)
+
+
+def _rows(paged, table, b, positions):
+    """(block, offset) index tensors of sequence b's cache positions."""
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    if paged:
+        return table[b, positions // BLOCK].long(), positions % BLOCK
+    return torch.full_like(positions, b), positions
+
+
+def _reference(q, keys, values, *, sq, causal, window, softcap, alibi, sinks):
+    """One sequence in float64: q [Sq, Hq, D], keys/values [L, Hkv, D] (dequantized)."""
+    group = HQ // HKV
+    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    length = k.shape[0]
+    s = torch.einsum("ihd,jhd->hij", q.double(), k) / math.sqrt(D)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(sq)[:, None] + length - sq
+    col = torch.arange(length)[None, :]
+    if alibi is not None:
+        s = s - alibi.double()[:, None, None] * (pos - col).abs()
+    ok = torch.ones(sq, length, dtype=torch.bool)
+    if causal:
+        ok &= col <= pos
+    if window is not None:
+        ok &= (col >= pos - window[0]) & (col <= pos + window[1])
+    s = s.masked_fill(~ok, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(HQ, sq, 1)], -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)[..., :length]
+    return torch.einsum("hij,jhd->ihd", p, v)
+
+
+CASES = {
+    # several new tokens (9 x 2 query heads per kv head: the Numba tile path), fused rotary on
+    # append, causal window, softcap
+    "prefill-rope-window-softcap": dict(
+        new=9, sq=9, rope=True, causal=True, window=(4, 0), softcap=5.0
+    ),
+    # one new token (the decode path), sinks and ALiBi; appended rows compared bit for bit
+    "decode-sinks-alibi": dict(new=1, sq=1, alibi=True, sinks=True),
+    "read-only-sinks-alibi": dict(new=0, sq=1, alibi=True, sinks=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["numpy", "numba", "triton"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_cache(kind, paged, backend, case):
+    opts = CASES[case]
+    new, sq = opts["new"], opts["sq"]
+    gen = torch.Generator().manual_seed(len(case) + new)
+    k_cache, v_cache, k_scale, v_scale, table = _make_cache(kind, paged, gen)
+    batch = len(LENGTHS)
+    q = torch.randn(batch, sq, HQ, D, generator=gen)
+    k = torch.randn(batch, new, HKV, D, generator=gen) * 2 if new else None
+    v = torch.randn(batch, new, HKV, D, generator=gen) * 2 if new else None
+    cos = sin = None
+    if opts.get("rope"):
+        angles = torch.arange(40.0)[:, None] * 10000.0 ** (-torch.arange(8.0) / 8)
+        cos, sin = torch.cos(angles), torch.sin(angles)
+    alibi = torch.tensor([0.3, 0.1, 0.05, 0.2]) if opts.get("alibi") else None
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if opts.get("sinks") else None
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    if kind == "fp8" and opts.get("alibi"):
+        k_scale = torch.tensor([[0.02, 0.5], [0.03, 0.4], [0.05, 0.6]])  # FA3's [B, Hkv] form
+    kc, vc, ksc, vsc = (x.clone() for x in (k_cache, v_cache, k_scale, v_scale))
+    out = fastpe.attention_kvcache(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=lengths,
+        block_table=table,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        causal=opts.get("causal", False),
+        window=opts.get("window"),
+        softcap=opts.get("softcap"),
+        alibi_slopes=alibi,
+        sinks=sinks,
+        k_scale=ksc,
+        v_scale=vsc,
+        backend=backend,
+    )
+
+    # the expected caches: torch's quantization of the (rotated) new rows at their positions
+    want = [x.clone() for x in (k_cache, v_cache, k_scale, v_scale)]
+    written = torch.zeros(k_cache.shape[:3], dtype=torch.bool)
+    expected = []
+    for b in range(batch):
+        c = LENGTHS[b]
+        qb = q[b].double()
+        if new:
+            kb = k[b].double()
+            if cos is not None:
+                kb = _rotate(kb, cos, sin, torch.arange(c, c + new))
+                qb = _rotate(qb, cos, sin, torch.arange(c, c + sq))
+            blk, off = _rows(paged, table, b, range(c, c + new))
+            written[blk, off] = True
+            for cache, scale, rows in ((want[0], want[2], kb), (want[1], want[3], v[b])):
+                fp8_scale = scale[b] if scale.dim() == 2 else scale
+                row_scale = fp8_scale.expand(new, HKV) if kind == "fp8" else None
+                stored, new_scale = _quantize(kind, rows.float(), row_scale)
+                cache[blk, off] = stored
+                if kind == "int8":
+                    scale[blk, off] = new_scale
+        blk, off = _rows(paged, table, b, range(c + new))
+        deq = []
+        for cache, scale in ((want[0], want[2]), (want[1], want[3])):
+            if kind == "fp8":
+                factor = (scale[b] if scale.dim() == 2 else scale)[None, :, None]
+            else:
+                factor = scale[blk, off][..., None]
+            deq.append(cache[blk, off].to(torch.float64) * factor)
+        expected.append(
+            _reference(
+                qb,
+                *deq,
+                sq=sq,
+                causal=opts.get("causal", False),
+                window=opts.get("window"),
+                softcap=opts.get("softcap"),
+                alibi=alibi,
+                sinks=sinks,
+            )
+        )
+    expected = torch.stack(expected)
+    # the float32 rule (docs/dtypes-and-errors.md#accuracy-the-tests-hold), on the dequantized cache
+    err = (out.double() - expected).abs().max().item()
+    assert err <= 2e-5 * max(1.0, expected.abs().max().item()), err
+
+    # appended rows: torch's quantization of the same rows; every other row untouched
+    got = [kc, vc]
+    for i, (cache, ref) in enumerate(zip(got, want[:2], strict=True)):
+        as_int = (lambda x: x.view(torch.uint8)) if kind == "fp8" else (lambda x: x)
+        assert torch.equal(as_int(cache)[~written], as_int(ref)[~written])
+        if cos is None or i == 1:  # no rotation (values are never rotated): bit for bit
+            assert torch.equal(as_int(cache), as_int(ref))
+        else:  # keys rotated in each backend's float32 (or float64): within one quantum
+            g, w = cache.to(torch.float64)[written], ref.to(torch.float64)[written]
+            assert ((g - w).abs() <= torch.maximum(g.abs(), w.abs()) / 8 + 1).all()
+    if kind == "int8":
+        for scale, ref in ((ksc, want[2]), (vsc, want[3])):
+            assert torch.equal(scale[~written], ref[~written])
+            torch.testing.assert_close(scale, ref, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(ksc, k_scale) and torch.equal(vsc, v_scale)
+
+
+def test_int8_numpy_arrays_and_flash_attn_descale_names():
+    """NumPy int8 caches (NumPy has no fp8) give the torch tensors' result; flash_attn takes
+    FlashAttention 3's k_descale/v_descale for the fp8 scales."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, k_scale, v_scale, _ = _make_cache("int8", False, gen)
+    q = torch.randn(3, 1, HQ, D, generator=gen)
+    k, v = torch.randn(2, 3, 1, HKV, D, generator=gen)
+    arrays = [x.numpy().copy() for x in (k_cache, v_cache, k_scale, v_scale)]
+    tensors = [x.clone() for x in (k_cache, v_cache, k_scale, v_scale)]
+    for caches, convert in ((arrays, lambda x: x.numpy()), (tensors, lambda x: x)):
+        out = fastpe.attention_kvcache(
+            convert(q),
+            caches[0],
+            caches[1],
+            convert(k),
+            convert(v),
+            cache_seqlens=convert(torch.tensor(LENGTHS)),
+            k_scale=caches[2],
+            v_scale=caches[3],
+            backend="numba",
+        )
+        caches.append(torch.as_tensor(out))
+    for a, t in zip(arrays, tensors, strict=True):
+        assert torch.equal(torch.as_tensor(a), t)
+
+    k8, v8, ks, vs, table = _make_cache("fp8", True, gen)
+    q = torch.randn(3, 1, HQ, D, generator=gen)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32)
+    call = dict(cache_seqlens=lengths, block_table=table)
+    by_alias = flash_attn.flash_attn_with_kvcache(q, k8, v8, k_descale=ks, v_descale=vs, **call)
+    by_name = fastpe.attention_kvcache(q, k8, v8, k_scale=ks, v_scale=vs, **call)
+    assert torch.equal(by_alias, by_name)
+    scalar = fastpe.attention_kvcache(q, k8, v8, k_scale=0.25, v_scale=0.5, **call)
+    tensor = fastpe.attention_kvcache(
+        q, k8, v8, k_scale=torch.full((HKV,), 0.25), v_scale=torch.full((HKV,), 0.5), **call
+    )
+    assert torch.equal(scalar, tensor)
+
+
+def _bad_calls():
+    q = torch.randn(1, 1, HQ, D)
+    k8 = torch.zeros(2, BLOCK, HKV, D, dtype=torch.float8_e4m3fn)
+    i8 = torch.zeros(2, BLOCK, HKV, D, dtype=torch.int8)
+    s8 = torch.ones(2, BLOCK, HKV)
+    ones = torch.ones(HKV)
+    return [
+        (dict(k_cache=i8, v_cache=i8), ValueError, "needs k_scale"),
+        (
+            dict(k_cache=k8, v_cache=k8, k_scale=torch.ones(3), v_scale=ones),
+            ValueError,
+            "k_scale of a float8",
+        ),
+        (
+            dict(k_cache=k8, v_cache=k8, k_scale=0.0, v_scale=ones),
+            ValueError,
+            "k_scale must be finite and > 0",
+        ),
+        (
+            dict(k_cache=k8, v_cache=k8, k_scale=ones, v_scale=torch.tensor([1.0, math.inf])),
+            ValueError,
+            "v_scale must be finite",
+        ),
+        (
+            dict(k_cache=k8, v_cache=k8, k_scale=ones.double(), v_scale=ones),
+            TypeError,
+            "k_scale must be float32",
+        ),
+        (dict(k_cache=k8, v_cache=i8, k_scale=ones, v_scale=s8), TypeError, "quantized alike"),
+        (
+            dict(k_cache=i8, v_cache=i8, k_scale=s8[:, :2], v_scale=s8),
+            ValueError,
+            "k_scale of an int8",
+        ),
+        (dict(k_cache=i8, v_cache=i8, k_scale=1.0, v_scale=s8), TypeError, "k_scale of an int8"),
+        (
+            dict(q=q.double(), k_cache=k8, v_cache=k8, k_scale=ones, v_scale=ones),
+            TypeError,
+            "q must be one of",
+        ),
+        (
+            dict(
+                k_cache=torch.zeros(2, BLOCK, HKV, D),
+                v_cache=torch.zeros(2, BLOCK, HKV, D),
+                k_scale=ones,
+            ),
+            ValueError,
+            "k_scale is for quantized",
+        ),
+        (
+            dict(
+                k_cache=k8.view(torch.uint8).numpy(),
+                v_cache=k8.view(torch.uint8).numpy(),
+                q=q.numpy(),
+            ),
+            TypeError,
+            "k_cache is a uint8 NumPy",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_quantized_calls_name_the_argument(index):
+    kwargs, error, match = _bad_calls()[index]
+    q = kwargs.pop("q", torch.randn(1, 1, HQ, D))
+    k_cache, v_cache = kwargs.pop("k_cache"), kwargs.pop("v_cache")
+    with pytest.raises(error, match=match):
+        fastpe.attention_kvcache(q, k_cache, v_cache, cache_seqlens=3, **kwargs)
+    with pytest.raises(ValueError, match="not both"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_scale=1.0, k_descale=1.0)
+
+
+def test_bfloat16_queries_on_an_fp8_cache_hold_the_half_precision_rule():
+    """q bfloat16 (the benchmarked decode): out within twice the error of a plain bfloat16
+    computation on the same dequantized cache (+1e-6), both against float64."""
+    gen = torch.Generator().manual_seed(3)
+    k8, v8, ks, vs, table = _make_cache("fp8", True, gen)
+    q = torch.randn(3, 1, HQ, D, generator=gen).to(torch.bfloat16)
+    lengths = torch.tensor(LENGTHS, dtype=torch.int32) + 3
+    out = fastpe.attention_kvcache(
+        q, k8, v8, cache_seqlens=lengths, block_table=table, k_scale=ks, v_scale=vs, backend="numba"
+    )
+    assert out.dtype == torch.bfloat16
+    errors = {"fastpe": 0.0, "plain bfloat16": 0.0}
+    for b in range(3):
+        blk, off = _rows(True, table, b, range(int(lengths[b])))
+        keys = k8[blk, off].to(torch.float64) * ks[None, :, None]
+        values = v8[blk, off].to(torch.float64) * vs[None, :, None]
+        want = _reference(
+            q[b],
+            keys,
+            values,
+            sq=1,
+            causal=False,
+            window=None,
+            softcap=None,
+            alibi=None,
+            sinks=None,
+        )
+        group = HQ // HKV
+        k16, v16 = (x.to(torch.bfloat16).repeat_interleave(group, 1) for x in (keys, values))
+        s = torch.einsum("ihd,jhd->hij", q[b], k16) / math.sqrt(D)
+        plain = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v16)
+        errors["fastpe"] = max(errors["fastpe"], (out[b].double() - want).abs().max().item())
+        errors["plain bfloat16"] = max(
+            errors["plain bfloat16"], (plain.double() - want).abs().max().item()
+        )
+    assert errors["fastpe"] <= 2 * errors["plain bfloat16"] + 1e-6, errors
