@@ -18,7 +18,8 @@ Cases (layout "bshd", D 128, B 1 unless said):
   against torch eager ``weight[ids] * 32 + pe_table[positions]``.
 
 Copy bandwidth: ``dst.copy_(src)`` (torch) of the bytes the op reads and writes once (q, or q
-and k; embed: the output, whose rows are gathered once), in the same round: "% copy" is
+and k), and for embed the gather alone, ``torch.index_select(weight, 0, ids, out=...)`` (the
+same rows from the same places), in the same round: "% copy" is
 copy time / op time, the op's bytes per second as a fraction of the copy's. Each round times
 every implementation once (best of --calls), so machine noise hits them alike; ratios are per
 round (other / fastpe: above 1 means fastpe is faster).
@@ -171,13 +172,13 @@ def main():
         ids = torch.randint(0, vocab, (b, seq))
         positions = torch.arange(seq).expand(b, seq)
         table = fastpe.sinusoidal_table(seq, dim, dtype=dtype, device="cpu")
-        out = torch.empty(b, seq, dim, dtype=dtype)
-        src = torch.empty_like(out)
+        gathered = torch.empty(b * seq, dim, dtype=dtype)
+        flat_ids = ids.reshape(-1)
         report(
             f"embed B{b} S{seq} vocab {vocab} D{dim}, sinusoidal",
             rounds(
                 {
-                    "copy": lambda: out.copy_(src),
+                    "copy": lambda: torch.index_select(weight, 0, flat_ids, out=gathered),
                     "fastpe": lambda: fastpe.embed(ids, weight, scale=32.0),
                     "torch eager": lambda: weight[ids] * 32.0 + table[positions],
                 },

@@ -65,8 +65,7 @@ def _float32_to_bf16(typingctx, value):
         top = builder.lshr(bits, _u32(16))
         keep = builder.and_(top, _u32(1))  # ties go to the even bfloat16
         rounded = builder.lshr(builder.add(builder.add(bits, _u32(0x7FFF)), keep), _u32(16))
-        magnitude = builder.and_(bits, _u32(0x7FFFFFFF))
-        nan = builder.icmp_unsigned(">", magnitude, _u32(0x7F800000))
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
         result = builder.select(nan, builder.or_(top, _u32(0x40)), rounded)
         return builder.trunc(result, _I16)
 

@@ -171,28 +171,40 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, i
     return out
 
 
-def apply_rope_pair_numba(x1, x2, cos, sin, positions, *, interleaved, layout, inverse=False):
-    """``apply_rope_numba`` on two arrays with the same tables and positions (new outputs, not in
-    place): one serial launch when both are small and their rows contiguous, else one call
+def apply_rope_pair_numba(
+    x1, x2, cos, sin, positions, *, interleaved, layout, inverse=False, inplace=False
+):
+    """``apply_rope_numba`` on two arrays with the same tables and positions (new outputs, or
+    ``inplace``): one serial launch when both are small and their rows contiguous, else one call
     each."""
     if x1.size + x2.size > SERIAL_ELEMENTS or not (_adjacent(x1) and _adjacent(x2)):
         return tuple(
             apply_rope_numba(
-                x, cos, sin, positions, interleaved=interleaved, layout=layout, inverse=inverse
+                x,
+                cos,
+                sin,
+                positions,
+                interleaved=interleaved,
+                layout=layout,
+                out=x if inplace else None,
+                inverse=inverse,
             )
             for x in (x1, x2)
         )
     cos, sin = _tables(cos, sin, x1)
     as_bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.swapaxes(1, 2))
-    out1, out2 = np.empty(x1.shape, dtype=x1.dtype), np.empty(x2.shape, dtype=x2.dtype)
+    if inplace:
+        out1, out2 = x1, x2
+    else:
+        out1, out2 = np.empty(x1.shape, dtype=x1.dtype), np.empty(x2.shape, dtype=x2.dtype)
     rotary = 2 * cos.shape[1]
     _apply_rope_pair(
         as_bhsd(x1),
-        as_bhsd(out1),
-        rotary < x1.shape[3],
+        None if inplace else as_bhsd(out1),
+        not inplace and rotary < x1.shape[3],
         as_bhsd(x2),
-        as_bhsd(out2),
-        rotary < x2.shape[3],
+        None if inplace else as_bhsd(out2),
+        not inplace and rotary < x2.shape[3],
         cos,
         sin,
         np.ascontiguousarray(positions, dtype=np.int64),

@@ -124,9 +124,13 @@ def test_apply_rope_pair_in_one_launch_equals_single_calls(layout, interleaved, 
     )
     kw = {"positions": torch.tensor([[2048], [7]]), "interleaved": interleaved, "layout": layout}
     got = fastpe.apply_rope((q, k), cos, sin, backend="numba", **kw)
-    for g, x, dtype in zip(got, (q, k), dtypes, strict=True):
+    rotated = (q.clone(), k.clone())  # in place: one launch too, the caller's tensors returned
+    done = fastpe.apply_rope(rotated, cos, sin, backend="numba", inplace=True, **kw)
+    assert done[0] is rotated[0] and done[1] is rotated[1]
+    for g, x, r, dtype in zip(got, (q, k), rotated, dtypes, strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
         same_bits(g, fastpe.apply_rope(x, cos, sin, backend="numba", **kw))
+        same_bits(r, g)
         want = fastpe.apply_rope(x.double(), cos.double(), sin.double(), **kw, **O)
         half_ulp = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
         tol = 2 * half_ulp * want.abs().max().item() + 1e-6
@@ -163,9 +167,8 @@ def test_float16_integer_conversions_round_like_torch():
     included, use the instructions), against torch: every float16 widened (a NaN keeps its
     payload, closed form), and float32 values of every sign, exponent and top mantissa with ties,
     near-ties and odd low bits rounded (subnormal results, overflow to inf and NaNs included)."""
-    from numba import njit
-
     from fastpe.kernels.numba._half import _float32_to_fp16_integer, _fp16_to_float32_integer
+    from numba import njit
 
     @njit
     def convert(bits, values, widened, narrowed):
