@@ -35,9 +35,9 @@ import time
 
 import numba
 import torch
+from fastpe.kernels.numba._runtime import threading_layer
 
 import fastpe
-from fastpe.kernels.numba._runtime import threading_layer
 
 
 def best_of(fn, calls):
@@ -87,6 +87,72 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_cases(args, ipex, dtype, seq, cos, sin):
+    d, hq, hk = 128, 32, 8
+    q = torch.randn(1, seq, hq, d).to(dtype)
+    k = torch.randn(1, seq, hk, d).to(dtype)
+    src, dst = torch.empty_like(q).copy_(q), torch.empty_like(q)
+    c, s = torch.cat((cos, cos), -1)[:seq, None], torch.cat((sin, sin), -1)[:seq, None]
+    named = {
+        "copy": lambda: dst.copy_(src),
+        "fastpe": lambda: fastpe.apply_rope(q, cos, sin, layout="bshd"),
+        "transformers formula": lambda: q * c + rotate_half(q) * s,
+    }
+    report(f"rope q, S {seq}", rounds(named, args.rounds, args.calls), "copy")
+    qk = torch.cat((q, k), 2)
+    src2, dst2 = torch.empty_like(qk).copy_(qk), torch.empty_like(qk)
+    pos = torch.arange(seq)[None]
+    sin_cos32 = torch.cat((sin, cos), -1).float().contiguous()  # IPEX's operator format
+    named = {
+        "copy": lambda: dst2.copy_(src2),
+        "fastpe": lambda: fastpe.apply_rope((q, k), cos, sin, layout="bshd", inplace=True),
+    }
+    if ipex is not None:
+        named["ipex rotary_embedding"] = lambda: ipex.llm.functional.rotary_embedding(
+            q, k, sin, cos, d, True, pos
+        )
+        named["ipex operator (q, k)"] = lambda: [
+            torch.ops.torch_ipex.rotary_position_embedding(
+                x, sin_cos32, pos, x.shape[2], d, d // 2, d
+            )
+            for x in (q, k)
+        ]
+    report(f"rope (q, k) inplace, S {seq}", rounds(named, args.rounds, args.calls), "copy")
+
+
+def one_token_case(args, ipex, dtype, cos, sin):
+    d = 128
+    q, k = torch.randn(1, 1, 32, d).to(dtype), torch.randn(1, 1, 8, d).to(dtype)
+    pos = torch.tensor([[1000]])
+    named = {
+        "fastpe": lambda: fastpe.apply_rope(
+            (q, k), cos, sin, positions=pos, layout="bshd", inplace=True
+        )
+    }
+    if ipex is not None:
+        named["ipex rotary_embedding"] = lambda: ipex.llm.functional.rotary_embedding(
+            q, k, sin, cos, d, True, pos
+        )
+    report("rope (q, k) inplace, one token", rounds(named, args.rounds, 50), None)
+
+
+def embed_case(args, dtype):
+    b, seq, vocab, dim = 8, 512, 32000, 1024
+    weight = torch.randn(vocab, dim).to(dtype)
+    ids = torch.randint(0, vocab, (b, seq))
+    positions = torch.arange(seq).expand(b, seq)
+    table = fastpe.sinusoidal_table(seq, dim, dtype=dtype, device="cpu")
+    gathered = torch.empty(b * seq, dim, dtype=dtype)
+    flat_ids = ids.reshape(-1)
+    named = {
+        "copy": lambda: torch.index_select(weight, 0, flat_ids, out=gathered),
+        "fastpe": lambda: fastpe.embed(ids, weight, scale=32.0),
+        "torch eager": lambda: weight[ids] * 32.0 + table[positions],
+    }
+    title = f"embed B{b} S{seq} vocab {vocab} D{dim}, sinusoidal"
+    report(title, rounds(named, args.rounds, args.calls), "copy")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
@@ -111,82 +177,14 @@ def main():
         f"ipex {ipex.__version__ if ipex else 'not installed'}"
     )
     torch.manual_seed(0)
-    d, hq, hk, positions_total = 128, 32, 8, 4096
     for name in args.dtypes:
         dtype = getattr(torch, name)
         print(f"\n== {name}")
-        cos, sin = fastpe.rope_table(positions_total, d, dtype=dtype, device="cpu")
-        full_cos, full_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        sin_cos32 = torch.cat((sin, cos), -1).float().contiguous()  # IPEX's operator format
+        cos, sin = fastpe.rope_table(4096, 128, dtype=dtype, device="cpu")
         for seq in args.seqs:
-            q = torch.randn(1, seq, hq, d).to(dtype)
-            k = torch.randn(1, seq, hk, d).to(dtype)
-            src, dst = torch.empty_like(q).copy_(q), torch.empty_like(q)
-            c, s = full_cos[:seq, None], full_sin[:seq, None]
-            report(
-                f"rope q, S {seq}",
-                rounds(
-                    {
-                        "copy": lambda: dst.copy_(src),
-                        "fastpe": lambda: fastpe.apply_rope(q, cos, sin, layout="bshd"),
-                        "transformers formula": lambda: q * c + rotate_half(q) * s,
-                    },
-                    args.rounds,
-                    args.calls,
-                ),
-                "copy",
-            )
-            qk = torch.cat((q, k), 2)
-            src, dst = torch.empty_like(qk).copy_(qk), torch.empty_like(qk)
-            pos = torch.arange(seq)[None]
-            named = {
-                "copy": lambda: dst.copy_(src),
-                "fastpe": lambda: fastpe.apply_rope((q, k), cos, sin, layout="bshd", inplace=True),
-            }
-            if ipex is not None:
-                named["ipex rotary_embedding"] = lambda: ipex.llm.functional.rotary_embedding(
-                    q, k, sin, cos, d, True, pos
-                )
-                named["ipex operator (q, k)"] = lambda: [
-                    torch.ops.torch_ipex.rotary_position_embedding(
-                        x, sin_cos32, pos, x.shape[2], d, d // 2, d
-                    )
-                    for x in (q, k)
-                ]
-            report(f"rope (q, k) inplace, S {seq}", rounds(named, args.rounds, args.calls), "copy")
-        q1, k1 = torch.randn(1, 1, hq, d).to(dtype), torch.randn(1, 1, hk, d).to(dtype)
-        pos1 = torch.tensor([[1000]])
-        named = {
-            "fastpe": lambda: fastpe.apply_rope(
-                (q1, k1), cos, sin, positions=pos1, layout="bshd", inplace=True
-            )
-        }
-        if ipex is not None:
-            named["ipex rotary_embedding"] = lambda: ipex.llm.functional.rotary_embedding(
-                q1, k1, sin, cos, d, True, pos1
-            )
-        report("rope (q, k) inplace, one token", rounds(named, args.rounds, 50), None)
-
-        b, seq, vocab, dim = 8, 512, 32000, 1024
-        weight = torch.randn(vocab, dim).to(dtype)
-        ids = torch.randint(0, vocab, (b, seq))
-        positions = torch.arange(seq).expand(b, seq)
-        table = fastpe.sinusoidal_table(seq, dim, dtype=dtype, device="cpu")
-        gathered = torch.empty(b * seq, dim, dtype=dtype)
-        flat_ids = ids.reshape(-1)
-        report(
-            f"embed B{b} S{seq} vocab {vocab} D{dim}, sinusoidal",
-            rounds(
-                {
-                    "copy": lambda: torch.index_select(weight, 0, flat_ids, out=gathered),
-                    "fastpe": lambda: fastpe.embed(ids, weight, scale=32.0),
-                    "torch eager": lambda: weight[ids] * 32.0 + table[positions],
-                },
-                args.rounds,
-                args.calls,
-            ),
-            "copy",
-        )
+            rope_cases(args, ipex, dtype, seq, cos, sin)
+        one_token_case(args, ipex, dtype, cos, sin)
+        embed_case(args, dtype)
     print(f"\nload average {os.getloadavg()}")
 
 
