@@ -280,6 +280,12 @@ def _calls(item: Item):
                 make.backward(fastpe.apply_rope((q, k), cos, sin, positions=3, backend="numba"))
                 x = make.floats(1, seq, h, d, grad=True)
                 make.backward(fastpe.apply_rope(x, cos, sin, layout="bshd", backend="numba"))
+                # in place, the kernel reads and writes one array: compiled apart
+                q, k = make.floats(1, seq, h, d), make.floats(1, seq, hkv, d)
+                fastpe.apply_rope(q, cos, sin, layout="bshd", inplace=True, backend="numba")
+                fastpe.apply_rope(
+                    (q, k), cos, sin, positions=3, layout="bshd", inplace=True, backend="numba"
+                )
 
             calls.append((f"{seq} positions", rope))
     elif item.op == "embed":

@@ -94,13 +94,12 @@ class ApplyRope(_Numba):
         second = group[-1]
         if (
             len(group) == 2
-            and not first.inplace
             and second.positions is first.positions
-            and (second.layout, second.interleaved, second.inverse)
-            == (first.layout, first.interleaved, first.inverse)
+            and (second.layout, second.interleaved, second.inverse, second.inplace)
+            == (first.layout, first.interleaved, first.inverse, first.inplace)
         ):
             # q and k of a decode step (records made by ``with_x``): one launch, positions
-            # converted once
+            # converted once; in place, the kernel rotates the caller's memory (as in ``run``)
             from fastpe.kernels.numba.apply_rope import apply_rope_pair_numba
 
             outs = apply_rope_pair_numba(
@@ -111,7 +110,10 @@ class ApplyRope(_Numba):
                 interleaved=first.interleaved,
                 layout=first.layout,
                 inverse=first.inverse,
+                inplace=first.inplace,
             )
+            if first.inplace:
+                return first.x, second.x
             return tuple(
                 from_host(out, inp.placement, inp.dtype)
                 for out, inp in zip(outs, group, strict=True)

@@ -12,6 +12,7 @@ positions were range-checked upstream.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from fastpe.kernels.numba._angles import gather_basis
 from fastpe.kernels.numba._half import _narrow, _widen
@@ -20,6 +21,34 @@ from numba import prange, types
 from numba.extending import overload
 
 PE_NONE, PE_SINUSOIDAL, PE_TABLE = 0, 1, 2
+
+
+def _row_sum(out, t, scratch):
+    """Where token t's row is summed: out's row itself, or for half out the float32 scratch."""
+
+
+@overload(_row_sum, inline="always")
+def _row_sum_impl(out, t, scratch):
+    if out.dtype in (types.uint16, types.int16):
+        return lambda out, t, scratch: scratch
+    return lambda out, t, scratch: out[t]
+
+
+def _store_row(out, t, total):
+    """Round a half row from its float32 sum (nothing to do for float out: summed in place)."""
+
+
+@overload(_store_row, inline="always")
+def _store_row_impl(out, t, total):
+    if out.dtype in (types.uint16, types.int16):
+
+        def store(out, t, total):
+            row = out[t]
+            for c in range(row.size):
+                row[c] = _narrow(out, total[c])
+
+        return store
+    return lambda out, t, total: None
 
 
 def _embed_numba(
@@ -40,22 +69,35 @@ def _embed_numba(
     type_ids,
     type_weight,
     out,
+    scratch,
 ):
+    """``scratch`` [chunks, D] in the compute dtype: one row sum per chunk of tokens. Each term
+    is added to the row in its own loop over D, in the order of the formula (the same float
+    operations as one loop), so that every loop vectorises."""
     tokens, dim = out.shape
-    for t in prange(tokens):
-        row = ids[t]
-        tt = type_ids[t] if has_types else 0
-        p = positions[t]
-        hi, lo = hi_row[t], (p - p0) % block
-        for c in range(dim):
-            value = scale * _widen(weight[row, c])
+    chunks = scratch.shape[0]
+    for chunk in prange(chunks):
+        for t in range(chunk * tokens // chunks, (chunk + 1) * tokens // chunks):
+            total = _row_sum(out, t, scratch[chunk])
+            w = weight[ids[t]]
+            for c in range(dim):
+                total[c] = scale * _widen(w[c])
             if has_types:
-                value += _widen(type_weight[tt, c])
+                tw = type_weight[type_ids[t]]
+                for c in range(dim):
+                    total[c] += _widen(tw[c])
+            p = positions[t]
             if pe_kind == PE_SINUSOIDAL:
-                value += hi_a[hi, c] * lo_x[lo, c] + hi_b[hi, c] * lo_y[lo, c]
+                a, b = hi_a[hi_row[t]], hi_b[hi_row[t]]
+                lo = (p - p0) % block
+                x, y = lo_x[lo], lo_y[lo]
+                for c in range(dim):
+                    total[c] += a[c] * x[c] + b[c] * y[c]
             elif pe_kind == PE_TABLE:
-                value += _widen(pe_table[p, c])
-            out[t, c] = _narrow(out, value)
+                pe = pe_table[p]
+                for c in range(dim):
+                    total[c] += _widen(pe[c])
+            _store_row(out, t, total)
 
 
 # Below this many output elements a call runs on the calling thread (a decode step embeds one
@@ -106,7 +148,9 @@ def embed_numba(
     type_weight = (
         np.ascontiguousarray(token_type_weight) if has_types else np.zeros((1, 1), weight.dtype)
     )
-    kernel = _embed_kernel.serial if out.size <= SERIAL_ELEMENTS else _embed_kernel
+    serial = out.size <= SERIAL_ELEMENTS
+    kernel = _embed_kernel.serial if serial else _embed_kernel
+    chunks = 1 if serial else max(1, min(out.shape[0], 8 * numba.get_num_threads()))
     kernel(
         flat_ids,
         np.ascontiguousarray(weight),
@@ -119,6 +163,7 @@ def embed_numba(
         type_ids,
         type_weight,
         out,
+        np.empty((chunks, dim), dtype=compute),
     )
     return out.reshape(batch, seq, dim)
 

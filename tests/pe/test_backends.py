@@ -121,6 +121,13 @@ def test_apply_rope_non_contiguous(backend, fw, dtype, rng):
     check_close(
         got, fastpe.apply_rope(x, cos, sin, positions=3, **O), TOL[dtype], "strided apply_rope"
     )
+    # elements of a row 2 apart (the kernel rotates a contiguous copy), new and in place
+    gapped = to_fw(rng.standard_normal((2, 3, 10, 32)).astype(dtype), fw)[..., ::2]
+    want = fastpe.apply_rope(gapped, cos, sin, positions=3, **O)
+    got = fastpe.apply_rope(gapped, cos, sin, positions=3, backend=backend)
+    check_close(got, want, TOL[dtype], "apply_rope on rows with gaps")
+    assert fastpe.apply_rope(gapped, cos, sin, positions=3, inplace=True, backend=backend) is gapped
+    check_close(gapped, to_np(got), 0, "in place on rows with gaps")
 
 
 # ---------------------------------------------------------------------------------------------

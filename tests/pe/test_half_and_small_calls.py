@@ -124,9 +124,13 @@ def test_apply_rope_pair_in_one_launch_equals_single_calls(layout, interleaved, 
     )
     kw = {"positions": torch.tensor([[2048], [7]]), "interleaved": interleaved, "layout": layout}
     got = fastpe.apply_rope((q, k), cos, sin, backend="numba", **kw)
-    for g, x, dtype in zip(got, (q, k), dtypes, strict=True):
+    rotated = (q.clone(), k.clone())  # in place: one launch too, the caller's tensors returned
+    done = fastpe.apply_rope(rotated, cos, sin, backend="numba", inplace=True, **kw)
+    assert done[0] is rotated[0] and done[1] is rotated[1]
+    for g, x, r, dtype in zip(got, (q, k), rotated, dtypes, strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
         same_bits(g, fastpe.apply_rope(x, cos, sin, backend="numba", **kw))
+        same_bits(r, g)
         want = fastpe.apply_rope(x.double(), cos.double(), sin.double(), **kw, **O)
         half_ulp = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
         tol = 2 * half_ulp * want.abs().max().item() + 1e-6
@@ -155,3 +159,36 @@ def test_float16_kernels_compile_without_numba_ir_warnings(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "NumbaIRAssumptionWarning" not in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(not NUMBA, reason="numba not installed")
+def test_float16_integer_conversions_round_like_torch():
+    """The float16 conversions for CPUs without F16C, in integer steps (F16C machines, CI's
+    included, use the instructions), against torch: every float16 widened (a NaN keeps its
+    payload, closed form), and float32 values of every sign, exponent and top mantissa with ties,
+    near-ties and odd low bits rounded (subnormal results, overflow to inf and NaNs included)."""
+    from fastpe.kernels.numba._half import _float32_to_fp16_integer, _fp16_to_float32_integer
+    from numba import njit
+
+    @njit
+    def convert(bits, values, widened, narrowed):
+        for i in range(bits.size):
+            widened[i] = _fp16_to_float32_integer(bits[i])
+        for i in range(values.size):
+            narrowed[i] = _float32_to_fp16_integer(values[i])
+
+    bits = np.arange(-32768, 32768, dtype=np.int32).astype(np.int16)
+    top = np.arange(1 << 19, dtype=np.uint32) << np.uint32(13)
+    values = np.concatenate([top | low for low in (0, 0x1000, 0xFFF, 0x1001, 0x1FFF)])
+    values = values.view(np.float32)
+    widened, narrowed = np.empty(bits.size, np.float32), np.empty(values.size, np.int16)
+    convert(bits, values, widened, narrowed)
+
+    want = torch.from_numpy(bits).view(torch.float16).float().numpy()
+    nan = np.isnan(want)
+    assert np.array_equal(widened[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    h = bits[nan].view(np.uint16).astype(np.uint32)
+    payload = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
+    assert np.array_equal(widened[nan].view(np.uint32), payload)
+    want = torch.from_numpy(values).to(torch.float16).view(torch.int16).numpy()
+    assert np.array_equal(narrowed, want)
