@@ -75,7 +75,15 @@ def run_threads(target, count, seconds):
 
 # The layer fastpe picks (TBB where installed, else workqueue on Linux) and workqueue forced by
 # the user, so that the lock serialising kernels under workqueue is exercised wherever TBB is.
-LAYERS = [pytest.param(None, id="fastpe-layer"), pytest.param("workqueue", id="workqueue")]
+# "torch": torch imported (and its OpenMP pool started) before fastpe, as in a model's process
+LAYERS = [
+    pytest.param(None, id="fastpe-layer"),
+    pytest.param("workqueue", id="workqueue"),
+    pytest.param("torch", id="torch-openmp"),
+]
+TORCH_FIRST = (
+    "import torch\nassert float((torch.ones(256, 256) @ torch.ones(256, 256))[0, 0]) == 256\n"
+)
 
 
 def run_script(body: str, tmp_path, env=None, cwd=None, layer=None) -> str:
@@ -85,10 +93,10 @@ def run_script(body: str, tmp_path, env=None, cwd=None, layer=None) -> str:
     line (interpreter shutdown may still print warnings after it)."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}
-        if layer is not None:
+        if layer not in (None, "torch"):
             env["NUMBA_THREADING_LAYER"] = layer
     script = tmp_path / "script.py"
-    script.write_text(PRELUDE + textwrap.dedent(body))
+    script.write_text((TORCH_FIRST if layer == "torch" else "") + PRELUDE + textwrap.dedent(body))
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
@@ -130,7 +138,14 @@ def test_forked_child_runs_parallel_kernels(tmp_path, layer):
 
 
 @pytest.mark.parametrize(
-    "method, layer", [("fork", None), ("fork", "workqueue"), ("spawn", None), ("forkserver", None)]
+    "method, layer",
+    [
+        ("fork", None),
+        ("fork", "workqueue"),
+        ("fork", "torch"),
+        ("spawn", None),
+        ("forkserver", None),
+    ],
 )
 def test_multiprocessing_pool_runs_parallel_kernels(tmp_path, method, layer):
     # With fork, every pool worker was killed on its first kernel and Pool.map hung.
@@ -184,6 +199,55 @@ def test_fork_while_other_threads_run_kernels(tmp_path, layer):
     )
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's wheels bundle libgomp")
+def test_kernels_share_torchs_openmp_pool(tmp_path):
+    # Two pools on two cores fought: after each torch op its idle OpenMP threads spun on the
+    # cores fastpe's TBB workers needed. With torch imported first, fastpe's parallel kernels run
+    # on torch's own GNU OpenMP runtime: one runtime in the process, all its threads used; a
+    # forked child (where that pool is gone) computes on one thread and says so once.
+    pytest.importorskip("torch")
+    run_script(
+        """
+        import warnings
+        import numba
+        import fastpe.kernels.numba._runtime as runtime
+        assert attention_ok()
+        assert runtime.threading_layer() == "omp", runtime.threading_layer()
+        runtimes = {line.rsplit(maxsplit=1)[-1] for line in open("/proc/self/maps")
+                    if os.path.basename(line.rsplit(maxsplit=1)[-1]).startswith("libgomp")}
+        assert len(runtimes) == 1 and os.path.dirname(torch.__file__) in runtimes.pop(), runtimes
+
+        @runtime.njit(parallel=True)
+        def spread(out):
+            for i in numba.prange(out.shape[0]):
+                out[i] = numba.get_thread_id()
+
+        def threads_used():  # the most threads seen in 20 calls (workers may wake late)
+            most = 0
+            for _ in range(20):
+                out = np.zeros(4096, np.int64)
+                spread(out)
+                most = max(most, len(set(out.tolist())))
+            return most
+
+        assert threads_used() == numba.get_num_threads(), threads_used()
+        pid = os.fork()
+        if pid == 0:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ok = attention_ok() and table_ok(31) and threads_used() == 1
+                ok = ok and attention_ok()  # the notice comes once
+            said = [w for w in caught if "one thread" in str(w.message)]
+            os._exit(0 if ok and len(said) == 1 else 3)
+        assert wait_child(pid, 120) == 0
+        assert attention_ok() and threads_used() == numba.get_num_threads()  # parent unchanged
+        print("ok")
+        """,
+        tmp_path,
+        layer="torch",
+    )
+
+
 def test_child_of_a_fork_tbb_cannot_survive_runs_serially(tmp_path):
     # Forked while another live thread had used TBB (or from another thread than the pool's),
     # TBB cannot shut down for fork ("Unable to join threads...") and the child's first parallel
@@ -205,12 +269,13 @@ def test_child_of_a_fork_tbb_cannot_survive_runs_serially(tmp_path):
         def child_ok():
             return attention_ok() and table_ok(31) and runtime._serial_only
         for _ in range(3):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                pid = os.fork()
-                if pid == 0:
-                    said = any("run on one thread" in str(w.message) for w in caught)
-                    os._exit(0 if said and child_ok() else 3)
+            pid = os.fork()
+            if pid == 0:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    ok = child_ok()
+                said = any("run on one thread" in str(w.message) for w in caught)
+                os._exit(0 if said and ok else 3)
             assert wait_child(pid, 120) == 0
         assert not runtime._serial_only and attention_ok()  # the parent stays parallel
         # a fork from a thread other than the pool's is the same hazard

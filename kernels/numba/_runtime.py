@@ -94,6 +94,65 @@ def _load_pip_tbb() -> None:
             return
 
 
+def _loaded_libgomp() -> str | None:
+    """The GNU OpenMP runtime torch runs its thread pool on, when torch is imported and one is
+    mapped into the process (torch's wheels bundle it as libgomp.so.1); else None."""
+    if "torch" not in sys.modules or not sys.platform.startswith("linux"):
+        return None
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(maxsplit=1)[-1]
+            if os.path.basename(path).startswith("libgomp"):
+                return path
+    return None
+
+
+_OMPPOOL = "numba.np.ufunc.omppool"
+# Numba's Linux wheels link their OpenMP layer against the file name "libgomp.so.1.0.0", which
+# no loaded runtime answers to (the dynamic loader matches a library already in the process by
+# its soname, "libgomp.so.1"): the layer would load a second GNU OpenMP runtime, with its own
+# threads, beside torch's
+_NEEDED_FILE, _NEEDED_SONAME = b"\0libgomp.so.1.0.0\0", b"\0libgomp.so.1\0"
+
+
+def _share_torch_openmp() -> bool:
+    """Load Numba's OpenMP layer bound to the GNU OpenMP runtime torch already loaded, so that
+    fastpe's parallel kernels and torch's ops run on one pool of threads; True if it is.
+
+    Two pools on the same cores fight: after each op, torch's idle threads spin for
+    milliseconds on the cores Numba's workers need, and the reverse. On one pool, the threads
+    torch leaves spinning pick fastpe's work up at once. Where the layer names its runtime by
+    file name, the module is loaded from an in-memory copy whose dependency names the soname
+    instead (the same length or shorter, so no offset in the file moves); the copy is Numba's
+    own machine code, never written to disk."""
+    if _loaded_libgomp() is None or _OMPPOOL in sys.modules:
+        return False
+    from importlib import machinery, util
+
+    spec = util.find_spec(_OMPPOOL)
+    if spec is None or spec.origin is None:
+        return False
+    image = pathlib.Path(spec.origin).read_bytes()
+    if image.count(_NEEDED_FILE) == 1:
+        image = image.replace(_NEEDED_FILE, _NEEDED_SONAME.ljust(len(_NEEDED_FILE), b"\0"))
+    elif _NEEDED_SONAME not in image:  # another OpenMP runtime (Intel's, LLVM's): not torch's
+        return False
+    fd = os.memfd_create("numba-omppool")
+    try:
+        with open(fd, "wb", closefd=False) as file:
+            file.write(image)
+        path = f"/proc/self/fd/{fd}"
+        loader = machinery.ExtensionFileLoader(_OMPPOOL, path)
+        module = util.module_from_spec(util.spec_from_file_location(_OMPPOOL, path, loader=loader))
+        loader.exec_module(module)  # dlopen: the mapping outlives the descriptor
+    except (OSError, ImportError):
+        return False
+    finally:
+        os.close(fd)
+    sys.modules[_OMPPOOL] = module
+    return True
+
+
 def _start_threads() -> str:
     """Choose the threading layer (unless the user did) and start Numba's threads now.
 
@@ -105,7 +164,7 @@ def _start_threads() -> str:
     except ValueError:
         pass
     if not _user_chose_layer():
-        config.THREADING_LAYER = "forksafe"
+        config.THREADING_LAYER = "omp" if _share_torch_openmp() else "forksafe"
     if str(config.THREADING_LAYER).lower() not in ("omp", "workqueue"):  # TBB may be picked
         _load_pip_tbb()
     numba.get_num_threads()  # launches the threads with the configured layer
@@ -169,10 +228,15 @@ _gate = _LaunchGate(limit=1 if THREADING_LAYER == "workqueue" else None)
 # parallel region may hang. Such a child runs every kernel on its serial twin instead.
 _POOL_THREAD = threading.get_ident()
 _serial_only = False
-_fork_breaks_tbb = False
+_fork_breaks_pool = False
 
 
-def _tbb_survives_fork() -> bool:
+def _pool_survives_fork() -> bool:
+    """Whether a child forked now can run parallel regions. GNU OpenMP never can: its pool's
+    threads are gone in the child, where torch's own ops hang and Numba's OpenMP layer
+    terminates the process at the first parallel region."""
+    if THREADING_LAYER == "omp":
+        return False
     if THREADING_LAYER != "tbb":
         return True
     me = threading.current_thread()
@@ -181,15 +245,33 @@ def _tbb_survives_fork() -> bool:
     )
 
 
+_serial_warned = False
+
+
 def _warn_serial_only() -> None:
+    """Once per process, at the first kernel call that runs serially for want of its pool (not
+    at the fork: most forked children — DataLoader workers, say — never call fastpe)."""
+    global _serial_warned
+    if _serial_warned:
+        return
+    _serial_warned = True
+    if THREADING_LAYER == "omp":
+        why = (
+            "fastpe's CPU kernels share torch's OpenMP thread pool, which does not survive "
+            "fork() (torch's own parallel ops hang in such a child)"
+        )
+    else:
+        why = (
+            "this process was forked while other threads had run parallel CPU kernels (or from "
+            "a thread other than the one that started Numba's thread pool), so TBB's threads "
+            "could not be shut down for the fork"
+        )
     warnings.warn(
-        "fastpe: this process was forked while other threads had run parallel CPU kernels (or "
-        "from a thread other than the one that started Numba's thread pool), so TBB's threads "
-        "could not be shut down for the fork; fastpe's CPU kernels run on one thread in this "
-        "process. Fork before starting threads that call fastpe, or use the spawn or "
-        "forkserver start method, to keep them parallel.",
+        f"fastpe: {why}; fastpe's CPU kernels run on one thread in this forked process. Use "
+        "the spawn or forkserver start method (or fork before the first fastpe call) to keep "
+        "them parallel.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -223,6 +305,7 @@ class ParallelKernel:
 
     def __call__(self, *args, **kwargs):
         if _serial_only:
+            _warn_serial_only()
             return self.serial(*args, **kwargs)
         _gate.enter()
         try:
@@ -335,18 +418,16 @@ def single_threaded_blas():
 
 
 def _before_fork():
-    global _fork_breaks_tbb
+    global _fork_breaks_pool
     _gate.before_fork()
-    _fork_breaks_tbb = not _tbb_survives_fork()
+    _fork_breaks_pool = not _pool_survives_fork()
 
 
 def _after_fork_in_child():
     """Locks held by another thread at fork() would stay held forever in the child."""
     global _blas_lock, _blas_limiter, _serial_only
     _gate.after_fork()
-    if _fork_breaks_tbb and not _serial_only:
-        _serial_only = True
-        _warn_serial_only()
+    _serial_only = _serial_only or _fork_breaks_pool
     _blas_lock = threading.Lock()
     if _blas_limiter is not None:  # another thread was inside single_threaded_blas
         limiter, _blas_limiter = _blas_limiter, None

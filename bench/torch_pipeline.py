@@ -1,0 +1,120 @@
+"""fastpe's CPU attention inside a torch process, as a model calls it: against SDPA, each call
+right after a torch op, in the default environment (no OMP_WAIT_POLICY, no thread settings).
+
+    python bench/torch_pipeline.py --rounds 5
+
+Each round starts one fresh process per setting, the settings in turn, so that a change in the
+machine's load falls on all of them alike:
+
+- ``default``: what a user gets (torch imported first, so fastpe's kernels share torch's OpenMP
+  pool; docs/backends.md#processes-and-threads-cpu);
+- ``tbb``: ``NUMBA_THREADING_LAYER=tbb``, fastpe's kernels on their own TBB pool beside torch's;
+- ``passive``: ``tbb`` with ``OMP_WAIT_POLICY=PASSIVE``, the setting the docs used to advise.
+
+In each process, every case alternates ``calls`` pairs: a torch matmul (a [64, 1024] x [1024, 1024]
+projection, which wakes torch's pool) then fastpe, and the same matmul then SDPA; the process
+prints SDPA's median time over fastpe's (above 1: fastpe is faster). The summary gives, per
+setting and case, the median [min, max] of those ratios over the rounds. Measurements, not
+assertions: bench/results/ keeps them with the machine they came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CASES = {  # name: (B, Hq, Hkv, Sq, Sk, D, causal)
+    "non-causal 1024² D64": (1, 16, 16, 1024, 1024, 64, False),
+    "causal 1024 D64": (1, 16, 16, 1024, 1024, 64, True),
+    "causal 4096 D128": (1, 8, 8, 4096, 4096, 128, True),
+    "decode B8 Sk4096 D128": (8, 32, 8, 1, 4096, 128, False),
+}
+SETTINGS = {
+    "default": {},
+    "tbb": {"NUMBA_THREADING_LAYER": "tbb"},
+    "passive": {"NUMBA_THREADING_LAYER": "tbb", "OMP_WAIT_POLICY": "PASSIVE"},
+}
+
+
+def measure(calls: int) -> dict:
+    """One process's ratios: {case: SDPA median / fastpe median}, and the threading layer."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from fastpe.kernels.numba._runtime import threading_layer
+
+    import fastpe
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(1024, 1024), torch.randn(64, 1024)
+    ratios = {}
+    for name, (b, hq, hkv, sq, sk, d, causal) in CASES.items():
+        q = torch.randn(b, hq, sq, d)
+        k, v = torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
+
+        def ours(q=q, k=k, v=v, causal=causal):
+            return fastpe.attention(q, k, v, causal=causal)
+
+        def sdpa(q=q, k=k, v=v, causal=causal):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+        torch.testing.assert_close(ours(), sdpa(), atol=1e-4, rtol=1e-4)  # also compiles
+        times = {ours: [], sdpa: []}
+        for _ in range(calls):
+            for fn in (ours, sdpa):
+                x @ weight
+                start = time.perf_counter()
+                fn()
+                times[fn].append(time.perf_counter() - start)
+        ratios[name] = statistics.median(times[sdpa]) / statistics.median(times[ours])
+    return {"layer": threading_layer(), "ratios": ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=15, help="pairs of calls per case")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.calls)))
+        return
+    print(f"command: python bench/torch_pipeline.py --rounds {args.rounds} --calls {args.calls}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY",)}
+    base = {k: v for k, v in base.items() if not k.startswith("NUMBA_THREADING_LAYER")}
+    base["FASTPE_QUIET_COMPILE"] = "1"
+    results = {name: [] for name in args.settings}
+    for round_ in range(1, args.rounds + 1):
+        for name in args.settings:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", "--calls", str(args.calls)],
+                env={**base, **SETTINGS[name]},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            results[name].append(result)
+            cells = ", ".join(f"{case} {r:.2f}" for case, r in result["ratios"].items())
+            print(f"[round {round_}] {name} ({result['layer']} layer): {cells}", flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("fastpe's speedup over SDPA, median [min, max] over the rounds\n")
+    print("| setting | " + " | ".join(CASES) + " |")
+    print("|---|" + "---|" * len(CASES))
+    for name, runs in results.items():
+        cells = []
+        for case in CASES:
+            values = [run["ratios"][case] for run in runs]
+            cells.append(f"{statistics.median(values):.2f}× [{min(values):.2f}, {max(values):.2f}]")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
