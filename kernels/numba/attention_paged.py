@@ -250,33 +250,12 @@ def _head_rows_impl(rows, hk, scratch):
     if rows.dtype == types.uint8 and rows.layout == "C":
 
         def fp8_head(rows, hk, scratch):
-            # exact, in two passes of plain arithmetic that LLVM vectorises (a table lookup per
-            # element, a gather, ran 3x slower): the exponent (bias 7) and mantissa moved into
-            # float32's bits, rebiased by 120 for normals and by 121 for subnormals (e = 0),
-            # whose implicit leading 1 is then subtracted — (1 + m/8)·2^-6 - 2^-6 = m·2^-9;
-            # then the sign, by a product (-1 · 0 keeps a negative zero). S.1111.111 is NaN.
             n, width = rows.shape[0], rows.shape[2]
-            flat = scratch[: n * width]
-            bits = flat.view(np.uint32)
+            out = scratch[: n * width].reshape((n, 1, width))
             for r in range(n):
-                src = rows[r, hk]
-                base = r * width
-                for i in range(width):
-                    b = np.uint32(src[i])
-                    mag = b & np.uint32(0x7F)
-                    sub = np.uint32(mag < np.uint32(8))
-                    word = (mag << np.uint32(20)) + ((np.uint32(120) + sub) << np.uint32(23))
-                    is_nan = np.uint32(0) - np.uint32(mag == np.uint32(0x7F))  # all ones: NaN
-                    bits[base + i] = (word & ~is_nan) | (np.uint32(0x7FC00000) & is_nan)
-            for r in range(n):
-                src = rows[r, hk]
-                base = r * width
-                for i in range(width):
-                    b = np.uint32(src[i])
-                    sub = np.float32(np.uint32(b & np.uint32(0x78)) == np.uint32(0))
-                    sign = np.float32(1.0) - np.float32(2.0) * np.float32(b >> np.uint32(7))
-                    flat[base + i] = (flat[base + i] - sub * np.float32(2.0**-6)) * sign
-            return flat.reshape((n, 1, width)), 0
+                for c in range(width):
+                    out[r, 0, c] = _widen(rows[r, hk, c])  # exact, vectorised integer steps
+            return out, 0
 
         return fp8_head
     if rows.dtype == types.int8 and rows.layout == "C":
