@@ -214,11 +214,15 @@ def _dkdv_program(
             row_tiles = _row_tiles(inputs, sizes, b, h, rows, scale, DOT_FP32, BLOCK_D, BLOCK_DV)
             row_ok, qpos = rows < Sq, rows + shift
             q, do = row_tiles[0], row_tiles[1]
-            # the products transposed, [keys, rows]: k and v are the dots' first operands,
-            # which the tensor cores' layout splits across warps (as second operands every
-            # warp would hold all of them), and Pᵀ and dSᵀ come out as dV's and dK's
-            qk = tl.trans(_dot(k, tl.trans(q)))
-            dp = tl.trans(_dot(v, tl.trans(do)))
+            if DOT_FP32:
+                qk = _dot(q, tl.trans(k))
+                dp = _dot(do, tl.trans(v))
+            else:
+                # the products transposed, [keys, rows]: k and v are the dots' first operands,
+                # which the tensor cores' layout splits across warps (as second operands every
+                # warp would hold all of them), and Pᵀ and dSᵀ come out as dV's and dK's
+                qk = tl.trans(_dot(k, tl.trans(q)))
+                dp = tl.trans(_dot(v, tl.trans(do)))
             p, dz, ds, bucket = _tile_grads(
                 qk, dp, row_tiles, rows, cols, row_ok, col_ok, qpos, b, h, slope, mods, MODS
             )
@@ -339,10 +343,11 @@ def _attention_backward_kernel(
     sizes): the tuples only group them, so ptxas sees the same parameter list."""
     Hq, Hkv, Sq, Sk, _, _ = sizes
     pid = tl.program_id(0).to(tl.int64)
+    # (a size of 1 arrives as a constexpr: no tl.cdiv(...).to() on it)
     if DQ:
-        n_blocks = tl.cdiv(Sq, BLOCK_M).to(tl.int64)
+        n_blocks = (Sq + BLOCK_M - 1) // BLOCK_M
     else:
-        n_blocks = tl.cdiv(Sk, BLOCK_N).to(tl.int64)
+        n_blocks = (Sk + BLOCK_N - 1) // BLOCK_N
     block = pid % n_blocks
     pid_bh = pid // n_blocks
     # the score modifiers' arguments, and their constexprs in modify_scores' order
