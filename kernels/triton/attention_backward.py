@@ -407,9 +407,9 @@ def _delta_kernel(
 # Triton gives every warp whole rows of a product ([warps, 1]), so the dK/dV pass needs
 # BLOCK_N >= 16 x warps and the dQ pass BLOCK_M >= 16 x warps. Under the interpreter: 16 x 16.
 _TILES = {
-    (True, 64): ((64, 32, 8), (64, 32, 8)),
-    (True, 128): ((32, 32, 8), (32, 16, 4)),
-    (True, 256): ((16, 16, 4), (16, 16, 4)),
+    (True, 64): ((32, 64, 8), (32, 16, 4)),
+    (True, 128): ((32, 32, 8), (16, 32, 4)),
+    (True, 256): ((16, 16, 4), (32, 16, 8)),
     (False, 64): ((16, 64, 4), (64, 16, 4)),
     (False, 128): ((16, 64, 4), (64, 32, 4)),
 }
