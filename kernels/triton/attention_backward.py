@@ -401,11 +401,13 @@ def _delta_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps) of the dK/dV and the dQ pass by dots (IEEE fp32, or the tensor
-# cores in fp16/bf16) and head dim (64: D <= 64, 128, 256), one pipeline stage: tiles whose
-# fp32 accumulators stay in registers on sm_80 and sm_90 with every feature on (`fastpe
-# triton-report`: no spill) and whose shared memory fits sm_80 and sm_120. On the tensor cores
-# Triton gives every warp whole rows of a product ([warps, 1]), so the dK/dV pass needs
-# BLOCK_N >= 16 x warps and the dQ pass BLOCK_M >= 16 x warps. Under the interpreter: 16 x 16.
+# cores in fp16/bf16) and head dim (64: D <= 64, 128, 256), one pipeline stage, picked from
+# `fastpe triton-report` compiles for sm_80 and sm_90 (causal, and every feature on): the
+# tensor-core tiles do not spill there; on some fp32-dot compiles ptxas stops at 128 registers
+# and spills a few words (up to 40 bytes of stack), which no tile tried avoided everywhere.
+# Shared memory fits sm_80 and sm_120. On the tensor cores Triton gives every warp whole rows
+# of a product ([warps, 1]), so the dK/dV pass needs BLOCK_N >= 16 x warps and the dQ pass
+# BLOCK_M >= 16 x warps. Under the interpreter: 16 x 16.
 _TILES = {
     (True, 64): ((32, 64, 8), (32, 16, 4)),
     (True, 128): ((32, 32, 8), (16, 32, 4)),
