@@ -415,6 +415,9 @@ _TILES = {
     (False, 64): ((16, 64, 4), (64, 16, 4)),
     (False, 128): ((16, 64, 4), (64, 32, 4)),
 }
+# with a per-element bias, where it differs: the fp32-dot dQ pass at head dim 128 spills at
+# 16 x 32 (4 warps) with every feature on, not at 16 x 16 (2 warps)
+_BIASED_TILES = {(True, 128): ((32, 32, 8), (16, 16, 2))}
 
 
 def dot_fp32(dtype: torch.dtype, d: int, dv: int, biased: bool) -> bool:
@@ -440,7 +443,8 @@ def tiles(
         return (16, 16, 4), (16, 16, 4)
     widest = max(d, dv)
     dclass = 64 if widest <= 64 else 128 if widest <= 128 else 256
-    return _TILES[dot_fp32(dtype, d, dv, biased), dclass]
+    key = (dot_fp32(dtype, d, dv, biased), dclass)
+    return _BIASED_TILES.get(key, _TILES[key]) if biased else _TILES[key]
 
 
 def _launch_args(
