@@ -90,17 +90,16 @@ def _attention_launch(dtype, d, variant):
     )
 
 
-def _backward_launch(kernel, d, variant):
+def _backward_launch(kernel, dtype, d, variant):
     import torch
 
     from fastpe.kernels.triton import attention_backward as bw
 
     b, hq, hkv, s = 2, 16, 4, 1024
-    q, kv, rows = (
-        _meta((b, hq, s, d), torch.float32),
-        _meta((b, hkv, s, d), torch.float32),
-        _meta((b, hq, s), torch.float32),
-    )
+    # q, k, v, dO in the case's dtype; lse, delta and the gradients in fp32
+    q, kv = _meta((b, hq, s, d), dtype), _meta((b, hkv, s, d), dtype)
+    rows = _meta((b, hq, s), torch.float32)
+    dq, dkv = _meta((b, hq, s, d), torch.float32), _meta((b, hkv, s, d), torch.float32)
     every = variant == "everything"
     inputs = dict(
         options=AttentionOptions(
@@ -115,10 +114,10 @@ def _backward_launch(kernel, d, variant):
         relative_bias=(_meta((32, hq), torch.float32), 32, 128, True) if every else None,
     )
     if kernel == "attention_dkdv":
-        return bw.dkdv_launch_args(q, kv, kv, q, rows, rows, kv, kv, **inputs)
-    q_blocks = -(-s // bw.tiles(d, d)[1][0])
+        return bw.dkdv_launch_args(q, kv, kv, q, rows, rows, dkv, dkv, **inputs)
+    q_blocks = -(-s // bw.tiles(d, d, kv.dtype, biased=every)[1][0])
     dtable = _meta((b, hq, q_blocks, 32) if every else (1,), torch.float32)
-    return bw.dq_launch_args(q, kv, kv, q, rows, rows, q, dtable, **inputs)
+    return bw.dq_launch_args(q, kv, kv, q, rows, rows, dq, dtable, **inputs)
 
 
 def _paged_launch(dtype, d, variant, target):
@@ -229,8 +228,7 @@ def launch(kernel, dtype, d, variant, target=90):
     if kernel == "attention":
         return _attention_launch(dtype, d, variant)
     if kernel in ("attention_dkdv", "attention_dq"):
-        # the backward launcher widens every input to fp32
-        return _backward_launch(kernel, d, variant)
+        return _backward_launch(kernel, dtype, d, variant)
     if kernel == "attention_paged":
         return _paged_launch(dtype, d, variant, target)
     if kernel == "merge":

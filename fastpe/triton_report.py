@@ -168,8 +168,9 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
 
 
 def _source(case: Case):
-    """(JITFunction, signature, constexprs, attrs, options) for ``case``: its launcher's
-    arguments bound and specialised by the JIT's own binder for the case's target."""
+    """(JITFunction, signature, constexprs, attrs, options, fp32 dots) for ``case``: its
+    launcher's arguments bound and specialised by the JIT's own binder for the case's target;
+    "fp32 dots": the launcher chose IEEE fp32 dots for the kernel (its DOT_FP32)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -187,7 +188,7 @@ def _source(case: Case):
     _, signature, constexprs, attrs = fn._pack_args(
         backend, dict(options), bound, specialization, None
     )
-    return fn, signature, constexprs, attrs, options
+    return fn, signature, constexprs, attrs, options, bool(consts.get("DOT_FP32", False))
 
 
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -307,9 +308,10 @@ def compile_case(case: Case, cache_dir: str | None) -> dict:
 
     record = {"case": dataclasses.asdict(case), "key": case.key()}
     try:
-        fn, signature, constexprs, attrs, options = _source(case)
+        fn, signature, constexprs, attrs, options, fp32_dots = _source(case)
     except Exception as exc:  # a spec that no longer matches the kernel's arguments
         return {**record, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    record["fp32_dots"] = fp32_dots
     key = _cache_key(case, fn, signature, constexprs, attrs, options)
     path = os.path.join(cache_dir, key + ".json") if cache_dir else None
     if path and os.path.exists(path):
@@ -379,7 +381,8 @@ def problems(records) -> list[str]:
     """What fails the check: a kernel that does not compile, needs more shared memory than its
     target has, an attention config the autotuner may pick on sm_80/sm_90 that spills, or an
     fp16/bf16 attention kernel (forward, paged, backward) without a tensor-core instruction
-    (fp32 takes IEEE fp32 dots, on FMA units by design)."""
+    where its launcher meant to use them (fp32, and the tiles a launcher widens to fp32 on
+    purpose — its DOT_FP32 — take IEEE fp32 dots, on FMA units by design)."""
     out = []
     for r in records:
         case = r["case"]
@@ -400,7 +403,8 @@ def problems(records) -> list[str]:
                 f"{r['spill_stores']} STL / {r['spill_loads']} LDL)"
             )
         half = case["dtype"] in ("float16", "bfloat16")
-        if case["kernel"] in MMA_KERNELS and half and case["pickable"] and not r["tensor_core"]:
+        meant = case["kernel"] in MMA_KERNELS and half and not r.get("fp32_dots")
+        if meant and case["pickable"] and not r["tensor_core"]:
             out.append(f"{r['key']}: no tensor-core instruction in a {case['dtype']} kernel")
     return out
 

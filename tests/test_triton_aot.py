@@ -55,9 +55,13 @@ def test_kernels_fit_and_attention_does_not_spill(quick_records):
 
 def test_attention_uses_tensor_cores_in_half_precision(quick_records):
     """bf16 tiles go through HMMA (sm_80; sm_90 for tiles under 64 rows per warpgroup) or
-    HGMMA (sm_90): a silent fallback to FMA would be a 10x slowdown the interpreter cannot see."""
+    HGMMA (sm_90): a silent fallback to FMA would be a 10x slowdown the interpreter cannot see.
+    The backward's too, in its causal variant (heads up to 128 without a per-element bias)."""
+    backward = ("attention_dkdv", "attention_dq")
     for r in quick_records:
-        if r["case"]["kernel"] == "attention" and r["ok"]:
+        case = r["case"]
+        light_backward = case["kernel"] in backward and case["variant"] == "causal"
+        if (case["kernel"] == "attention" or light_backward) and r["ok"]:
             want = {"HMMA"} if r["case"]["target"] == 80 else {"HMMA", "HGMMA"}
             assert want & set(r["tensor_core_ops"]), r["key"]
             assert r["tensor_core"] > 0, r["key"]

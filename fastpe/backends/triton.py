@@ -251,10 +251,12 @@ class AttentionBackward(_Triton):
         device = fwd.q.device
         q, k, v = fwd.q, fwd.k, fwd.v
         rope = fwd.options.rope
-        if rope is not None:  # rotated in fp32 before the kernel, the gradients back by -θ
+        if rope is not None:
+            # rotated before the kernel (in fp32, rounded once to q's dtype, as the forward's
+            # dots saw them), the fp32 gradients back by -θ
             cos, sin = rope.cos.float(), rope.sin.float()
             positions = (rope.q_positions.on_device(device), rope.k_positions.on_device(device))
-            q, k = _rotated_first(q.float(), k.float(), (cos, sin, rope.interleaved, *positions))
+            q, k = _rotated_first(q, k, (cos, sin, rope.interleaved, *positions))
         bias = fwd.relative_bias
         dq, dk, dv, dsinks, dtable = attention_backward_triton(
             q,
