@@ -569,7 +569,8 @@ def _parser() -> argparse.ArgumentParser:
         "hot loop) and 128-bit loads in the SASS. Prints a markdown table; exits 1 if a kernel "
         "does not compile, needs more shared memory than its target has, an attention config "
         "the autotuner may pick on sm_80/sm_90 spills, or an fp16/bf16 attention kernel "
-        "(forward, paged, backward) has no tensor-core instruction.",
+        "(forward, paged, backward) has no tensor-core instruction where its launcher did not "
+        "choose fp32 dots.",
     )
     t.add_argument(
         "--full",

@@ -113,8 +113,10 @@ def _tables(cos, sin, x):
 
 
 def _adjacent(a):
-    """Whether the elements of each row (the last axis) are adjacent in memory."""
-    return a.shape[-1] <= 1 or a.strides[-1] == a.itemsize
+    """Whether the elements of each row (the last axis) are adjacent in memory. An empty array
+    counts as adjacent: NumPy flags it contiguous whatever its strides, so a copy would keep
+    them."""
+    return a.size == 0 or a.shape[-1] <= 1 or a.strides[-1] == a.itemsize
 
 
 def _scratch(x, half, rows, serial):
