@@ -95,9 +95,7 @@ def _e4m3_to_float32(typingctx, bits):
             builder.icmp_unsigned("==", magnitude, _u32(0x7F)),
             _u32(0x7FC00000),
             builder.select(
-                builder.icmp_unsigned("<", magnitude, _u32(8)),
-                builder.bitcast(tiny, _I32),
-                normal,
+                builder.icmp_unsigned("<", magnitude, _u32(8)), builder.bitcast(tiny, _I32), normal
             ),
         )
         return builder.bitcast(builder.or_(result, sign), _F32)

@@ -397,9 +397,12 @@ def test_kernel_low_precision_flash_rule(backend, dtype):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_kernel_gradients_are_deterministic(backend):
     """Key slices write their dQ shares apart and sum them in order: two runs are bitwise
-    equal (few batch·kv-head items: the keys are split across threads)."""
+    equal (few batch·kv-head items: the keys are split across threads). The Triton backward
+    has no threads to split keys across (dQ is a pass of its own): fewer keys keep the
+    interpreter's run short."""
     rng = np.random.default_rng(2)
-    leaves, kw = _case(rng, (1, 4, 1, 64, 700, 16, 16), {"causal": True})
+    sk = 96 if backend == "triton" else 700
+    leaves, kw = _case(rng, (1, 4, 1, 64, sk, 16, 16), {"causal": True})
     g = torch.from_numpy(rng.standard_normal((1, 4, 64, 16))).float()
     first = _grads(leaves, kw, g, torch.zeros(1, 4, 64), torch.float32, backend=backend)
     second = _grads(leaves, kw, g, torch.zeros(1, 4, 64), torch.float32, backend=backend)
