@@ -31,32 +31,13 @@ import argparse
 import os
 import platform
 import statistics
-import time
 
 import numba
 import torch
+from _interleaved import rounds
 from fastpe.kernels.numba._runtime import threading_layer
 
 import fastpe
-
-
-def best_of(fn, calls):
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def rounds(named, n_rounds, calls):
-    for fn in named.values():
-        fn()  # compile, warm caches
-    table = {name: [] for name in named}
-    for _ in range(n_rounds):
-        for name, fn in named.items():
-            table[name].append(best_of(fn, calls))
-    return table
 
 
 def spread(values, fmt):

@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _interleaved import rounds
 
 import fastpe
-
-
-def best_of(fn, calls):
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def rounds(named, n_rounds, calls):
-    for fn in named.values():
-        fn()  # compile / warm caches
-    table = {name: [] for name in named}
-    for _ in range(n_rounds):
-        for name, fn in named.items():
-            table[name].append(best_of(fn, calls))
-    return table
 
 
 def report(title, table, pairs):

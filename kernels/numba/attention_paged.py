@@ -247,9 +247,9 @@ def _head_rows(rows, hk, scratch):
 
 @overload(_head_rows, inline="always")
 def _head_rows_impl(rows, hk, scratch):
-    if rows.dtype == types.uint8 and rows.layout == "C":
+    if rows.dtype in (types.uint8, types.int8) and rows.layout == "C":
 
-        def fp8_head(rows, hk, scratch):
+        def quantized_head(rows, hk, scratch):
             n, width = rows.shape[0], rows.shape[2]
             out = scratch[: n * width].reshape((n, 1, width))
             for r in range(n):
@@ -257,18 +257,7 @@ def _head_rows_impl(rows, hk, scratch):
                     out[r, 0, c] = _widen(rows[r, hk, c])  # exact, vectorised integer steps
             return out, 0
 
-        return fp8_head
-    if rows.dtype == types.int8 and rows.layout == "C":
-
-        def int8_head(rows, hk, scratch):
-            n, width = rows.shape[0], rows.shape[2]
-            out = scratch[: n * width].reshape((n, 1, width))
-            for r in range(n):
-                for c in range(width):
-                    out[r, 0, c] = np.float32(rows[r, hk, c])
-            return out, 0
-
-        return int8_head
+        return quantized_head
     return lambda rows, hk, scratch: (rows, hk)
 
 
