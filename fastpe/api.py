@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from fastpe import _arrays, dispatch, reference
+from fastpe import _arrays, _kv_quant, dispatch, reference
 from fastpe._inputs import (
     FREQS,
     LAYOUTS,
@@ -563,7 +563,7 @@ def plan_kvcache(q, k_cache, k=None, *, cache_seqlens, block_table=None, cache_b
     one for the next step (a decode step's lengths grow by the appended tokens).
     """
     q = check_float_array("q", q, ndim=4)
-    k_cache = check_float_array("k_cache", k_cache, ndim=4)
+    k_cache = _kv_quant.check_cache("k_cache", k_cache)  # float or quantized, as in the call
     new = 0
     if k is not None:
         new = check_float_array("k", k, ndim=4).shape[1]

@@ -208,6 +208,35 @@ def test_paged_decode_step_with_a_plan_makes_no_host_sync(gpu_host_code):
     assert reads >= 2 and uploads >= 1, (trace.reads, trace.uploads)
 
 
+@pytest.mark.parametrize("kind", ["float8_e4m3fn", "int8"])
+def test_quantized_cache_decode_with_a_plan_makes_no_host_sync(gpu_host_code, kind):
+    # the append quantizes on the device with the plan's row indices; GPU scales are checked
+    # on the device
+    q, k, v, caches, cache_seqlens, block_table, (cos, sin) = _decode_step()
+    k_cache, v_cache = (x.to(getattr(torch, kind)) for x in caches[0])
+    if kind == "int8":
+        k_scale, v_scale = (torch.ones(k_cache.shape[:3]) for _ in range(2))
+    else:
+        k_scale, v_scale = torch.full((HKV,), 0.5), torch.full((HKV,), 0.25)
+    plan = fastpe.plan_kvcache(q, k_cache, k, cache_seqlens=cache_seqlens, block_table=block_table)
+    with SyncTrace() as trace:
+        fastpe.attention_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            plan=plan,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            causal=True,
+        )
+    assert trace.counts == (0, 0), (trace.reads, trace.uploads)
+    assert gpu_host_code["_attention_paged_kernel"].launches == 1
+
+
 def test_varlen_with_a_plan_makes_no_host_sync(gpu_host_code):
     g = torch.Generator().manual_seed(1)
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
