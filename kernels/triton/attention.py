@@ -152,6 +152,9 @@ _BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
 # ... and with RoPE rotated in the kernel as well, only the narrowest tiles stay out of local
 # memory at head dim 64 (wider heads rotate before the kernel then: _rope_in_kernel)
 _BIASED_ROPE_OUT = {64: {(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 4, 2)}, 128: set(), 256: set()}
+# ... and on sm_90 and later, the T5 bucket lookups take the 64 x 64 four-warp tile at head dim
+# 128 past 255 registers (a 56-byte spill in bench/results/triton-aot.md)
+_T5_SM90_OUT = {64: set(), 128: {(64, 64, 4, 3)}, 256: set()}
 # GPUs with 99 KB of shared memory per block (sm_86, sm_89, sm_120): no third stage
 _SMALL_SMEM = (86, 89, 120, 121)
 
@@ -206,6 +209,8 @@ def _prune(configs, named_args, capability=None, **kwargs):
         fits -= _BIASED_OUT[dclass]
         if kwargs.get("HAS_ROPE"):
             fits -= _BIASED_ROPE_OUT[dclass]
+    if kwargs.get("HAS_RELATIVE_BIAS") and capability >= 90:
+        fits -= _T5_SM90_OUT[dclass]
     if capability in _SMALL_SMEM:
         fits = {f for f in fits if f[3] <= 2} or fits
     key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
