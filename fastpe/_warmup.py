@@ -11,8 +11,9 @@ cache, and a later process loads it in milliseconds.
 
 The plan is made of items, one per (op, dtype) with the workload's features; each item runs in
 a worker process (``jobs``), and at the end one more fresh process repeats every call and counts
-what it still had to compile (a cache entry lost to two workers writing one index at once is
-recompiled there), so "0 compiles" in the check is the proof that later processes start warm.
+what it still had to compile, so "0 compiles" in the check is the proof that later processes
+start warm. Workers that need the same kernel (the helpers every attention item shares) compile
+it once: the others wait for it on the cache's compile lock (``_runtime._KernelCache``).
 """
 
 from __future__ import annotations

@@ -538,3 +538,78 @@ def test_cache_notices_a_change_in_an_imported_helper(tmp_path):
         output = run_script(body, tmp_path, env=env)
         counts.append(next(line for line in output.splitlines() if line.startswith("hits")))
     assert counts == ["hits 0 misses 1", "hits 1 misses 0", "hits 0 misses 1"], counts
+
+
+def test_processes_compile_a_kernel_once_and_a_failed_compile_frees_it(tmp_path):
+    # Processes that start together on an empty cache (ranks, workers) each compiled every
+    # kernel; the compile lock makes one compile while the others wait and load its result. A
+    # compile made slow on purpose (a listener that sleeps as it starts) keeps them together.
+    (tmp_path / "slow.py").write_text(
+        textwrap.dedent(
+            """
+            import time
+            from numba.core import event
+            from fastpe.kernels.numba._runtime import njit
+
+            class _Slow(event.Listener):
+                def on_start(self, ev):
+                    time.sleep(1.5)
+                def on_end(self, ev):
+                    pass
+
+            event.register("numba:compile", _Slow())
+
+            @njit(cache=True)
+            def twice(x):
+                return 2 * x
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path))
+    run_script(
+        """
+        import multiprocessing as mp
+
+        def together(barrier, results):
+            from slow import twice
+            barrier.wait()
+            assert twice(21.0) == 42.0
+            results.put(twice.stats.cache_misses.total())  # compiles (loads are hits)
+
+        def fails_then_waits(failed, done):
+            from slow import twice
+            try:
+                twice(None)  # 2 * None: the compile fails at typing
+            except Exception:
+                pass
+            failed.set()
+            done.wait(60)
+
+        def after_failure(failed, results):
+            from slow import twice
+            failed.wait(60)
+            start = time.monotonic()
+            twice(3)
+            results.put(time.monotonic() - start)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            barrier, results = ctx.Barrier(3), ctx.Queue()
+            procs = [ctx.Process(target=together, args=(barrier, results)) for _ in range(3)]
+            [p.start() for p in procs]
+            compiles = [results.get(timeout=120) for _ in procs]
+            [p.join() for p in procs]
+            assert sorted(compiles) == [0, 0, 1], compiles
+            failed, done = ctx.Event(), ctx.Event()
+            first = ctx.Process(target=fails_then_waits, args=(failed, done))
+            second = ctx.Process(target=after_failure, args=(failed, results))
+            first.start(); second.start()
+            seconds = results.get(timeout=120)
+            done.set(); first.join(); second.join()
+            assert seconds < 30, seconds  # not held until COMPILE_WAIT_LIMIT by the failure
+            print("ok")
+        """,
+        tmp_path,
+        env=env,
+    )

@@ -42,6 +42,7 @@ import os
 import pathlib
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -345,13 +346,85 @@ def _kernel_sources_digest() -> str:
     return digest.hexdigest()
 
 
+COMPILE_WAIT_LIMIT = 900.0  # seconds a process waits for another's compile before its own
+
+
 class _KernelCache(FunctionCache):
     """Numba's disk cache, keyed also by every kernel file: Numba notices a change only in the
     file that holds the kernel, not in the jitted helpers it imports from the others (the half
-    conversions, the attention tile steps), and would load stale machine code."""
+    conversions, the attention tile steps), and would load stale machine code.
+
+    One compile per function at a time across processes: on a cache miss the process takes an
+    exclusive lock on the function's ``.lock`` file next to its index, looks in the cache again
+    (another process may have just saved the kernel: it loads that instead of compiling it
+    again), and holds the lock until its own compile is saved (or has failed). Without it,
+    processes that start together on an empty cache — ranks of a distributed job, server or
+    DataLoader workers, parallel test workers, ``fastpe warmup``'s workers — each compile every
+    kernel, seconds of CPU apiece on shared cores, and their writes to the function's one index
+    file could drop each other's entries. The lock is ``flock``'s (released by the kernel when a
+    process dies); a process that waits longer than ``COMPILE_WAIT_LIMIT`` compiles anyway."""
+
+    _held = None  # the open lock file while this process compiles the function
 
     def _index_key(self, sig, codegen):
         return (*super()._index_key(sig, codegen), _kernel_sources_digest())
+
+    def load_overload(self, sig, target_context):
+        found = super().load_overload(sig, target_context)
+        if found is not None or self._held is not None or not self._enabled:
+            return found
+        self._held = _lock_file(os.path.join(self._cache_path, self._cache_file._index_name))
+        if self._held is None:
+            return None
+        found = super().load_overload(sig, target_context)  # saved while this process waited
+        if found is not None:
+            self.release()
+        return found  # None: this process compiles it, under the lock
+
+    def save_overload(self, sig, data):
+        try:
+            super().save_overload(sig, data)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()  # closing the file releases its flock
+
+
+def _lock_file(index_path: str):
+    """The open, exclusively locked ``<index>.lock`` file, or None where it cannot be had (no
+    flock on this platform or file system, or ``COMPILE_WAIT_LIMIT`` passed)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: compile without waiting, as Numba does
+        return None
+    try:
+        handle = open(index_path + ".lock", "a")  # noqa: SIM115 - closed by release()
+    except OSError:
+        return None
+    waited, delay = 0.0, 0.01
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            pass
+        except OSError:  # a file system without locks
+            handle.close()
+            return None
+        if waited >= COMPILE_WAIT_LIMIT:
+            handle.close()
+            return None
+        if waited < NOTICE_AFTER <= waited + delay:
+            logger.info(
+                "fastpe: waiting for another process compiling the kernel of %s",
+                os.path.basename(index_path),
+            )
+        time.sleep(delay)
+        waited += delay
+        delay = min(delay * 2, 0.25)
 
 
 def _dispatcher(func, options: dict, cache: bool):
@@ -489,6 +562,11 @@ class _CompileNotice(event.Listener):
         self._timer.start()
 
     def on_end(self, ev):
+        if getattr(ev, "_exc_details", None) is not None:  # Numba's is_failed reads it inverted
+            # a failed compile saves nothing: let the next process (or call) try
+            cache = getattr(ev.data["dispatcher"], "_cache", None)
+            if isinstance(cache, _KernelCache):
+                cache.release()
         self._depth -= 1
         if self._depth == 0 and self._timer is not None:
             self._timer.cancel()
