@@ -234,7 +234,16 @@ class RowTile(NamedTuple):
 def _dummy(dtype, ndim):
     """The placeholder of an absent array argument: one per (dtype, ndim) per process, since
     the kernels read it only behind its ``has_*`` flag and never write it."""
-    return np.zeros((1,) * ndim, dtype=dtype)
+    return _read_only(np.zeros((1,) * ndim, dtype=dtype))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: Numba types read-only and writable arrays apart and compiles a kernel
+    for each, so every array of ``ScoreMods`` (which the kernels only read) goes in read-only,
+    whether the caller's was (a broadcast mask) or not — one compile instead of two."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 @functools.cache
@@ -275,24 +284,26 @@ def score_mods(
         bias_offset = -first
     return ScoreMods(
         scale=dtype.type(options.scale),
-        query_shift=query_shift,
-        key_len=key_len,
+        query_shift=_read_only(query_shift),
+        key_len=_read_only(key_len),
         unit=unit,
         softcap=0.0 if softcap is None else float(softcap),
         win_left=win_left,
         win_right=win_right,
         has_mask=mask is not None,
         mask_is_bool=mask_is_bool,
-        mask_bool=mask if mask_is_bool else _dummy(np.bool_, 4),
-        mask=mask if mask is not None and not mask_is_bool else _dummy(dtype, 4),
+        mask_bool=_read_only(mask) if mask_is_bool else _dummy(np.bool_, 4),
+        mask=_read_only(mask) if mask is not None and not mask_is_bool else _dummy(dtype, 4),
         mask_limit=_largest_float(dtype),
         has_alibi=alibi_slopes is not None,
-        alibi=alibi,
+        alibi=_read_only(alibi),
         has_bias=relative_bias is not None,
-        bias=bias,
+        bias=_read_only(bias),
         bias_offset=bias_offset,
         has_sinks=sinks is not None,
-        sinks=_dummy(np.float64, 1) if sinks is None else np.ascontiguousarray(sinks, np.float64),
+        sinks=_dummy(np.float64, 1)
+        if sinks is None
+        else _read_only(np.ascontiguousarray(sinks, np.float64)),
     )
 
 
