@@ -21,7 +21,9 @@ from fastpe.api import (
     rope_table,
     sinusoidal_table,
 )
+from fastpe import mods  # flex_attention's functions for NumPy modifiers
 from fastpe.dispatch import BackendNotSupportedError, use_backend
+from fastpe.flex import BlockMask, create_block_mask, flex_attention
 from fastpe.rope_scaling import rope_inv_freq
 
 # The one place the version is written: pyproject.toml reads it (`dynamic`), and so does
@@ -40,14 +42,18 @@ def __getattr__(name):
 
 __all__ = [
     "BackendNotSupportedError",
+    "BlockMask",
     "apply_rope",
     "attention",
     "attention_kvcache",
     "attention_varlen",
     "backends",
+    "create_block_mask",
     "embed",
     "explain",
+    "flex_attention",
     "merge_attention",
+    "mods",
     "plan_kvcache",
     "plan_varlen",
     "relative_transform",
