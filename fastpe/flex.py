@@ -16,6 +16,9 @@ import threading
 import numpy as np
 
 from fastpe import _flex_expr, _flex_reference, dispatch
+from fastpe._flex_expr import CaptureError
+
+__all__ = ["BlockMask", "CaptureError", "create_block_mask", "flex_attention"]
 
 _DEFAULT_BLOCK = 128
 _NO_MASK_BLOCKS = (128, 256)  # tiles of a call without a block mask: the dense kernel's

@@ -377,7 +377,7 @@ def flex_forward_numba(module, q, k, v, caps, plan, blocks, scale):
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dtype = q.dtype
     out = np.zeros((batch, hq, sq, dv), dtype=dtype)
-    lse = np.full((batch, hq, sq), -np.inf, dtype=np.float32)
+    lse = np.full((batch, hq, sq), -np.inf, dtype=dtype)
     if batch * hq * sq == 0 or sk == 0:
         return out, lse
     group = hq // hkv
