@@ -137,7 +137,8 @@ class BlockMask:
 
 def _mask_states(mask_node, arrays, batch, heads, q_len, kv_len, blocks):
     """Block states [batch, heads, nq, nk] of a captured mask: 2 where every element of the
-    block holds, 1 where some does, 0 where none does; evaluated a band of query blocks at a
+    block holds, 1 where some does, 0 where none does (as torch, a block cut short by the end
+    of the sequence is never full); evaluated a band of query blocks at a
     time (the oracle's evaluation), so memory stays near 16M elements."""
     qb, kb = blocks
     nq, nk = -(-q_len // qb), -(-kv_len // kb)
@@ -151,10 +152,9 @@ def _mask_states(mask_node, arrays, batch, heads, q_len, kv_len, blocks):
         keep = np.broadcast_to(keep, (batch, heads, len(rows), kv_len))
         pad_q, pad_k = -len(rows) % qb, -kv_len % kb
         seen = np.pad(keep, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)), constant_values=False)
-        full = np.pad(keep, ((0, 0), (0, 0), (0, pad_q), (0, pad_k)), constant_values=True)
         shape = (batch, heads, seen.shape[2] // qb, qb, nk, kb)
         any_seen = seen.reshape(shape).any(axis=(3, 5))
-        all_full = full.reshape(shape).all(axis=(3, 5))
+        all_full = seen.reshape(shape).all(axis=(3, 5))
         state[:, :, first : first + any_seen.shape[2]] = np.where(
             all_full, 2, np.where(any_seen, 1, 0)
         )
@@ -356,6 +356,13 @@ def flex_attention(
     (default) or "numpy" (the float64 oracle). docs/flex-attention.md lists what the
     modifiers may use.
     """
+    torch = _torch()
+    if torch is not None and torch.compiler.is_compiling():
+        # Dynamo cannot trace the capture or the NumPy kernels: one graph break, run eagerly
+        return _eager_flex_attention()(
+            query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+            mask_mod=mask_mod, backend=backend,
+        )  # fmt: skip
     if _is_tensor(query) and query.device.type != "cpu":
         _refuse_cuda("flex_attention")
     name = dispatch.requested_backend(backend) or "numba"
@@ -400,6 +407,17 @@ def flex_attention(
         out, lse = call.forward(*(_to_numpy(x) for x in (query, key, value)))
         out = out.astype(np.result_type(query.dtype, np.float32), copy=False)
     return (out, lse) if return_lse else out
+
+
+_eager = None
+
+
+def _eager_flex_attention():
+    """flex_attention behind ``torch.compiler.disable``: what a compiled graph calls."""
+    global _eager
+    if _eager is None:
+        _eager = _torch().compiler.disable(flex_attention, recursive=True)
+    return _eager
 
 
 def _is_noop(func) -> bool:

@@ -53,14 +53,15 @@ from fastpe.kernels.numba._attention_tiles import (
     _row_buffers,
     _scores_small,
 )
-from fastpe.kernels.numba._flex_math import _exp, _exp2f, _sigmoid, _sign, _tanh
+from fastpe.kernels.numba._flex_math import _exp, _exp2f, _is_f32, _sigmoid, _sign, _tanh
 from fastpe.kernels.numba._runtime import njit
 '''
 
 _STEP = '''
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err, IS_F32):
+def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err):
+    IS_F32 = _is_f32(s)
     inv_unit = 1.0 / unit
     bad = False
     for r in range(s.shape[0]):
@@ -120,9 +121,9 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                 else:
                     np.dot(qt, kt.T, s)
                 if partial:
-                    _partial_step(s, no_dz, b, hk, group, i0, npos, j0, n, mods.unit, caps, err, is_f32)
+                    _partial_step(s, no_dz, b, hk, group, i0, npos, j0, n, mods.unit, caps, err)
                 elif HAS_SCORE_MOD:
-                    _full_step(s, no_dz, b, hk, group, i0, npos, j0, n, mods.unit, caps, err, is_f32)
+                    _full_step(s, no_dz, b, hk, group, i0, npos, j0, n, mods.unit, caps, err)
                 _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
                 if m <= SMALL_ROWS:
                     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
@@ -135,13 +136,14 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS, error_model="numpy")
-def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_m, q_block, block_n, kv_block, caps, err, is_f32):
+def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_m, q_block, block_n, kv_block, caps, err):
     batch, hq, sq, d = q.shape
     hkv, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     q_count, q_list = plan
     n_splits = dq_part.shape[0]
     group = hq // hkv
     dtype = dq_part.dtype
+    f32 = _is_f32(dq_part)
     n_kblocks = (sk + kv_block - 1) // kv_block
     per_split = (n_kblocks + n_splits - 1) // n_splits
     for item in prange(batch * hkv * n_splits):
@@ -182,13 +184,13 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                         np.dot(qs, kt.T, s)
                         dz_ds = np.empty((m, n) if HAS_DERIVATIVE else (0, 0), dtype=dtype)
                         if partial:
-                            _partial_backward_step(s, dz_ds, b, hk, group, i0, npos, j0, n, 1.0, caps, err, is_f32)
+                            _partial_backward_step(s, dz_ds, b, hk, group, i0, npos, j0, n, 1.0, caps, err)
                         elif HAS_SCORE_MOD:
-                            _full_backward_step(s, dz_ds, b, hk, group, i0, npos, j0, n, 1.0, caps, err, is_f32)
+                            _full_backward_step(s, dz_ds, b, hk, group, i0, npos, j0, n, 1.0, caps, err)
                         for r in range(m):
                             shift = ref[r]
                             for c in range(n):
-                                if is_f32:
+                                if f32:
                                     s[r, c] = _exp2((s[r, c] - shift) * np.float32(LOG2E))
                                 else:
                                     s[r, c] = math.exp(s[r, c] - shift)
@@ -423,7 +425,7 @@ def flex_backward_numba(module, q, k, v, out, lse, grad_out, grad_lse, caps, pla
         with single_threaded_blas():
             module._flex_backward(
                 q, k, v, grad_out, lse, delta, dq_part, dk, dv, plan, dtype.type(scale),
-                block_m, blocks[0], block_n, blocks[1], caps, err, dtype == np.float32,
+                block_m, blocks[0], block_n, blocks[1], caps, err,
             )  # fmt: skip
     _raise_index_error(err)
     dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
