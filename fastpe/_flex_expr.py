@@ -830,7 +830,9 @@ def numba_statements(roots: dict, row_names=("b", "h", "q_idx")):
                 args[0].kind,
                 args[1].kind,
             ):
-                operands = [_cast_source(t, a.kind, "float") for t, a in zip(operands, args, strict=True)]
+                operands = [
+                    _cast_source(t, a.kind, "float") for t, a in zip(operands, args, strict=True)
+                ]
             out.append(f"{name} = {_NB_FORMAT[op].format(*operands)}")
         names[node] = name
     for target, node in roots.items():

@@ -41,7 +41,9 @@ def scores(q, k, scale, score, mask, state, blocks, arrays):
     states = _element_states(state, blocks, shape)
     keep = states == 2
     if mask is not None:
-        keep = keep | ((states == 1) & np.broadcast_to(_flex_expr.evaluate(mask, env, arrays), shape))
+        keep = keep | (
+            (states == 1) & np.broadcast_to(_flex_expr.evaluate(mask, env, arrays), shape)
+        )
     else:
         keep = keep | (states == 1)
     z = np.where(keep, z, -np.inf)

@@ -57,7 +57,7 @@ from fastpe.kernels.numba._flex_math import _exp, _exp2f, _is_f32, _sigmoid, _si
 from fastpe.kernels.numba._runtime import njit
 '''
 
-_STEP = '''
+_STEP = """
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
 def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err):
@@ -76,9 +76,9 @@ def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err):
 {store}
     if bad:
         err[0] = 1
-'''
+"""
 
-_KERNELS = '''
+_KERNELS = """
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_block, caps, err, is_f32):
@@ -219,7 +219,7 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                         dk[b, hk, j0 + j, c] = dk_acc[j, c]
                     for c in range(dvd):
                         dv[b, hk, j0 + j, c] = dv_acc[j, c]
-'''
+"""
 
 
 def _indent(lines, depth):
@@ -240,17 +240,16 @@ def _step_source(name, row, col, *, score, keep, grad):
     store.append("s[r, c] = z")
     if grad:
         store.append("dz_ds[r, c] = grad")
-    return _STEP.format(name=name, row=_indent(row, 2), col=_indent(col, 3), store=_indent(store, 3))
+    return _STEP.format(
+        name=name, row=_indent(row, 2), col=_indent(col, 3), store=_indent(store, 3)
+    )
 
 
 def module_source(steps: dict, has_score_mod: bool, has_derivative: bool) -> str:
     """The variant's module. ``steps`` maps each step name (_full_step, _partial_step,
     _full_backward_step, _partial_backward_step) to (row statements, column statements,
     score, keep, grad) as ``_step_source`` takes them."""
-    parts = [
-        _HEADER,
-        f"HAS_SCORE_MOD = {has_score_mod}\nHAS_DERIVATIVE = {has_derivative}\n",
-    ]
+    parts = [_HEADER, f"HAS_SCORE_MOD = {has_score_mod}\nHAS_DERIVATIVE = {has_derivative}\n"]
     for name, (row, col, score, keep, grad) in steps.items():
         parts.append(_step_source(name, row, col, score=score, keep=keep, grad=grad))
     parts.append(_KERNELS)

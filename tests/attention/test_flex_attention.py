@@ -171,7 +171,7 @@ def test_backward_matches_torch_autograd(pattern, sq, sk):
     block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
 
     def grads(run, dtype):
-        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         (run(*leaves) * grad_out.to(dtype)).sum().backward()
         return [x.grad for x in leaves]
 
