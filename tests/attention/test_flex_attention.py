@@ -191,18 +191,19 @@ def test_backward_matches_torch_autograd(pattern, sq, sk):
 def test_gradient_of_lse():
     """lse's gradient flows too (dlse enters as D = rowsum(dO∘O) - dlse)."""
     score_mod, mask_mod = _patterns(SQ, SK)[0]["causal+softcap"]
-    q, k, v = _qkv(SQ, SK, torch.float64, seed=3)
+    q, k, v = _qkv(SQ, SK, torch.float32, seed=3)
     block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
 
     def loss(backend):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        dtype = torch.float32 if backend == "numba" else torch.float64
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         out, lse = fastpe.flex_attention(*leaves, score_mod, block_mask, enable_gqa=True,
                                          return_lse=True, backend=backend)  # fmt: skip
-        (out.sum() + (lse * torch.linspace(-1, 1, SQ)).sum()).backward()
+        (out.sum() + (lse * torch.linspace(-1, 1, SQ, dtype=dtype)).sum()).backward()
         return [x.grad for x in leaves]
 
     for got, want in zip(loss("numba"), loss("numpy"), strict=True):
-        _close(got, want, 1e-10, "gradient through lse")
+        _close(got, want, 5e-5, "gradient through lse")
 
 
 def test_builtins_written_as_modifiers_match_the_builtin_options():
@@ -279,7 +280,10 @@ def test_block_masks_from_torch_and_mask_mod_keyword():
     q, k, v = _qkv(SQ, SK, torch.float32)
     want = fastpe.flex_attention(q, k, v, block_mask=ours, enable_gqa=True)
     assert torch.equal(fastpe.flex_attention(q, k, v, block_mask=theirs, enable_gqa=True), want)
-    assert torch.equal(fastpe.flex_attention(q, k, v, mask_mod=mask_mod, enable_gqa=True), want)
+    # mask_mod= makes its block mask per call, in blocks of 128: other tiles, same values
+    _close(
+        fastpe.flex_attention(q, k, v, mask_mod=mask_mod, enable_gqa=True), want, 1e-6, "mask_mod="
+    )
 
 
 def _bad_if(score, b, h, q_idx, kv_idx):
