@@ -351,3 +351,21 @@ def test_refusals():
     small = fastpe.create_block_mask(mask_mod, B, None, 64, 64, BLOCK_SIZE=BLOCK)
     with pytest.raises(ValueError, match="block_mask covers 64 queries"):
         fastpe.flex_attention(q, k, v, block_mask=small, enable_gqa=True)
+
+
+def test_torch_compile_runs_it_as_a_graph_break():
+    """Dynamo cannot trace the capture or the NumPy kernels: flex_attention runs eagerly inside
+    a compiled function, forward and backward, with the eager result."""
+    q, k, v = _qkv(16, 16, torch.float32)
+    score_mod, mask_mod = _patterns(16, 16)[0]["causal+softcap"]
+
+    def loss(q):
+        out = fastpe.flex_attention(
+            2.0 * q, k, v, score_mod, mask_mod=mask_mod, enable_gqa=True, backend="numpy"
+        )
+        return out.square().sum()
+
+    leaf, compiled_leaf = q.clone().requires_grad_(), q.clone().requires_grad_()
+    loss(leaf).backward()
+    torch.compile(loss)(compiled_leaf).backward()
+    assert torch.allclose(compiled_leaf.grad, leaf.grad, rtol=1e-6, atol=1e-6)
