@@ -11,8 +11,10 @@ median and the ratio of torch.compile's (or the built-in's) time to fastpe.flex_
 taken per round: median [min, max]. The first call of each function (compiles) is untimed.
 
 ``--first-call CASE`` instead times, in this process, the first call of one case (``flex``:
-flex_attention causal + soft-cap; ``builtin``: attention(causal=True, softcap=30)) in CPU and
-wall seconds: run it in a fresh process with an empty NUMBA_CACHE_DIR.
+flex_attention causal + soft-cap; ``flex-window``: flex_attention with a sliding-window mask;
+``builtin``: attention(causal=True, softcap=30)) in CPU and wall seconds: run it in a fresh
+process with an empty NUMBA_CACHE_DIR (``flex-window`` after ``flex`` on the same cache: a new
+variant once the shared steps are cached).
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def _first_call(case, q, k, v):
 
     seq = q.shape[2]
     wall, used = time.perf_counter(), cpu()
-    if case == "flex":
-        score_mod, mask_mod, _ = _patterns(seq)["causal + softcap 30"]
+    if case in ("flex", "flex-window"):
+        pattern = "causal + softcap 30" if case == "flex" else "sliding window 1024"
+        score_mod, mask_mod, _ = _patterns(seq)[pattern]
         block_mask = fastpe.create_block_mask(mask_mod, None, None, seq, seq)
         fastpe.flex_attention(q, k, v, score_mod, block_mask)
     else:
@@ -82,7 +85,7 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--first-call", choices=["flex", "builtin"])
+    parser.add_argument("--first-call", choices=["flex", "flex-window", "builtin"])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     dtype = getattr(torch, args.dtype)

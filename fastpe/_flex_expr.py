@@ -354,7 +354,8 @@ def _cast_to(x, dtype):
 def apply(name, args, kwargs):
     """The operation ``name`` (a torch or NumPy function's name) on operands that include a Sym."""
     kwargs = dict(kwargs or {})
-    kwargs.pop("out", None) if kwargs.get("out") is None else None
+    if kwargs.get("out", 0) is None:  # out=None is the default: drop it; any other out refused
+        del kwargs["out"]
     if name == "__getitem__":
         return index(args[0], args[1])
     if name == "where" and len(args) == 3:
