@@ -80,6 +80,14 @@ def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err):
 
 _KERNELS = """
 
+@njit(cache=True)
+def _pair_buffers(like, m, width):
+    # S and P tiles [m, width] for two key blocks at once (a function of their own, as
+    # _row_buffers: Numba's parallel array analysis forbids re-binding s to an array whose
+    # shape it knows differs)
+    return np.empty((m, width), dtype=like.dtype), np.empty((m, width), dtype=like.dtype)
+
+
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_block, caps, err, is_f32):
     batch, hq, sq, d = q.shape
@@ -107,15 +115,35 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
         acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
             out, m, dv, block_n, sk % block_n
         )
+        # two consecutive full blocks of at most 128 keys go as one tile of twice the width:
+        # fewer, larger BLAS calls and online-softmax steps (the dense kernel's 256 keys)
+        pair = block_n == kv_block and 2 * block_n <= 256
+        s_pair, p_pair = _pair_buffers(out, m, 2 * block_n if pair else 0)
         no_dz = np.empty((0, 0), dtype=out.dtype)
-        for t in range(kv_count[bt, ht, qb]):
+        count = kv_count[bt, ht, qb]
+        t = 0
+        while t < count:
             code = kv_list[bt, ht, qb, t]
             kb, partial = code >> 1, (code & 1) == 0
-            for j0 in range(kb * kv_block, min((kb + 1) * kv_block, sk), block_n):
-                n = min(block_n, sk - j0)
+            span = 1
+            if (
+                pair
+                and not partial
+                and t + 1 < count
+                and kv_list[bt, ht, qb, t + 1] == code + 2
+                and (kb + 2) * kv_block <= sk
+            ):
+                span = 2
+            t += span
+            width = span * block_n
+            for j0 in range(kb * kv_block, min((kb + span) * kv_block, sk), width):
+                n = min(width, sk - j0)
                 kt = k[b, hk, j0 : j0 + n]
                 vt = v[b, hk, j0 : j0 + n]
-                s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
+                if span == 2:
+                    s, p = s_pair, p_pair
+                else:
+                    s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
                 if m <= SMALL_ROWS:
                     _scores_small(qt, kt[:, None], 0, s, 0)
                 else:
