@@ -769,29 +769,41 @@ def _cast_source(text, node_kind, want_kind):
     return f"np.float64({text})" if want_kind == "float" else f"np.int64({text})"
 
 
-def numba_statements(roots: dict, row_names=("b", "h", "q_idx")):
+_LEAF_LEVEL = {"b": "row", "h": "row", "q_idx": "row", "kv_idx": "key", "score": "cell"}
+_NUMPY_DTYPE = {"bool": "np.bool_", "int": "np.int64", "float": "np.float64"}
+
+
+def _level(levels):
+    """Where a node's value changes: "none" (once per call), "row" (per query row), "key" (per
+    key: computed once per tile into an array), "cell" (per score)."""
+    levels = set(levels) - {"none"}
+    if "cell" in levels or {"row", "key"} <= levels:
+        return "cell"
+    return levels.pop() if levels else "none"
+
+
+def numba_statements(roots: dict):
     """Python statements computing the expressions in ``roots`` (name -> Node) for one score,
-    split into (row statements, column statements): a node that depends neither on kv_idx nor
-    on the score is computed once per row. Each root's value is assigned to its name. Captured
-    arrays are ``caps[i]``; an index out of range sets ``bad`` (and reads element 0 instead)."""
+    as four lists: ``setup`` (once per tile, before its loops), ``keys`` (inside a loop over
+    the tile's keys ``c``: what depends on kv_idx only, such as ``doc_id[kv_idx]``, stored in
+    arrays), ``row`` (per query row: what depends on b, h, q_idx only) and ``cell`` (per score,
+    reading the key arrays first). Each root's value is assigned to its name. Captured arrays
+    are ``caps[i]``; an index out of range sets ``bad`` (and reads element 0 instead)."""
     order = nodes_in_order(*roots.values())
     names: dict[Node, str] = {}
-    per_column: dict[Node, bool] = {}
-    row, col = [], []
+    level: dict[Node, str] = {}
+    lists = {"none": [], "key": [], "row": [], "cell": []}
+    stored = []  # key-level values: (name, kind)
     for number, node in enumerate(order):
         op, args = node.op, node.args
-        column = op in ("score", "kv_idx") or any(
-            per_column.get(a, False) for a in args if isinstance(a, Node)
-        )
-        per_column[node] = column
-        out = col if column else row
         if op in ARGS:
-            names[node] = op
+            names[node], level[node] = op, _LEAF_LEVEL[op]
             continue
-        if op == "cap":
-            names[node] = f"caps[{args[0]}]"
-            continue
-        if op == "const":
+        if op in ("cap", "const"):
+            level[node] = "none"
+            if op == "cap":
+                names[node] = f"caps[{args[0]}]"
+                continue
             value = args[0]
             names[node] = (
                 repr(value)
@@ -799,7 +811,11 @@ def numba_statements(roots: dict, row_names=("b", "h", "q_idx")):
                 else ("np.inf" if value > 0 else "-np.inf" if value < 0 else "np.nan")
             )
             continue
+        level[node] = _level(level[a] for a in args if isinstance(a, Node))
+        out = lists[level[node]]
         name = f"t{number}"
+        if level[node] == "key":
+            stored.append((name, node.kind))
         if op == "index":
             array = names[args[0]]
             parts = []
@@ -836,6 +852,12 @@ def numba_statements(roots: dict, row_names=("b", "h", "q_idx")):
                 ]
             out.append(f"{name} = {_NB_FORMAT[op].format(*operands)}")
         names[node] = name
+    for name, kind in stored:
+        lists["none"].append(f"k_{name} = np.empty(n, dtype={_NUMPY_DTYPE[kind]})")
+        lists["key"].append(f"k_{name}[c] = {name}")
+    loads = [f"{name} = k_{name}[c]" for name, _ in stored]
+    cell = loads + lists["cell"]
     for target, node in roots.items():
-        (col if per_column[node] else row).append(f"{target} = {names[node]}")
-    return row, col
+        where = level[node]
+        (cell if where in ("key", "cell") else lists["row"]).append(f"{target} = {names[node]}")
+    return lists["none"], lists["key"], lists["row"], cell

@@ -274,9 +274,9 @@ def _variant_steps(score, mask):
                 roots["keep"] = keep
             if grad is not None:
                 roots["grad"] = grad
-            row, col = _flex_expr.numba_statements(roots)
+            statements = _flex_expr.numba_statements(roots)
             name = f"_{kind}_{prefix}step"
-            steps[name] = (row, col, score is not None, keep is not None, grad is not None)
+            steps[name] = (statements, score is not None, keep is not None, grad is not None)
     return steps, score is not None, has_derivative
 
 

@@ -64,6 +64,10 @@ def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err):
     IS_F32 = _is_f32(s)
     inv_unit = 1.0 / unit
     bad = False
+{setup}
+    for c in range(n):
+        kv_idx = j0 + c
+{keys}
     for r in range(s.shape[0]):
         g = r // npos
         h = hk * group + g
@@ -72,7 +76,7 @@ def {name}(s, dz_ds, b, hk, group, i0, npos, j0, n, unit, caps, err):
         for c in range(n):
             kv_idx = j0 + c
             score = s[r, c] * inv_unit
-{col}
+{cell}
 {store}
     if bad:
         err[0] = 1
@@ -254,7 +258,7 @@ def _indent(lines, depth):
     return "\n".join(" " * (4 * depth) + line for line in lines) or " " * (4 * depth) + "pass"
 
 
-def _step_source(name, row, col, *, score, keep, grad):
+def _step_source(name, setup, keys, row, cell, *, score, keep, grad):
     """One generated tile step: ``score`` (bool) the statements assign ``value``, the modified
     score; ``keep`` they assign ``keep``, the mask; ``grad`` they assign ``grad``, ∂value/∂score
     (stored in dz_ds)."""
@@ -269,17 +273,22 @@ def _step_source(name, row, col, *, score, keep, grad):
     if grad:
         store.append("dz_ds[r, c] = grad")
     return _STEP.format(
-        name=name, row=_indent(row, 2), col=_indent(col, 3), store=_indent(store, 3)
+        name=name,
+        setup=_indent(setup, 1),
+        keys=_indent(keys, 2),
+        row=_indent(row, 2),
+        cell=_indent(cell, 3),
+        store=_indent(store, 3),
     )
 
 
 def module_source(steps: dict, has_score_mod: bool, has_derivative: bool) -> str:
     """The variant's module. ``steps`` maps each step name (_full_step, _partial_step,
-    _full_backward_step, _partial_backward_step) to (row statements, column statements,
-    score, keep, grad) as ``_step_source`` takes them."""
+    _full_backward_step, _partial_backward_step) to (statements, score, keep, grad):
+    the statement lists (setup, keys, row, cell) and flags as ``_step_source`` takes them."""
     parts = [_HEADER, f"HAS_SCORE_MOD = {has_score_mod}\nHAS_DERIVATIVE = {has_derivative}\n"]
-    for name, (row, col, score, keep, grad) in steps.items():
-        parts.append(_step_source(name, row, col, score=score, keep=keep, grad=grad))
+    for name, (statements, score, keep, grad) in steps.items():
+        parts.append(_step_source(name, *statements, score=score, keep=keep, grad=grad))
     parts.append(_KERNELS)
     return "".join(parts)
 
