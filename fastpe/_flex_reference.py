@@ -64,7 +64,7 @@ def flex_attention(q, k, v, scale, score, mask, state, blocks, arrays):
     lse -inf."""
     z, _ = scores(q, k, scale, score, mask, state, blocks, arrays)
     v = np.repeat(np.asarray(v, np.float64), q.shape[1] // v.shape[1], axis=1)
-    top = np.max(z, axis=-1, keepdims=True)
+    top = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0.0)
     weights = np.exp(z - top)
     total = weights.sum(axis=-1, keepdims=True)
@@ -83,7 +83,7 @@ def flex_attention_backward(q, k, v, grad_out, grad_lse, scale, score, mask, sta
     z, derivative = scores(q, k, scale, score, mask, state, blocks, arrays)
     kr = np.repeat(np.asarray(k, np.float64), group, axis=1)
     vr = np.repeat(np.asarray(v, np.float64), group, axis=1)
-    top = np.max(z, axis=-1, keepdims=True)
+    top = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
     top = np.where(np.isfinite(top), top, 0.0)
     weights = np.exp(z - top)
     total = weights.sum(axis=-1, keepdims=True)
