@@ -5,7 +5,10 @@ first use, and no device is queried until a call needs one. ``fastpe.distributed
 over a sequence sharded across torch.distributed ranks) is a submodule loaded on first access.
 """
 
-from fastpe import backends  # the registry; calling it, fastpe.backends(), reports status
+from fastpe import (
+    backends,  # the registry; calling it, fastpe.backends(), reports status
+    mods,  # flex_attention's functions for NumPy modifiers
+)
 from fastpe._warmup import warmup  # NumPy only: numba is imported by the warmup workers
 from fastpe.api import (
     apply_rope,
@@ -22,6 +25,7 @@ from fastpe.api import (
     sinusoidal_table,
 )
 from fastpe.dispatch import BackendNotSupportedError, use_backend
+from fastpe.flex import BlockMask, create_block_mask, flex_attention
 from fastpe.rope_scaling import rope_inv_freq
 
 # The one place the version is written: pyproject.toml reads it (`dynamic`), and so does
@@ -40,14 +44,18 @@ def __getattr__(name):
 
 __all__ = [
     "BackendNotSupportedError",
+    "BlockMask",
     "apply_rope",
     "attention",
     "attention_kvcache",
     "attention_varlen",
     "backends",
+    "create_block_mask",
     "embed",
     "explain",
+    "flex_attention",
     "merge_attention",
+    "mods",
     "plan_kvcache",
     "plan_varlen",
     "relative_transform",

@@ -1,0 +1,371 @@
+"""fastpe.flex_attention: user-defined score and mask modifiers on the float64 oracle and the
+Numba kernels.
+
+Expected values come from torch's own FlexAttention (eager on the CPU: forward only) and, for
+gradients, from torch autograd through an independent eager formulation (the modifiers called
+on broadcast index tensors); the oracle is also checked in float64 against torch's FlexAttention
+in float64. Eight patterns share five compiled variants (each variant is a Numba compile, so
+patterns are paired: a mask with a score modifier), over one shape with GQA, and Sq ≠ Sk on two.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from _testkit import torch
+
+import fastpe
+from fastpe import mods
+
+pytestmark = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+if torch is not None:
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+B, HQ, HKV, D = 2, 4, 2, 16
+SQ = SK = 160
+BLOCK = 64  # blocks of 64 over 160 positions: skipped, full, partial and tail blocks
+CAP, WINDOW, CHUNK = 20.0, 48, 40
+
+
+def _patterns(sq, sk):
+    """name -> (score_mod, mask_mod) of torch-written modifiers, with the tensors they capture.
+    Each pairs a mask with a score modifier (or none): one compiled variant per pair."""
+    g = torch.Generator().manual_seed(7)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    table = torch.randn(HQ, sq + sk, generator=g)
+    doc = torch.tensor([0] * 50 + [1] * 70 + [2] * (max(sq, sk) - 120))
+    prefix = torch.tensor([30, 70])
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return CAP * torch.tanh(score / CAP)
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + sk]
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix[b]) | (q_idx >= kv_idx)
+
+    def chunked_local(b, h, q_idx, kv_idx):
+        return q_idx // CHUNK == kv_idx // CHUNK
+
+    return {
+        "causal+softcap": (softcap, causal),
+        "window+alibi": (alibi, sliding_window),
+        "document+relative_bias": (relative_bias, document),
+        "prefix_lm": (None, prefix_lm),
+        "chunked_local": (None, chunked_local),
+    }, dict(slopes=slopes, table=table, doc=doc, prefix=prefix)
+
+
+def _qkv(sq, sk, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, HQ, sq, D, generator=g, dtype=dtype),
+        torch.randn(B, HKV, sk, D, generator=g, dtype=dtype),
+        torch.randn(B, HKV, sk, D, generator=g, dtype=dtype),
+    )
+
+
+def _torch_reference(q, k, v, score_mod, mask_mod):
+    """torch's FlexAttention (eager, no gradients on the CPU): (out, lse)."""
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = torch_block_mask(
+            mask_mod, B, None, q.shape[2], k.shape[2], device="cpu", BLOCK_SIZE=BLOCK
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "called without torch.compile", "return_lse"
+        return torch_flex(
+            q, k, v, score_mod, block_mask, enable_gqa=True, return_lse=True
+        )  # fmt: skip
+
+
+def _eager(q, k, v, score_mod, mask_mod):
+    """An independent formulation for autograd: the modifiers on broadcast index tensors."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    idx = [torch.arange(n).view(*(-1 if a == i else 1 for a in range(4))) for i, n in
+           enumerate(s.shape)]  # fmt: skip
+    if score_mod is not None:
+        s = score_mod(s, *idx)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(*idx).expand(s.shape), -torch.inf)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def _close(got, want, tol, what):
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), f"{what}: -inf pattern"
+    finite = torch.isfinite(want)
+    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    bound = tol * max(1.0, want[finite].abs().max().item() if finite.any() else 0.0)
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+SHAPES = [(name, SQ, SK) for name in _patterns(SQ, SK)[0]]
+SHAPES += [("causal+softcap", 96, SK), ("document+relative_bias", 200, 120)]
+
+
+@pytest.mark.parametrize("pattern,sq,sk", SHAPES)
+def test_forward_matches_torch_flex_attention(pattern, sq, sk):
+    score_mod, mask_mod = _patterns(sq, sk)[0][pattern]
+    q, k, v = _qkv(sq, sk, torch.float32)
+    want_out, want_lse = _torch_reference(q, k, v, score_mod, mask_mod)
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
+    for backend in ("numba", "numpy"):
+        out, lse = fastpe.flex_attention(
+            q, k, v, score_mod, block_mask, enable_gqa=True, return_lse=True, backend=backend
+        )
+        assert out.dtype == torch.float32 and out.shape == want_out.shape
+        _close(out, want_out, 2e-5, f"{backend} out")
+        _close(lse, want_lse, 2e-5, f"{backend} lse")
+    # the float64 oracle against torch's FlexAttention in float64
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    want_out, want_lse = _torch_reference(q64, k64, v64, score_mod, mask_mod)
+    out, lse = fastpe.flex_attention(
+        q64, k64, v64, score_mod, block_mask, enable_gqa=True, return_lse=True, backend="numpy"
+    )
+    _close(out, want_out, 1e-12, "oracle out (float64)")
+    _close(lse, want_lse, 1e-12, "oracle lse (float64)")
+
+
+def test_rows_without_keys_give_zero_and_minus_inf():
+    """Queries of the third document see no key when there are only 120 keys."""
+    score_mod, mask_mod = _patterns(200, 120)[0]["document+relative_bias"]
+    q, k, v = _qkv(200, 120, torch.float32)
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, 200, 120, BLOCK_SIZE=BLOCK)
+    out, lse = fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                     return_lse=True)  # fmt: skip
+    assert torch.all(out[:, :, 120:] == 0) and torch.all(torch.isneginf(lse[:, :, 120:]))
+    assert torch.isfinite(lse[:, :, :120]).all()
+
+
+@pytest.mark.parametrize(
+    "pattern,sq,sk",
+    [("causal+softcap", SQ, SK), ("window+alibi", SQ, SK), ("document+relative_bias", 200, 120)],
+)
+def test_backward_matches_torch_autograd(pattern, sq, sk):
+    score_mod, mask_mod = _patterns(sq, sk)[0][pattern]
+    q, k, v = _qkv(sq, sk, torch.float32, seed=1)
+    grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(2))
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
+
+    def grads(run, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        (run(*leaves) * grad_out.to(dtype)).sum().backward()
+        return [x.grad for x in leaves]
+
+    want = grads(lambda *x: _eager(*x, score_mod, mask_mod), torch.float64)
+    for backend, dtype, tol in (("numba", torch.float32, 5e-5), ("numpy", torch.float64, 1e-10)):
+        got = grads(
+            lambda *x, backend=backend: fastpe.flex_attention(
+                *x, score_mod, block_mask, enable_gqa=True, backend=backend
+            ),
+            dtype,
+        )
+        for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+            assert g.dtype == dtype
+            _close(g, w, tol, f"{backend} {name}")
+
+
+def test_gradient_of_lse():
+    """lse's gradient flows too (dlse enters as D = rowsum(dO∘O) - dlse)."""
+    score_mod, mask_mod = _patterns(SQ, SK)[0]["causal+softcap"]
+    q, k, v = _qkv(SQ, SK, torch.float32, seed=3)
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
+
+    def loss(backend):
+        dtype = torch.float32 if backend == "numba" else torch.float64
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = fastpe.flex_attention(*leaves, score_mod, block_mask, enable_gqa=True,
+                                         return_lse=True, backend=backend)  # fmt: skip
+        (out.sum() + (lse * torch.linspace(-1, 1, SQ, dtype=dtype)).sum()).backward()
+        return [x.grad for x in leaves]
+
+    for got, want in zip(loss("numba"), loss("numpy"), strict=True):
+        _close(got, want, 5e-5, "gradient through lse")
+
+
+def test_builtins_written_as_modifiers_match_the_builtin_options():
+    q, k, v = _qkv(SQ, SK, torch.float32)
+    patterns, captured = _patterns(SQ, SK)
+    score_mod, mask_mod = patterns["causal+softcap"]
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
+    got = fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+    want = fastpe.attention(q, k, v, causal=True, softcap=CAP, backend="numba")
+    _close(got, want, 2e-5, "softcap + causal")
+    score_mod, mask_mod = patterns["window+alibi"]
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
+    got = fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+    want = fastpe.attention(q, k, v, causal=True, window=(WINDOW - 1, 0),
+                            alibi_slopes=captured["slopes"], backend="numba")  # fmt: skip
+    _close(got, want, 2e-5, "ALiBi + window")
+
+
+def test_changed_captured_tensor_changes_result_without_recompile():
+    from fastpe.kernels.numba import _runtime
+    from fastpe.kernels.numba import flex_attention as kernels
+
+    patterns, captured = _patterns(SQ, SK)
+    score_mod, mask_mod = patterns["document+relative_bias"]
+    q, k, v = _qkv(SQ, SK, torch.float32)
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
+    before = fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+    variants, compiles = len(kernels.compiled_variants), len(_runtime.compiled_kernels)
+    captured["table"].mul_(-2.0)  # the bias the kernel reads
+    captured["doc"][100:] = 3  # the document ids (the block mask still covers the new mask)
+    after = fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+    assert (len(kernels.compiled_variants), len(_runtime.compiled_kernels)) == (variants, compiles)
+    want = fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True, backend="numpy")
+    _close(after, want, 2e-5, "after the change")
+    assert (after - before).abs().max() > 0.1
+
+
+def test_numpy_arrays_with_fastpe_mods():
+    """NumPy inputs: the same modifiers written with fastpe.mods (one variant with torch's)."""
+    q, k, v = (x.numpy() for x in _qkv(SQ, SK, torch.float32))
+    patterns, _ = _patterns(SQ, SK)
+    doc = mods.capture(np.array([0] * 50 + [1] * 70 + [2] * 40))
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return CAP * mods.tanh(score / CAP)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = fastpe.create_block_mask(causal, None, None, SQ, SK, BLOCK_SIZE=BLOCK)
+    out, lse = fastpe.flex_attention(q, k, v, softcap, block_mask, enable_gqa=True,
+                                     return_lse=True)  # fmt: skip
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    want_out, want_lse = _torch_reference(*(torch.from_numpy(x) for x in (q, k, v)),
+                                          *patterns["causal+softcap"])  # fmt: skip
+    _close(torch.from_numpy(out), want_out, 2e-5, "out")
+    _close(torch.from_numpy(lse), want_lse, 2e-5, "lse")
+    # a mask given as mask_mod= (block mask made per call) reading a captured NumPy array
+    got = fastpe.flex_attention(q, k, v, enable_gqa=True, backend="numpy",
+                                mask_mod=lambda b, h, qi, ki: doc[qi] == doc[ki])  # fmt: skip
+    want, _ = _torch_reference(*(torch.from_numpy(x) for x in (q, k, v)), None,
+                               patterns["document+relative_bias"][1])  # fmt: skip
+    _close(torch.from_numpy(got), want, 1e-5, "document mask from a NumPy array")
+
+
+def test_block_masks_from_torch_and_mask_mod_keyword():
+    patterns, _ = _patterns(SQ, SK)
+    _, mask_mod = patterns["chunked_local"]
+    ours = fastpe.create_block_mask(mask_mod, None, None, SQ, SK, BLOCK_SIZE=BLOCK)
+    theirs = torch_block_mask(mask_mod, None, None, SQ, SK, device="cpu", BLOCK_SIZE=BLOCK)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert np.array_equal(getattr(ours, name), getattr(theirs, name).numpy()), name
+    assert np.array_equal(ours.to_dense(), theirs.to_dense().numpy())
+    q, k, v = _qkv(SQ, SK, torch.float32)
+    want = fastpe.flex_attention(q, k, v, block_mask=ours, enable_gqa=True)
+    assert torch.equal(fastpe.flex_attention(q, k, v, block_mask=theirs, enable_gqa=True), want)
+    # mask_mod= makes its block mask per call, in blocks of 128: other tiles, same values
+    _close(
+        fastpe.flex_attention(q, k, v, mask_mod=mask_mod, enable_gqa=True), want, 1e-6, "mask_mod="
+    )
+
+
+def _bad_if(score, b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:
+        return score
+    return score * 2
+
+
+def _bad_loop(score, b, h, q_idx, kv_idx):
+    for _ in range(q_idx):
+        score = score + 1
+    return score
+
+
+def _bad_function(score, b, h, q_idx, kv_idx):
+    return torch.erfinv(score)
+
+
+def _bad_numpy_index(score, b, h, q_idx, kv_idx):
+    return score + np.arange(10.0)[q_idx]
+
+
+def _bad_whole_tensor(score, b, h, q_idx, kv_idx):
+    return score + torch.ones(3)
+
+
+@pytest.mark.parametrize(
+    "func,message",
+    [
+        (_bad_if, "as a Python bool"),
+        (_bad_loop, "as a Python integer"),
+        (_bad_function, "calls erfinv"),
+        (_bad_numpy_index, "fastpe.mods.capture"),
+        (_bad_whole_tensor, "index it with the index arguments"),
+    ],
+)
+def test_uncapturable_functions_get_clear_errors(func, message):
+    q, k, v = _qkv(8, 8, torch.float32)
+    with pytest.raises(fastpe.flex.CaptureError, match=message):
+        fastpe.flex_attention(q, k, v[:, :, :, :], func, enable_gqa=True, backend="numpy")
+
+
+def test_refusals():
+    q, k, v = _qkv(SQ, SK, torch.float32)
+    patterns, captured = _patterns(SQ, SK)
+    score_mod, mask_mod = patterns["document+relative_bias"]
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
+    captured["table"].requires_grad_()
+    with pytest.raises(NotImplementedError, match="captured by score_mod or mask_mod requires"):
+        fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+    captured["table"].requires_grad_(False)
+    small_table = torch.zeros(HQ, 10)  # distances reach 2·SK: indices out of range
+
+    def short_bias(score, b, h, q_idx, kv_idx):  # relative_bias's variant, another table
+        return score + small_table[h, q_idx - kv_idx + SK]
+
+    for backend in ("numba", "numpy"):
+        with pytest.raises(IndexError):
+            fastpe.flex_attention(q, k, v, short_bias, block_mask, enable_gqa=True,
+                                  backend=backend)  # fmt: skip
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fastpe.flex_attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="CPU only"):
+        fastpe.flex_attention(*(x.to("meta") for x in (q, k, v)), enable_gqa=True)
+    small = fastpe.create_block_mask(mask_mod, B, None, 64, 64, BLOCK_SIZE=BLOCK)
+    with pytest.raises(ValueError, match="block_mask covers 64 queries"):
+        fastpe.flex_attention(q, k, v, block_mask=small, enable_gqa=True)
+
+
+def test_torch_compile_runs_it_as_a_graph_break():
+    """Dynamo cannot trace the capture or the NumPy kernels: flex_attention runs eagerly inside
+    a compiled function, forward and backward, with the eager result."""
+    q, k, v = _qkv(16, 16, torch.float32)
+    score_mod, mask_mod = _patterns(16, 16)[0]["causal+softcap"]
+
+    def loss(q):
+        out = fastpe.flex_attention(
+            2.0 * q, k, v, score_mod, mask_mod=mask_mod, enable_gqa=True, backend="numpy"
+        )
+        return out.square().sum()
+
+    leaf, compiled_leaf = q.clone().requires_grad_(), q.clone().requires_grad_()
+    loss(leaf).backward()
+    torch.compile(loss)(compiled_leaf).backward()
+    assert torch.allclose(compiled_leaf.grad, leaf.grad, rtol=1e-6, atol=1e-6)
