@@ -39,7 +39,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="PYTHON:CHECKOUT")
     parser.add_argument("--after", required=True, help="PYTHON:CHECKOUT")
-    parser.add_argument("--script", required=True, help="bench script, relative to a checkout")
+    parser.add_argument(
+        "--script",
+        required=True,
+        help="bench script: relative to each checkout, or one absolute path",
+    )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("extra", nargs="*", help="arguments for the script (after --)")
     args = parser.parse_args()

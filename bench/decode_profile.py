@@ -78,13 +78,13 @@ def main() -> None:
         for case in cases:
             times[case].append(_cpu(lambda case=case: call(*case)))
     elements = 2 * B * SK * HKV * D
-    print("cache  table  CPU ms median [min, max]   ns/element  GB/s (of the cache and scales)")
+    print("CPU time of one call, median [min, max]; per cache element; cache bytes per second")
     for (name, table), t in times.items():
         nbytes = sum(x.numel() * x.element_size() for x in runs[name] if x is not None)
         med = statistics.median(t)
         print(
-            f"{name:5s}  {table:5s}  {med * 1e3:7.2f} [{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]"
-            f"   {med / elements * 1e9:.3f}       {nbytes / med / 1e9:.1f}"
+            f"  {name} {table} median {med * 1e3:7.2f} ms [{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]"
+            f"  {med / elements * 1e9:.3f} ns/element  {nbytes / med / 1e9:.1f} GB/s"
         )
 
 
