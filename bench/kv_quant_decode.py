@@ -1,6 +1,6 @@
 """Paged decode on quantized KV caches vs a bfloat16 cache (Numba, CPU), in one run.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/kv_quant_decode.py [--rounds 9] [--out FILE]
+    python bench/kv_quant_decode.py [--rounds 9] [--out FILE]
 
 B 8, Sk 4096 (every cache full), Hq 32 / Hkv 8, D 128, block 16, random block table, q
 bfloat16 [B, 1, Hq, D]: fastpe.attention_kvcache(backend="numba") on a bfloat16 cache, on a
@@ -13,8 +13,9 @@ show that the times are of a correct computation.
 What bounds the decode: each cache is also timed "hot", with every page of every sequence
 mapped onto the same 16 blocks (the same arithmetic on 1/256 of the memory, which stays in the
 CPU's caches); cold / hot near 1 means memory traffic is not what limits the kernel, so halving
-the bytes cannot halve the time. And the kernel's decode step alone (``_head_rows``: one kv
-head of a run of 16 cache rows widened to float32, in L1), in ns per element.
+the bytes cannot halve the time. And the kernel's decode loops alone (``_scores_rows`` and
+``_add_values_rows``: the 4 query rows of a kv head against a run of 16 cache rows, widening
+included, in L1), in ns per cache element.
 """
 
 from __future__ import annotations
@@ -59,31 +60,36 @@ def caches():
 
 
 def decode_cost(runs, repeats=2000):
-    """ns per element of widening a run of 16 cache rows, head by head, as the decode does."""
-    from fastpe.kernels.numba.attention_paged import _head_rows
+    """ns per cache element of the decode loops alone on one page held in L1: the scores and
+    the weighted values of 4 query rows (one kv head's group) against a run of 16 cache rows,
+    head by head, as the kernel runs them (widening included)."""
+    from fastpe.kernels.numba.attention_paged import _add_values_rows, _scores_rows
 
     @numba.njit
-    def widen_run(rows, scratch, repeats):
-        total = 0.0
+    def loops(rows, qt, s, p, acc, repeats):
         for _ in range(repeats):
             for hk in range(rows.shape[1]):
-                out, head = _head_rows(rows, hk, scratch)
-                total += out[0, head, 0]
-        return total
+                _scores_rows(qt, rows, hk, s, 0)
+                _add_values_rows(p, 0, rows, hk, acc)
+        return acc[0, 0]
 
+    rng = numpy.random.default_rng(0)
+    qt = rng.standard_normal((HQ // HKV, D)).astype(numpy.float32)
+    s = numpy.zeros((HQ // HKV, BLOCK), numpy.float32)
+    p = rng.random((HQ // HKV, BLOCK)).astype(numpy.float32) / BLOCK
+    acc = numpy.zeros((HQ // HKV, D), numpy.float32)
     costs = {}
-    for name in ("fp8", "int8"):
+    for name in ("bf16", "fp8", "int8"):
         rows = runs[name][0][0]  # one block: 16 rows [16, Hkv, D]
-        host = rows.view(torch.uint8) if name == "fp8" else rows
-        host = host.numpy()
-        scratch = numpy.empty(host.size, numpy.float32)
-        widen_run(host, scratch, 1)
+        view = {"bf16": torch.uint16, "fp8": torch.uint8}.get(name)
+        host = (rows.view(view) if view else rows).numpy()
+        loops(host, qt, s, p, acc, 1)
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
-            widen_run(host, scratch, repeats)
+            loops(host, qt, s, p, acc, repeats)
             best = min(best, time.perf_counter() - t)
-        costs[name] = best / repeats / host.size * 1e9
+        costs[name] = best / repeats / host.size / 2 * 1e9  # per element of K and of V
     return costs
 
 
@@ -176,7 +182,7 @@ def main():
         )
     costs = decode_cost(runs)
     lines.append(
-        "  decode step alone (a run of 16 rows widened head by head, in L1): "
+        "  decode loops alone (4 query rows x 16 cache rows, head by head, in L1): "
         + ", ".join(f"{name} {ns:.2f} ns/element" for name, ns in costs.items())
     )
     print("\n".join(lines))

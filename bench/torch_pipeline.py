@@ -9,7 +9,9 @@ machine's load falls on all of them alike:
 - ``default``: what a user gets (torch imported first, so fastpe's kernels share torch's OpenMP
   pool; docs/backends.md#processes-and-threads-cpu);
 - ``tbb``: ``NUMBA_THREADING_LAYER=tbb``, fastpe's kernels on their own TBB pool beside torch's;
-- ``passive``: ``tbb`` with ``OMP_WAIT_POLICY=PASSIVE``, the setting the docs used to advise.
+- ``passive``: ``tbb`` with ``OMP_WAIT_POLICY=PASSIVE``, the setting the docs used to advise;
+- ``omp-own`` (only when named in ``--settings``): ``NUMBA_THREADING_LAYER=omp``, Numba's OpenMP
+  layer on the OpenMP runtime it loads itself, a second pool beside torch's.
 
 In each process, every case alternates ``calls`` pairs: a torch matmul (a [64, 1024] x [1024, 1024]
 projection, which wakes torch's pool) then fastpe, and the same matmul then SDPA; the process
@@ -37,10 +39,11 @@ SETTINGS = {
     "default": {},
     "tbb": {"NUMBA_THREADING_LAYER": "tbb"},
     "passive": {"NUMBA_THREADING_LAYER": "tbb", "OMP_WAIT_POLICY": "PASSIVE"},
+    "omp-own": {"NUMBA_THREADING_LAYER": "omp"},
 }
 
 
-def measure(calls: int) -> dict:
+def measure(calls: int, cases: list[str]) -> dict:
     """One process's ratios: {case: SDPA median / fastpe median}, and the threading layer."""
     import time
 
@@ -53,7 +56,8 @@ def measure(calls: int) -> dict:
     torch.manual_seed(0)
     weight, x = torch.randn(1024, 1024), torch.randn(64, 1024)
     ratios = {}
-    for name, (b, hq, hkv, sq, sk, d, causal) in CASES.items():
+    for name in cases:
+        b, hq, hkv, sq, sk, d, causal = CASES[name]
         q = torch.randn(b, hq, sq, d)
         k, v = torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
 
@@ -79,13 +83,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=15, help="pairs of calls per case")
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument(
+        "--settings", nargs="+", choices=list(SETTINGS), default=["default", "tbb", "passive"]
+    )
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.calls)))
+        print(json.dumps(measure(args.calls, args.cases)))
         return
-    print(f"command: python bench/torch_pipeline.py --rounds {args.rounds} --calls {args.calls}")
+    print(f"command: python {' '.join(sys.argv)}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY",)}
     base = {k: v for k, v in base.items() if not k.startswith("NUMBA_THREADING_LAYER")}
@@ -94,7 +101,8 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for name in args.settings:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", "--calls", str(args.calls)],
+                [sys.executable, __file__, "--child", "--calls", str(args.calls), "--cases"]
+                + args.cases,
                 env={**base, **SETTINGS[name]},
                 capture_output=True,
                 text=True,
@@ -106,11 +114,11 @@ def main() -> None:
             print(f"[round {round_}] {name} ({result['layer']} layer): {cells}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("fastpe's speedup over SDPA, median [min, max] over the rounds\n")
-    print("| setting | " + " | ".join(CASES) + " |")
-    print("|---|" + "---|" * len(CASES))
+    print("| setting | " + " | ".join(args.cases) + " |")
+    print("|---|" + "---|" * len(args.cases))
     for name, runs in results.items():
         cells = []
-        for case in CASES:
+        for case in args.cases:
             values = [run["ratios"][case] for run in runs]
             cells.append(f"{statistics.median(values):.2f}× [{min(values):.2f}, {max(values):.2f}]")
         print(f"| {name} | " + " | ".join(cells) + " |")

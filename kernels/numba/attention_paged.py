@@ -18,12 +18,12 @@ times key splits. Two tile steps, both only ever reading keys below k_len[b] (pa
 sequence's length and unused block-table entries are never touched):
 
 - thin row tiles (decoding: at most SMALL_ROWS = query heads of a kv head x positions), one
-  item over every kv head (``_attend_direct``): the contiguous decode's few-row loops
-  (``_scores_small``, ``_add_weighted_values_small``) read the cache rows in place (bfloat16
-  bits widened as read; float16 ones, and rows that are not C-contiguous, copied once per run:
-  ``_loop_rows``), in runs of at most
-  RUN_ROWS rows of one page, every head of a run before the next, with the next run prefetched
-  (the hardware cannot guess where the next page lies);
+  item over every kv head (``_attend_direct``): few-row loops (``_scores_rows``,
+  ``_add_values_rows``: four query rows at a time, so that each cache element is widened and
+  loaded once per four rows) read the cache rows in place (bfloat16, fp8 and int8 widened as
+  read; float16 ones, and rows that are not C-contiguous, copied once per run: ``_loop_rows``),
+  in runs of at most RUN_ROWS rows of one page, every head of a run before the next, with the
+  next run prefetched (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
   and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
 
@@ -57,7 +57,7 @@ from fastpe.kernels.numba._attention_tiles import (
     _split_key_range,
     key_splits,
 )
-from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._half import _e4m3_finite_to_float32, _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from fastpe.kernels.numba.attention import SERIAL_WORK
 from llvmlite import ir
@@ -217,48 +217,37 @@ def _page_run(page_start, page_size, b, j, left):
 
 
 def _needs_scratch(array):
-    """True for arrays the few-row loops do not read in place (a compile-time constant):
-    float16 bits, quantized caches (decoded a head at a time, ``_head_rows``) and any array that
-    is not C-contiguous."""
+    """True for arrays the few-row loops may not read in place (a compile-time constant):
+    float16 bits and any array that is not C-contiguous (``_loop_rows``), and fp8 caches (a run
+    holding a NaN pattern is widened a head at a time, ``_run_scores``)."""
 
 
 @overload(_needs_scratch, inline="always")
 def _needs_scratch_impl(array):
-    copy = array.dtype in (types.int16, types.uint8, types.int8) or array.layout != "C"
+    copy = array.dtype in (types.int16, types.uint8) or array.layout != "C"
     return lambda array: copy
 
 
 def _loop_rows(rows, scratch):
-    """Cache rows [n, H, D] as the few-row loops read them: in place for C-contiguous floats and
-    bfloat16 bits (widened by a shift as read); copied (widened) once into the flat scratch for
+    """Cache rows [n, H, D] as the few-row loops read them: in place for C-contiguous floats,
+    bfloat16, fp8 and int8 (widened as read, ``_cache_widen``); copied (widened) once into the
+    flat scratch for
     float16 bits, whose exact conversion branches (widened inside the loops, four times, once
     per query row, it kept them from vectorising and ran 2.3x slower than the contiguous
     decode), and for strided rows (packed k/v views, every-other-head): on layout 'A' the loops
     do not know the unit stride of D and ran 9x slower."""
 
 
-def _head_rows(rows, hk, scratch):
-    """(rows, head) for the few-row loops to read head hk of run rows [n, H, D] from:
-    quantized rows have head hk decoded (widened, not yet scaled) into scratch, [n, 1, D] and
-    head 0, small enough to stay in L1 while every query row of the group reads it (the loops
-    then convert nothing; widening in the loops, once per query row, ran up to 3.7x slower for
-    fp8); other rows as they are."""
-
-
-@overload(_head_rows, inline="always")
-def _head_rows_impl(rows, hk, scratch):
-    if rows.dtype in (types.uint8, types.int8) and rows.layout == "C":
-
-        def quantized_head(rows, hk, scratch):
-            n, width = rows.shape[0], rows.shape[2]
-            out = scratch[: n * width].reshape((n, 1, width))
-            for r in range(n):
-                for c in range(width):
-                    out[r, 0, c] = _widen(rows[r, hk, c])  # exact, vectorised integer steps
-            return out, 0
-
-        return quantized_head
-    return lambda rows, hk, scratch: (rows, hk)
+@njit(cache=True, fastmath=_FLAGS)
+def _exact_head(rows, hk, scratch):
+    """Head hk of run rows [n, H, D] widened exactly (``_widen``: NaN patterns too) into
+    scratch, as [n, 1, D] (read as head 0)."""
+    n, width = rows.shape[0], rows.shape[2]
+    out = scratch[: n * width].reshape((n, 1, width))
+    for r in range(n):
+        for c in range(width):
+            out[r, 0, c] = _widen(rows[r, hk, c])
+    return out
 
 
 @overload(_loop_rows, inline="always")
@@ -298,6 +287,161 @@ def _item_span(rows, item, hk, group, block_m):
     return RowTile(b, hk, group, i0, min(block_m, rows.q_len[b] - i0)), rows.q_start[b] + i0
 
 
+def _cache_widen(value):
+    """An element of a cache run as the decode loops (``_scores_rows``, ``_add_values_rows``)
+    read it: fp8 bits without the NaN step (``_run_scores`` and ``_run_values`` send runs that
+    hold a NaN pattern through the exact widening first), anything else as ``_widen``."""
+
+
+@overload(_cache_widen, inline="always")
+def _cache_widen_impl(value):
+    if value == types.uint8:
+        return lambda value: _e4m3_finite_to_float32(value)
+    return lambda value: _widen(value)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _scores_rows(qt, kt, hk, s, col):
+    """s[:, col + c] = qt·kt[c, hk] for the few query rows of a decode tile, four query rows by
+    two keys at a time: eight sums per pass over D, each key element (widened once) serving
+    four rows and each query element two keys (``_scores_small``, one row by four keys, widens
+    every key element once per query row). Rows past a multiple of four go to
+    ``_scores_small``. qt [m, D], kt [n, H, D] (a run of cache rows, or its head widened into
+    scratch with H = 1), s [m, >= col + n]; all C-contiguous."""
+    m, d = qt.shape
+    n = kt.shape[0]
+    whole_rows = m - m % 4
+    whole_keys = n - n % 2
+    zero = s.dtype.type(0.0)
+    for r in range(0, whole_rows, 4):
+        for c in range(0, whole_keys, 2):
+            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
+            for e in range(d):
+                k0, k1 = _cache_widen(kt[c, hk, e]), _cache_widen(kt[c + 1, hk, e])
+                x0, x1, x2, x3 = qt[r, e], qt[r + 1, e], qt[r + 2, e], qt[r + 3, e]
+                s00 += x0 * k0
+                s01 += x0 * k1
+                s10 += x1 * k0
+                s11 += x1 * k1
+                s20 += x2 * k0
+                s21 += x2 * k1
+                s30 += x3 * k0
+                s31 += x3 * k1
+            j = col + c
+            s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = s00, s10, s20, s30
+            s[r, j + 1], s[r + 1, j + 1], s[r + 2, j + 1], s[r + 3, j + 1] = s01, s11, s21, s31
+        for c in range(whole_keys, n):
+            s0 = s1 = s2 = s3 = zero
+            for e in range(d):
+                k0 = _cache_widen(kt[c, hk, e])
+                s0 += qt[r, e] * k0
+                s1 += qt[r + 1, e] * k0
+                s2 += qt[r + 2, e] * k0
+                s3 += qt[r + 3, e] * k0
+            s[r, col + c], s[r + 1, col + c], s[r + 2, col + c], s[r + 3, col + c] = s0, s1, s2, s3
+    if whole_rows < m:
+        _scores_small(qt[whole_rows:], kt, hk, s[whole_rows:], col)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _add_values_rows(p, col, vt, hk, acc):
+    """acc += p[:, col : col + n]·vt[:, hk] for the few rows of a decode tile, four rows by
+    four value rows at a time: each value element (widened once) serves four accumulator rows
+    (``_add_weighted_values_small`` reads and widens it once per row). Rows past a multiple of
+    four go to ``_add_weighted_values_small``. vt [n, H, Dv] as kt in ``_scores_rows``."""
+    m = p.shape[0]
+    n, dv = vt.shape[0], vt.shape[2]
+    whole_rows = m - m % 4
+    whole_values = n - n % 4
+    for r in range(0, whole_rows, 4):
+        for c in range(0, whole_values, 4):
+            j = col + c
+            w00, w01, w02, w03 = p[r, j], p[r, j + 1], p[r, j + 2], p[r, j + 3]
+            w10, w11, w12, w13 = p[r + 1, j], p[r + 1, j + 1], p[r + 1, j + 2], p[r + 1, j + 3]
+            w20, w21, w22, w23 = p[r + 2, j], p[r + 2, j + 1], p[r + 2, j + 2], p[r + 2, j + 3]
+            w30, w31, w32, w33 = p[r + 3, j], p[r + 3, j + 1], p[r + 3, j + 2], p[r + 3, j + 3]
+            for e in range(dv):
+                v0, v1 = _cache_widen(vt[c, hk, e]), _cache_widen(vt[c + 1, hk, e])
+                v2, v3 = _cache_widen(vt[c + 2, hk, e]), _cache_widen(vt[c + 3, hk, e])
+                acc[r, e] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
+                acc[r + 1, e] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
+                acc[r + 2, e] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
+                acc[r + 3, e] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
+        for c in range(whole_values, n):
+            j = col + c
+            w0, w1, w2, w3 = p[r, j], p[r + 1, j], p[r + 2, j], p[r + 3, j]
+            for e in range(dv):
+                v0 = _cache_widen(vt[c, hk, e])
+                acc[r, e] += w0 * v0
+                acc[r + 1, e] += w1 * v0
+                acc[r + 2, e] += w2 * v0
+                acc[r + 3, e] += w3 * v0
+    if whole_rows < m:
+        _add_weighted_values_small(p[whole_rows:], col, vt, hk, acc[whole_rows:])
+
+
+def _holds_fp8_nan(rows):
+    """Whether a run of cache rows [n, H, D] is fp8 holding a NaN pattern (S.1111.111): one
+    pass over the run's bytes, every head at once, in byte lanes (32 per AVX2 instruction; the
+    byte casts keep Numba from widening the arithmetic to 64 bits, which ran 10x slower). False,
+    at compile time, for other caches."""
+
+
+@njit(cache=True)
+def _fp8_run_holds_nan(rows):
+    flat = rows.reshape(-1)
+    seen = np.uint8(0)
+    for i in range(flat.shape[0]):
+        # (b & 0x7F) + 1 reaches 0x80 only for the NaN pattern 0x7F
+        seen = np.uint8(seen | np.uint8(np.uint8(flat[i] & 0x7F) + 1))
+    return seen >= 0x80
+
+
+@overload(_holds_fp8_nan, inline="always")
+def _holds_fp8_nan_impl(rows):
+    if rows.dtype != types.uint8 or rows.layout != "C":
+        return lambda rows: False
+    return lambda rows: _fp8_run_holds_nan(rows)
+
+
+def _run_scores(qt, rows, hk, s, col, scratch, nan_run):
+    """``_scores_rows`` on head hk of a run; an fp8 run holding a NaN pattern (``nan_run``) is
+    widened exactly into scratch first, so that a NaN in the cache reaches the output as in
+    torch (the loops' own fp8 widening skips the NaN step)."""
+
+
+@overload(_run_scores, inline="always")
+def _run_scores_impl(qt, rows, hk, s, col, scratch, nan_run):
+    if rows.dtype == types.uint8:
+
+        def fp8(qt, rows, hk, s, col, scratch, nan_run):
+            if nan_run:
+                _scores_rows(qt, _exact_head(rows, hk, scratch), 0, s, col)
+            else:
+                _scores_rows(qt, rows, hk, s, col)
+
+        return fp8
+    return lambda qt, rows, hk, s, col, scratch, nan_run: _scores_rows(qt, rows, hk, s, col)
+
+
+def _run_values(p, col, rows, hk, acc, scratch, nan_run):
+    """``_add_values_rows`` on head hk of a run, as ``_run_scores``."""
+
+
+@overload(_run_values, inline="always")
+def _run_values_impl(p, col, rows, hk, acc, scratch, nan_run):
+    if rows.dtype == types.uint8:
+
+        def fp8(p, col, rows, hk, acc, scratch, nan_run):
+            if nan_run:
+                _add_values_rows(p, col, _exact_head(rows, hk, scratch), 0, acc)
+            else:
+                _add_values_rows(p, col, rows, hk, acc)
+
+        return fp8
+    return lambda p, col, rows, hk, acc, scratch, nan_run: _add_values_rows(p, col, rows, hk, acc)
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
     qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, is_f32, scratch, scales
@@ -320,13 +464,13 @@ def _attend_direct(
         if last:
             ahead, ahead_rows = _page_run(page_start, page_size, b, j0, n)
         keys = _loop_rows(k[row : row + run], scratch)
+        nan_run = _holds_fp8_nan(keys)
         for hk in range(hkv):
             if last:
                 _prefetch_rows(v, ahead, ahead_rows, hk)
             else:
                 _prefetch_rows(k, ahead, ahead_rows, hk)
-            head_keys, head = _head_rows(keys, hk, scratch)
-            _scores_small(qt[hk], head_keys, head, s[hk], c0)
+            _run_scores(qt[hk], keys, hk, s[hk], c0, scratch, nan_run)
             _scale_columns(s[hk], c0, k_scale, b, row, run, hk)
         c0 += run
     for hk in range(hkv):
@@ -339,11 +483,11 @@ def _attend_direct(
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
         ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
         values = _loop_rows(v[row : row + run], scratch)
+        nan_run = _holds_fp8_nan(values)
         for hk in range(hkv):
             _prefetch_rows(v, ahead, ahead_rows, hk)
             _scale_columns(p[hk], c0, v_scale, b, row, run, hk)  # p is not read after this
-            head_values, head = _head_rows(values, hk, scratch)
-            _add_weighted_values_small(p[hk], c0, head_values, head, acc[hk])
+            _run_values(p[hk], c0, values, hk, acc[hk], scratch, nan_run)
         c0 += run
 
 

@@ -357,3 +357,89 @@ def test_bfloat16_queries_on_an_fp8_cache_hold_the_half_precision_rule():
             errors["plain bfloat16"], (plain.double() - want).abs().max().item()
         )
     assert errors["fastpe"] <= 2 * errors["plain bfloat16"] + 1e-6, errors
+
+
+def test_every_fp8_bit_pattern_widens_to_torchs_value():
+    """The Numba kernels' float8_e4m3fn widening (through F16C where the CPU has it, and the
+    integer steps for CPUs without) against torch's conversion, for all 256 bit patterns: the
+    same float32 bits, NaN for both NaN patterns with their sign."""
+    pytest.importorskip("numba")
+    import numpy as np
+    from fastpe.kernels.numba._half import _e4m3_to_float32, _e4m3_to_float32_integer
+    from numba import njit
+
+    @njit
+    def widen(bits, fast, integer):
+        for i in range(bits.size):
+            fast[i] = _e4m3_to_float32(bits[i])
+            integer[i] = _e4m3_to_float32_integer(bits[i])
+
+    bits = np.arange(256, dtype=np.uint8)
+    fast, integer = np.empty(256, np.float32), np.empty(256, np.float32)
+    widen(bits, fast, integer)
+    want = torch.from_numpy(bits).view(torch.float8_e4m3fn).float().numpy()
+    nan = np.isnan(want)
+    assert nan.sum() == 2
+    for got in (fast, integer):
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+        assert np.isnan(got[nan]).all()
+        assert np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int8"])
+def test_decode_row_blocks_and_fp8_nan_patterns(kind):
+    """The Numba decode loops on a paged cache with 6 query heads per kv head (a block of four
+    query rows and two left over) and runs of 4, 3 and 1 keys (whole and partial key blocks),
+    against float64 attention on the dequantized cache; for fp8, a NaN pattern in one key of
+    sequence 1 and in one value element of sequence 2 gives NaN where float64 gives NaN (that
+    kv head's rows; that value column) and leaves the rest exact."""
+    hq, hkv, d, block = 12, 2, 16, 4
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 7, 9]
+    x = torch.randn(2, 8, block, hkv, d, generator=gen)
+    if kind == "bf16":
+        caches = [t.bfloat16() for t in x]
+        scales = [None, None]
+        deq = [t.double() for t in caches]
+    elif kind == "fp8":
+        scales = [torch.tensor([0.01, 0.02]), torch.tensor([0.02, 0.01])]
+        caches = [
+            (t / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            for t, s in zip(x, scales, strict=True)
+        ]
+        bits = [c.view(torch.uint8) for c in caches]
+        bits[0][5, 2, 1, 3] = 0x7F  # sequence 1 (block 5), key 6, kv head 1
+        bits[1][7, 0, 0, 9] = 0xFF  # sequence 2 (block 7), value 8, kv head 0, column 9
+        deq = [c.double() * s.double()[:, None] for c, s in zip(caches, scales, strict=True)]
+    else:
+        scales = [t.abs().amax(-1) / 127 for t in x]
+        caches = [
+            torch.round(t / s[..., None]).to(torch.int8) for t, s in zip(x, scales, strict=True)
+        ]
+        deq = [c.double() * s.double()[..., None] for c, s in zip(caches, scales, strict=True)]
+    table = torch.tensor([[0, 3, -1], [1, 5, -1], [6, 2, 7]], dtype=torch.int32)
+    q = torch.randn(3, 1, hq, d, generator=gen)
+    q = q.bfloat16() if kind == "bf16" else q
+    out = fastpe.attention_kvcache(
+        q,
+        *caches,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        block_table=table,
+        k_scale=scales[0],
+        v_scale=scales[1],
+        backend="numba",
+    )
+    group = hq // hkv
+    for b, length in enumerate(lengths):
+        blocks = table[b, : -(-length // block)].long()
+        k, v = (t[blocks].reshape(-1, hkv, d)[:length] for t in deq)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.einsum("hd,jhd->hj", q[b, 0].double(), k) / math.sqrt(d)
+        want = torch.einsum("hj,jhd->hd", torch.softmax(s, -1), v)
+        got = out[b, 0].double()
+        assert torch.equal(got.isnan(), want.isnan()), b
+        if kind == "fp8" and b:
+            assert want.isnan().any()
+        ok = ~want.isnan()
+        tol = 1e-2 * max(1.0, want[ok].abs().max().item()) if kind == "bf16" else 2e-5
+        assert (got[ok] - want[ok]).abs().max().item() <= tol
