@@ -167,14 +167,27 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
 # compiling and reading the cubin (in the workers)
 
 
-def _source(case: Case):
-    """(JITFunction, signature, constexprs, attrs, options, fp32 dots) for ``case``: its
-    launcher's arguments bound and specialised by the JIT's own binder for the case's target;
-    "fp32 dots": the launcher chose IEEE fp32 dots for the kernel (its DOT_FP32)."""
+def bind(fn, args, consts: dict, options: dict, target: int):
+    """(signature, constexprs, attrs) of JITFunction ``fn`` called with ``args`` (meta tensors
+    stand for tensors) and ``consts``, bound and specialised by the JIT's own binder for
+    ``target`` as a launch on that GPU would be."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    backend = make_backend(GPUTarget("cuda", target, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **consts)
+    _, signature, constexprs, attrs = fn._pack_args(
+        backend, dict(options), bound, specialization, None
+    )
+    return signature, constexprs, attrs
+
+
+def _source(case: Case):
+    """(JITFunction, signature, constexprs, attrs, options, fp32 dots) for ``case``: its
+    launcher's arguments bound and specialised by the JIT's own binder for the case's target;
+    "fp32 dots": the launcher chose IEEE fp32 dots for the kernel (its DOT_FP32)."""
     config = dict(case.config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
     kernel, _, args, consts = launch(
@@ -182,20 +195,18 @@ def _source(case: Case):
     )
     consts = {**{k: v for k, v in consts.items() if k not in options}, **config}
     fn = jit_function(kernel)
-    backend = make_backend(GPUTarget("cuda", case.target, 32))
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, _ = binder(*args, **consts)
-    _, signature, constexprs, attrs = fn._pack_args(
-        backend, dict(options), bound, specialization, None
-    )
+    signature, constexprs, attrs = bind(fn, args, consts, options, case.target)
     return fn, signature, constexprs, attrs, options, bool(consts.get("DOT_FP32", False))
 
 
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _TENSOR_CORE = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA|IMMA)\b")
-_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+# (an opcode's shape holds lowercase x: HGMMA.64x128x16)
+_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", re.M)
 # one SASS line: its address, opcode and operands; a label (a branch target) on its own line
-_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*)")
+_INSTRUCTION = re.compile(
+    r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*)"
+)
 _LABEL = re.compile(r"^\s*(\.L\w+):")
 _TARGET = re.compile(r"\((\.L\w+)\)")
 # the kernels whose inner loop is a matrix product (the autotuned forward first): in fp16/bf16
@@ -207,14 +218,40 @@ def is_tensor_core(opcode: str) -> bool:
     return bool(_TENSOR_CORE.match(opcode.split(".")[0]))
 
 
+# the shapes in a tensor-core opcode: HGMMA.64x128x16.F32.BF16 (one warpgroup's M x N x K) and
+# HMMA.16816.F32.BF16 (one warp's m16 n8 k16; HMMA.1688: k8)
+_HGMMA_SHAPE = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\b")
+_HMMA_SHAPE = re.compile(r"^HMMA\.(16)(8)(8|16)\b")
+
+
+def mma_flops(opcode: str) -> int:
+    """The multiply-add FLOPs (2·M·N·K) one warp's issue of a tensor-core instruction stands
+    for: an HGMMA is issued by the four warps of its warpgroup together, so a quarter of its
+    shape's; 0 for a shape this does not read (IMMA, sm_100's UTC*MMA, whose shapes live in
+    descriptors) and for other instructions."""
+    hgmma = _HGMMA_SHAPE.match(opcode)
+    if hgmma:
+        m, n, k = map(int, hgmma.groups())
+        return 2 * m * n * k // 4
+    hmma = _HMMA_SHAPE.match(opcode)
+    if hmma:
+        m, n, k = map(int, hmma.groups())
+        return 2 * m * n * k
+    return 0
+
+
 def hot_loop(sass: str) -> dict | None:
     """The loop of a kernel's SASS that does its matrix products, counted statically: the
     instructions from a backward branch's target to that branch (a loop's body, one iteration
     when Triton software-pipelines it), for the loop holding the most tensor-core instructions
-    (the narrowest of those with as many: an inner loop rather than one around it); where no
+    (the narrowest of those with as many: an inner loop rather than one around it, the unmasked
+    loop of a kernel that runs its masked tiles in a second one); where no
     loop holds one (fp32's IEEE dots run on FMA units), the loop with the most instructions.
+    A backward branch whose span holds the kernel's EXIT is no loop: sm_90 kernels jump from
+    out-of-line blocks after the EXIT (an mbarrier wait's retry) back into their body.
     Returns {"mma": tensor-core instructions, "other": the other instructions, NOP padding
-    excluded}, or None for a kernel without a loop."""
+    excluded, "mma_flops": the FLOPs of those tensor-core instructions per warp (``mma_flops``;
+    0 where their shapes cannot be read)}, or None for a kernel without a loop."""
     program, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -236,10 +273,13 @@ def hot_loop(sass: str) -> dict | None:
         if head > address:  # a forward branch
             continue
         body = [op for a, op, _ in program if head <= a <= address and op != "NOP"]
+        if "EXIT" in body:  # an out-of-line block (a barrier's retry) jumping back: no loop
+            continue
         mma = sum(map(is_tensor_core, body))
         rank = (mma, len(body) if mma == 0 else -len(body))
         if best is None or rank > best[0]:
-            best = (rank, {"mma": mma, "other": len(body) - mma})
+            flops = sum(map(mma_flops, body))
+            best = (rank, {"mma": mma, "other": len(body) - mma, "mma_flops": flops})
     return None if best is None else best[1]
 
 
@@ -279,7 +319,7 @@ def _read_cubin(cubin: bytes) -> dict:
 
 # what _read_cubin reads, in the cache key: a cached record read by an older version lacks
 # the newer fields
-_READER_VERSION = 2
+_READER_VERSION = 4
 
 
 def _cache_key(case: Case, fn, signature, constexprs, attrs, options) -> str:
@@ -300,12 +340,31 @@ def _cache_key(case: Case, fn, signature, constexprs, attrs, options) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def compile_case(case: Case, cache_dir: str | None) -> dict:
-    """Compile one case and read its cubin (run in a worker with TRITON_INTERPRET=0)."""
+def compile_bound(fn, signature, constexprs, attrs, options, target: int) -> dict:
+    """Compile a bound kernel (``bind``) for ``target`` and read its cubin: {"ok", "error",
+    "shared", "compile_seconds", and ``_read_cubin``'s fields}."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", target, 32),
+            options=options,
+        )
+        result = {"ok": True, "error": None, "shared": compiled.metadata.shared}
+        result.update(_read_cubin(compiled.asm["cubin"]))
+    except Exception as exc:
+        message = str(exc).strip().splitlines()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(message[-3:])[:400]}"}
+    result["compile_seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+def compile_case(case: Case, cache_dir: str | None) -> dict:
+    """Compile one case and read its cubin (run in a worker with TRITON_INTERPRET=0)."""
     record = {"case": dataclasses.asdict(case), "key": case.key()}
     try:
         fn, signature, constexprs, attrs, options, fp32_dots = _source(case)
@@ -317,19 +376,7 @@ def compile_case(case: Case, cache_dir: str | None) -> dict:
     if path and os.path.exists(path):
         with open(path) as f:
             return {**record, **json.load(f), "cached": True}
-    start = time.perf_counter()
-    try:
-        compiled = triton.compile(
-            ASTSource(fn, signature, constexprs, attrs),
-            target=GPUTarget("cuda", case.target, 32),
-            options=options,
-        )
-        result = {"ok": True, "error": None, "shared": compiled.metadata.shared}
-        result.update(_read_cubin(compiled.asm["cubin"]))
-    except Exception as exc:
-        message = str(exc).strip().splitlines()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(message[-3:])[:400]}"}
-    result["compile_seconds"] = round(time.perf_counter() - start, 2)
+    result = compile_bound(fn, signature, constexprs, attrs, options, case.target)
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         with open(path + ".tmp", "w") as f:
