@@ -410,14 +410,17 @@ def run(case_list, *, jobs: int = 2, cache_dir: str | None = None, progress=None
     return results
 
 
-def plan(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> list[Case]:
-    """``cases`` computed in a worker: the attention configs come from the kernel module, which
-    must be imported with TRITON_INTERPRET=0."""
+def plan(
+    *, full: bool, targets=tuple(TARGETS), all_configs: bool = False, kernels=KERNELS
+) -> list[Case]:
+    """``cases`` computed in a worker (the attention configs come from the kernel module, which
+    must be imported with TRITON_INTERPRET=0), only those of ``kernels``."""
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init) as pool:
-        return pool.submit(
+        out = pool.submit(
             cases, full=full, targets=tuple(targets), all_configs=all_configs
         ).result()
+    return [c for c in out if c.kernel in kernels]
 
 
 # ------------------------------------------------------------------------------------------
@@ -456,7 +459,7 @@ def problems(records) -> list[str]:
     return out
 
 
-def document(records, *, full: bool, seconds: float, jobs: int) -> dict:
+def document(records, *, full: bool, seconds: float, jobs: int, kernels=KERNELS) -> dict:
     import triton
 
     return {
@@ -466,6 +469,9 @@ def document(records, *, full: bool, seconds: float, jobs: int) -> dict:
         .splitlines()[-1],
         "targets": {f"sm_{k}": {"name": v[0], "shared_limit": v[1]} for k, v in TARGETS.items()},
         "full": full,
+        # the kernels compiled (a subset when the command named some)
+        "kernels": list(kernels),
+        "targets_compiled": sorted({r["case"]["target"] for r in records}),
         "jobs": jobs,
         "wall_seconds": round(seconds, 1),
         "compiled": sum(not r.get("cached") for r in records),
@@ -498,11 +504,18 @@ def _loop_cells(ok) -> str:
 
 def format_markdown(doc: dict) -> str:
     recs = doc["records"]
+    kernels = doc.get("kernels", list(KERNELS))
+    compiled = doc.get("targets_compiled", sorted(int(t[3:]) for t in doc["targets"]))
+    command = "fastpe triton-report" + (" --full" if doc["full"] else "")
+    if compiled != sorted(TARGETS):
+        command += " --targets " + " ".join(map(str, compiled))
+    if list(kernels) != list(KERNELS):
+        command += " --kernels " + " ".join(kernels)
     lines = [
         "# Triton kernels compiled ahead of time (no GPU)",
         "",
-        f"Triton {doc['triton']}, {doc['ptxas']}. Written by `fastpe triton-report"
-        f"{' --full' if doc['full'] else ''}` in {doc['wall_seconds']} s on {doc['jobs']} "
+        f"Triton {doc['triton']}, {doc['ptxas']}. Written by `{command}` in "
+        f"{doc['wall_seconds']} s on {doc['jobs']} "
         f"worker(s) ({doc['compiled']} of {len(recs)} compiled, the rest from the cache; "
         f"compiling all of them takes {doc.get('compile_seconds_total', 0) / 60:.0f} "
         "worker-minutes).",
