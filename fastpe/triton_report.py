@@ -494,12 +494,16 @@ def _span(values) -> str:
 
 
 def _loop_cells(ok) -> str:
-    """The hot loop's tensor-core and other instructions over records: 'mma | other', each a
-    value or a range."""
+    """The hot loop's tensor-core and other instructions over records, and the other
+    instructions per 1000 MMA FLOPs: 'mma | other | per kFLOP', each a value or a range."""
     loops = [r["hot_loop"] for r in ok if r.get("hot_loop")]
     if not loops:
-        return " | "
-    return f"{_span([x['mma'] for x in loops])} | {_span([x['other'] for x in loops])}"
+        return " | | "
+    rates = [1000 * x["other"] / x["mma_flops"] for x in loops if x.get("mma_flops")]
+    rate = f"{min(rates):.2f}–{max(rates):.2f}" if rates else ""
+    if rates and f"{min(rates):.2f}" == f"{max(rates):.2f}":
+        rate = f"{min(rates):.2f}"
+    return f"{_span([x['mma'] for x in loops])} | {_span([x['other'] for x in loops])} | {rate}"
 
 
 def format_markdown(doc: dict) -> str:
@@ -525,7 +529,8 @@ def format_markdown(doc: dict) -> str:
         "UTC*MMA sm_100) counted in `nvdisasm` SASS, in the whole kernel and per iteration of its "
         "hot loop (*MMA/iter*, *other/iter*: the instructions between the head and the backward "
         "branch of the loop holding the most tensor-core instructions, NOPs left out; the "
-        "largest loop where none holds one). fp32 attention uses IEEE fp32 dots "
+        "largest loop where none holds one; *other/kFLOP*: the other instructions per 1000 "
+        "FLOPs of those tensor-core instructions, per warp, from their HGMMA/HMMA shapes). fp32 attention uses IEEE fp32 dots "
         "(no tensor cores, by design); an fp16/bf16 attention kernel without them is a "
         "problem. *pick*: the autotuner may choose the config on that "
         "target (after `_prune`); unpicked configs are listed for reference only.",
@@ -540,8 +545,9 @@ def format_markdown(doc: dict) -> str:
         "## Attention (worst over the feature variants)",
         "",
         "| target | dtype | D | config | pick | variants | max regs | max stack B | "
-        "spill ST/LD | max smem KB / limit | tensor-core instr | MMA/iter | other/iter | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "spill ST/LD | max smem KB / limit | tensor-core instr | MMA/iter | other/iter | "
+        "other/kFLOP | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups = {}
     for r in recs:
@@ -567,7 +573,7 @@ def format_markdown(doc: dict) -> str:
                 + _loop_cells(ok)
             )
         else:
-            stats = "| | | | | | "
+            stats = "| | | | | | | "
         verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
         lines.append(
             f"| sm_{target} | {dtype} | {d} | {label} | {'yes' if pick else 'no'} | {len(rs)} | "
@@ -578,8 +584,8 @@ def format_markdown(doc: dict) -> str:
         "## Paged and backward attention (launcher's block sizes; worst over variants)",
         "",
         "| target | kernel | dtype | D | config | variants | max regs | max stack B | "
-        "smem KB | tensor-core instr | MMA/iter | other/iter | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "smem KB | tensor-core instr | MMA/iter | other/iter | other/kFLOP | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (target, kernel, dtype, d, label), rs in _launcher_groups(recs, MMA_KERNELS[1:]):
         ok = [r for r in rs if r["ok"]]
@@ -587,7 +593,7 @@ def format_markdown(doc: dict) -> str:
             tc = "/".join(sorted({str(r["tensor_core"]) for r in ok}, key=int))
             stats = f"{_launcher_stats(ok)} | {tc} | {_loop_cells(ok)}"
         else:
-            stats = "| | | | | "
+            stats = "| | | | | | "
         verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
         lines.append(
             f"| sm_{target} | {kernel} | {dtype} | {d} | {label} | {len(rs)} | {stats} | {verdict} |"

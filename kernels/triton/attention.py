@@ -398,6 +398,9 @@ def _prune(configs, named_args, capability=None, **kwargs):
         "HAS_MASK",
         "MASK_IS_BOOL",
         "HAS_ALIBI",
+        "HAS_SOFTCAP",
+        "HAS_WINDOW",
+        "HAS_SINKS",
     ],
     prune_configs_by={"early_config_prune": _prune},
 )

@@ -208,8 +208,8 @@ def tiles(max_q: int, d: int, fp32: bool, capability: int) -> dict:
     sm_80/sm_90 (checked by ``fastpe triton-report``): thin query tiles for decoding, smaller
     tiles for fp32 and wide heads. From 64 queries a sequence, heads up to 128 wide take the
     dense forward's tiles: on sm_90 and later 128 x 64 with 8 warps (two warpgroups of HGMMA)
-    from 128 queries and 64 x 64 with one warpgroup below (8 warps on 64 rows would have both
-    warpgroups issue the same HGMMA); before sm_90 64 x 64 with 8 warps and 2 stages (128-row
+    from 128 queries and 64 x 64 with one warpgroup below (8 warps on 64 rows issue 1.5x the
+    tile's tensor-core FLOPs: two warpgroups on one warpgroup's rows); before sm_90 64 x 64 with 8 warps and 2 stages (128-row
     tiles, and a third stage once the scores carry ALiBi, a window, a cap and sinks, spill)."""
     if fp32:
         return _tiles(16, 16)
