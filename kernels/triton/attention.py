@@ -6,9 +6,11 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any str
 One program = one block of queries of one (batch, query head), optionally one slice of the keys
 (split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32,
 scores in natural-log units (finite masks up to fp32's max stay finite) exponentiated as
-exp2((s - max)·log2 e); key tiles outside a block's window (above the causal diagonal, before a
-sliding window) are never visited. GQA reads kv head h // (Hq / Hkv) in place. Soft-capping
-is applied to the scaled scores; an attention sink joins the first key slice's result only, so
+exp2((s - max)·log2 e) — or, without a score modifier, raw q·kᵀ with the scale in the exponent
+(RAW_SCORES); key tiles outside a block's window (above the causal diagonal, before a sliding
+window) are never visited, and the whole tiles every query of the block sees run in a loop of
+their own without masks (``_key_tiles``). GQA reads kv head h // (Hq / Hkv) in place.
+Soft-capping is applied to the scaled scores; an attention sink joins the first key slice's result only, so
 that split-KV merging counts it once. The options arrive as one record (``options``, described
 in ``_attention_common``).
 RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
