@@ -6,15 +6,13 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any str
 One program = one block of queries of one (batch, query head), optionally one slice of the keys
 (split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32,
 scores in natural-log units (finite masks up to fp32's max stay finite) exponentiated as
-exp2((s - max)·log2 e) — or, without a score modifier, raw q·kᵀ with the scale in the exponent
-(RAW_SCORES); key tiles outside a block's window (above the causal diagonal, before a sliding
-window) are never visited, and the whole tiles every query of the block sees run in a loop of
-their own without masks (``_key_tiles``). GQA reads kv head h // (Hq / Hkv) in place.
-Soft-capping is applied to the scaled scores; an attention sink joins the first key slice's result only, so
-that split-KV merging counts it once. The options arrive as one record (``options``, described
-in ``_attention_common``).
-RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
-computed per tile.
+exp2((s - max)·log2 e) (raw q·kᵀ, scale in the exponent, without score modifiers); key tiles
+outside a block's window (causal, sliding) are never visited, whole tiles every query sees run
+unmasked (``_key_tiles``). GQA reads kv head h // (Hq / Hkv) in place. Soft-capping is applied
+to the scaled scores; an attention sink joins the first key slice's result only, so that
+split-KV merging counts it once. The options arrive as one record (``options``, described in
+``_attention_common``). RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style
+relative-bias buckets are computed per tile.
 """
 
 from __future__ import annotations
@@ -313,8 +311,9 @@ _FITS = {
     (256, False, True): {(32, 16, 8, 2)},
     (256, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
 }
-# the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask)
-_BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
+# the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask),
+# and 64 x 64 at head dim 128 with ALiBi (8-16 bytes, bench/results/triton-aot-forward.md)
+_BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3), (64, 64, 4, 3)}, 256: set()}
 # ... and with RoPE rotated in the kernel as well, only the narrowest tiles stay out of local
 # memory at head dim 64 (wider heads rotate before the kernel then: _rope_in_kernel)
 _BIASED_ROPE_OUT = {64: {(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 4, 2)}, 128: set(), 256: set()}
@@ -367,7 +366,8 @@ def _prune(configs, named_args, capability=None, **kwargs):
         capability = _capability(named_args)
     d = max(named_args["D"], named_args["Dv"])
     dclass = 64 if d <= 64 else 128 if d <= 128 else 256
-    fits = set(_FITS[dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32"))])
+    fits_key = (dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32")))
+    fits = set(_FITS[fits_key])
     biased = _per_element_bias(kwargs) or any(
         kwargs.get(flag) for flag in ("HAS_SOFTCAP", "HAS_WINDOW", "HAS_SINKS")
     )
@@ -377,6 +377,11 @@ def _prune(configs, named_args, capability=None, **kwargs):
             fits -= _BIASED_ROPE_OUT[dclass]
     if kwargs.get("HAS_RELATIVE_BIAS") and capability >= 90:
         fits -= _T5_SM90_OUT[dclass]
+    if capability >= 90:
+        fits -= _SM90_OUT.get(fits_key, set())
+        if biased and fits_key in _SM90_BIASED_SWAP:
+            out, into = _SM90_BIASED_SWAP[fits_key]
+            fits = (fits - out) | into
     if capability in _SMALL_SMEM:
         fits = {f for f in fits if f[3] <= 2} or fits
     key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
@@ -390,20 +395,10 @@ def _prune(configs, named_args, capability=None, **kwargs):
     configs=_configs(),
     # the flags _prune reads are part of the key: a config tuned without RoPE must not be
     # reused for a call with it
-    key=[
-        "tuning_lengths",
-        "D",
-        "Dv",
-        "group",
-        "HAS_ROPE",
-        "HAS_RELATIVE_BIAS",
-        "HAS_MASK",
-        "MASK_IS_BOOL",
-        "HAS_ALIBI",
-        "HAS_SOFTCAP",
-        "HAS_WINDOW",
-        "HAS_SINKS",
-    ],
+    key=(
+        "tuning_lengths D Dv group HAS_ROPE HAS_RELATIVE_BIAS HAS_MASK MASK_IS_BOOL HAS_ALIBI "
+        "HAS_SOFTCAP HAS_WINDOW HAS_SINKS"
+    ).split(),
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
@@ -647,6 +642,18 @@ def _merge_kernel(
         mask=r_ok[:, None] & (c[None, :] < Dv),
     )
     tl.store(lse_ptr + r, lse, mask=r_ok)
+
+
+# (for _prune) on sm_90 and later, by (head dim class, RoPE in the kernel, fp32 dots), the
+# configs that spill 8-16 bytes there (bench/results/triton-aot-forward.md): with key lengths
+# at head dim 256, fp32 at 64 ...
+_SM90_OUT = {(256, False, False): {(32, 32, 4, 2)}, (64, False, True): {(32, 16, 4, 2)}}
+# ... and, once scores carry extras (``biased`` in _prune), the only config left, replaced by
+# one that does not spill: every feature with RoPE at head dim 64, fp32 ALiBi at 256
+_SM90_BIASED_SWAP = {
+    (64, True, False): ({(64, 32, 8, 2)}, {(32, 32, 4, 2)}),
+    (256, False, True): ({(32, 16, 8, 2)}, {(32, 16, 4, 2)}),
+}
 
 
 def merge_launch_args(part_out, part_lse, out, lse):
