@@ -360,14 +360,13 @@ def _capability(named_args):
 
 def _prune(configs, named_args, capability=None, **kwargs):
     """The configs of ``_FITS`` for this head dim, RoPE and dtype; tiny query counts (decoding)
-    waste most of a 128-row block. ``capability`` (e.g. 90) defaults to the GPU holding q;
-    ``kwargs`` are the kernel's constexprs (the AOT report passes both)."""
+    waste most of a 128-row block. ``capability`` (e.g. 90) defaults to q's GPU; ``kwargs``:
+    the kernel's constexprs (the AOT report passes both)."""
     if capability is None:
         capability = _capability(named_args)
     d = max(named_args["D"], named_args["Dv"])
     dclass = 64 if d <= 64 else 128 if d <= 128 else 256
-    fits_key = (dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32")))
-    fits = set(_FITS[fits_key])
+    fits = set(_FITS[dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32"))])
     biased = _per_element_bias(kwargs) or any(
         kwargs.get(flag) for flag in ("HAS_SOFTCAP", "HAS_WINDOW", "HAS_SINKS")
     )
@@ -375,13 +374,7 @@ def _prune(configs, named_args, capability=None, **kwargs):
         fits -= _BIASED_OUT[dclass]
         if kwargs.get("HAS_ROPE"):
             fits -= _BIASED_ROPE_OUT[dclass]
-    if kwargs.get("HAS_RELATIVE_BIAS") and capability >= 90:
-        fits -= _T5_SM90_OUT[dclass]
-    if capability >= 90:
-        fits -= _SM90_OUT.get(fits_key, set())
-        if biased and fits_key in _SM90_BIASED_SWAP:
-            out, into = _SM90_BIASED_SWAP[fits_key]
-            fits = (fits - out) | into
+    fits = _sm90_fits(fits, capability, dclass, biased, kwargs)
     if capability in _SMALL_SMEM:
         fits = {f for f in fits if f[3] <= 2} or fits
     key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
@@ -393,8 +386,15 @@ def _prune(configs, named_args, capability=None, **kwargs):
 
 @triton.autotune(
     configs=_configs(),
-    # the flags _prune reads are part of the key: a config tuned without RoPE must not be
-    # reused for a call with it
+    # the key: the lengths as tuning_length rounds them (a decoding loop tunes once per
+    # doubling of its length, not per token), the head dims, the GQA group, and every flag
+    # _prune reads (RoPE, the T5 bias, the masks, ALiBi, the soft-cap, the window, sinks):
+    # a config tuned without one of them must not be reused for a call with it, whose
+    # pruned list can be narrower (the widest tiles spill once scores carry a per-element
+    # bias, a cap, a window or sinks). The other constexprs (causal, key lengths, positions,
+    # the dtype's DOT_FP32, which follows q's dtype, itself part of Triton's own key) do
+    # not change what _prune keeps. The list is one string, split, to keep the decorator
+    # as long as it was: Triton's kernel cache keys hold the kernel's line number.
     key=(
         "tuning_lengths D Dv group HAS_ROPE HAS_RELATIVE_BIAS HAS_MASK MASK_IS_BOOL HAS_ALIBI "
         "HAS_SOFTCAP HAS_WINDOW HAS_SINKS"
@@ -654,6 +654,21 @@ _SM90_BIASED_SWAP = {
     (64, True, False): ({(64, 32, 8, 2)}, {(32, 32, 4, 2)}),
     (256, False, True): ({(32, 16, 8, 2)}, {(32, 16, 4, 2)}),
 }
+
+
+def _sm90_fits(fits, capability, dclass, biased, kwargs):
+    """``fits`` less the configs of _T5_SM90_OUT (with a T5 bias) and _SM90_OUT, with
+    _SM90_BIASED_SWAP applied, on sm_90 and later (a part of _prune)."""
+    if capability < 90:
+        return fits
+    if kwargs.get("HAS_RELATIVE_BIAS"):
+        fits = fits - _T5_SM90_OUT[dclass]
+    key = (dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32")))
+    fits = fits - _SM90_OUT.get(key, set())
+    if biased and key in _SM90_BIASED_SWAP:
+        out, into = _SM90_BIASED_SWAP[key]
+        fits = (fits - out) | into
+    return fits
 
 
 def merge_launch_args(part_out, part_lse, out, lse):
