@@ -648,8 +648,9 @@ def _merge_kernel(
 # configs that spill 8-16 bytes there (bench/results/triton-aot-forward.md): with key lengths
 # at head dim 256, fp32 at 64 ...
 _SM90_OUT = {(256, False, False): {(32, 32, 4, 2)}, (64, False, True): {(32, 16, 4, 2)}}
-# ... and, once scores carry extras (``biased`` in _prune), the only config left, replaced by
-# one that does not spill: every feature with RoPE at head dim 64, fp32 ALiBi at 256
+# ... and the only config left, replaced by one that does not spill there: every feature with
+# RoPE at head dim 64 (once scores carry extras: ``biased`` in _prune) and fp32 at 256 with a
+# per-element bias (ALiBi, T5, a float mask; the soft-cap, window and sinks keep 8 warps)
 _SM90_BIASED_SWAP = {
     (64, True, False): ({(64, 32, 8, 2)}, {(32, 32, 4, 2)}),
     (256, False, True): ({(32, 16, 8, 2)}, {(32, 16, 4, 2)}),
@@ -665,7 +666,8 @@ def _sm90_fits(fits, capability, dclass, biased, kwargs):
         fits = fits - _T5_SM90_OUT[dclass]
     key = (dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32")))
     fits = fits - _SM90_OUT.get(key, set())
-    if biased and key in _SM90_BIASED_SWAP:
+    per_element = _per_element_bias(kwargs)
+    if key in _SM90_BIASED_SWAP and (per_element if key[2] else biased):
         out, into = _SM90_BIASED_SWAP[key]
         fits = (fits - out) | into
     return fits
