@@ -368,7 +368,13 @@ def triton_report(args) -> int:
         if problem:
             return _fail("triton-report", f"{option}: {problem}")
     start = time.perf_counter()
-    cases = tr.plan(full=args.full, targets=targets)
+    kernels = args.kernels or list(tr.KERNELS)
+    unknown = [k for k in kernels if k not in tr.KERNELS]
+    if unknown:
+        return _fail(
+            "triton-report", f"--kernels: unknown {unknown}; known: {', '.join(tr.KERNELS)}"
+        )
+    cases = tr.plan(full=args.full, targets=targets, kernels=kernels)
     print(f"{len(cases)} compilations on {args.jobs} worker(s)", file=sys.stderr, flush=True)
     records = tr.run(
         cases,
@@ -376,7 +382,13 @@ def triton_report(args) -> int:
         cache_dir=None if args.no_cache else (args.cache_dir or tr.default_cache_dir()),
         progress=lambda m: print(m, file=sys.stderr, flush=True),
     )
-    doc = tr.document(records, full=args.full, seconds=time.perf_counter() - start, jobs=args.jobs)
+    doc = tr.document(
+        records,
+        full=args.full,
+        seconds=time.perf_counter() - start,
+        jobs=args.jobs,
+        kernels=kernels,
+    )
     text = tr.format_markdown(doc)
     print(text)
     if args.markdown:
@@ -584,6 +596,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="SM",
         help="compute capabilities, e.g. 80 90 (default: 80 90 100 120)",
+    )
+    t.add_argument(
+        "--kernels",
+        nargs="+",
+        metavar="KERNEL",
+        help="only these kernels, e.g. attention attention_paged (default: all of them)",
     )
     t.add_argument(
         "--jobs", type=int, default=2, choices=(1, 2), help="worker processes (%(default)s)"

@@ -167,14 +167,27 @@ def cases(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> l
 # compiling and reading the cubin (in the workers)
 
 
-def _source(case: Case):
-    """(JITFunction, signature, constexprs, attrs, options, fp32 dots) for ``case``: its
-    launcher's arguments bound and specialised by the JIT's own binder for the case's target;
-    "fp32 dots": the launcher chose IEEE fp32 dots for the kernel (its DOT_FP32)."""
+def bind(fn, args, consts: dict, options: dict, target: int):
+    """(signature, constexprs, attrs) of JITFunction ``fn`` called with ``args`` (meta tensors
+    stand for tensors) and ``consts``, bound and specialised by the JIT's own binder for
+    ``target`` as a launch on that GPU would be."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    backend = make_backend(GPUTarget("cuda", target, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*args, **consts)
+    _, signature, constexprs, attrs = fn._pack_args(
+        backend, dict(options), bound, specialization, None
+    )
+    return signature, constexprs, attrs
+
+
+def _source(case: Case):
+    """(JITFunction, signature, constexprs, attrs, options, fp32 dots) for ``case``: its
+    launcher's arguments bound and specialised by the JIT's own binder for the case's target;
+    "fp32 dots": the launcher chose IEEE fp32 dots for the kernel (its DOT_FP32)."""
     config = dict(case.config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
     kernel, _, args, consts = launch(
@@ -182,20 +195,18 @@ def _source(case: Case):
     )
     consts = {**{k: v for k, v in consts.items() if k not in options}, **config}
     fn = jit_function(kernel)
-    backend = make_backend(GPUTarget("cuda", case.target, 32))
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, _ = binder(*args, **consts)
-    _, signature, constexprs, attrs = fn._pack_args(
-        backend, dict(options), bound, specialization, None
-    )
+    signature, constexprs, attrs = bind(fn, args, consts, options, case.target)
     return fn, signature, constexprs, attrs, options, bool(consts.get("DOT_FP32", False))
 
 
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _TENSOR_CORE = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA|IMMA)\b")
-_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+# (an opcode's shape holds lowercase x: HGMMA.64x128x16)
+_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", re.M)
 # one SASS line: its address, opcode and operands; a label (a branch target) on its own line
-_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*)")
+_INSTRUCTION = re.compile(
+    r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*)"
+)
 _LABEL = re.compile(r"^\s*(\.L\w+):")
 _TARGET = re.compile(r"\((\.L\w+)\)")
 # the kernels whose inner loop is a matrix product (the autotuned forward first): in fp16/bf16
@@ -207,14 +218,40 @@ def is_tensor_core(opcode: str) -> bool:
     return bool(_TENSOR_CORE.match(opcode.split(".")[0]))
 
 
+# the shapes in a tensor-core opcode: HGMMA.64x128x16.F32.BF16 (one warpgroup's M x N x K) and
+# HMMA.16816.F32.BF16 (one warp's m16 n8 k16; HMMA.1688: k8)
+_HGMMA_SHAPE = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\b")
+_HMMA_SHAPE = re.compile(r"^HMMA\.(16)(8)(8|16)\b")
+
+
+def mma_flops(opcode: str) -> int:
+    """The multiply-add FLOPs (2·M·N·K) one warp's issue of a tensor-core instruction stands
+    for: an HGMMA is issued by the four warps of its warpgroup together, so a quarter of its
+    shape's; 0 for a shape this does not read (IMMA, sm_100's UTC*MMA, whose shapes live in
+    descriptors) and for other instructions."""
+    hgmma = _HGMMA_SHAPE.match(opcode)
+    if hgmma:
+        m, n, k = map(int, hgmma.groups())
+        return 2 * m * n * k // 4
+    hmma = _HMMA_SHAPE.match(opcode)
+    if hmma:
+        m, n, k = map(int, hmma.groups())
+        return 2 * m * n * k
+    return 0
+
+
 def hot_loop(sass: str) -> dict | None:
     """The loop of a kernel's SASS that does its matrix products, counted statically: the
     instructions from a backward branch's target to that branch (a loop's body, one iteration
     when Triton software-pipelines it), for the loop holding the most tensor-core instructions
-    (the narrowest of those with as many: an inner loop rather than one around it); where no
+    (the narrowest of those with as many: an inner loop rather than one around it, the unmasked
+    loop of a kernel that runs its masked tiles in a second one); where no
     loop holds one (fp32's IEEE dots run on FMA units), the loop with the most instructions.
+    A backward branch whose span holds the kernel's EXIT is no loop: sm_90 kernels jump from
+    out-of-line blocks after the EXIT (an mbarrier wait's retry) back into their body.
     Returns {"mma": tensor-core instructions, "other": the other instructions, NOP padding
-    excluded}, or None for a kernel without a loop."""
+    excluded, "mma_flops": the FLOPs of those tensor-core instructions per warp (``mma_flops``;
+    0 where their shapes cannot be read)}, or None for a kernel without a loop."""
     program, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -236,10 +273,13 @@ def hot_loop(sass: str) -> dict | None:
         if head > address:  # a forward branch
             continue
         body = [op for a, op, _ in program if head <= a <= address and op != "NOP"]
+        if "EXIT" in body:  # an out-of-line block (a barrier's retry) jumping back: no loop
+            continue
         mma = sum(map(is_tensor_core, body))
         rank = (mma, len(body) if mma == 0 else -len(body))
         if best is None or rank > best[0]:
-            best = (rank, {"mma": mma, "other": len(body) - mma})
+            flops = sum(map(mma_flops, body))
+            best = (rank, {"mma": mma, "other": len(body) - mma, "mma_flops": flops})
     return None if best is None else best[1]
 
 
@@ -279,7 +319,7 @@ def _read_cubin(cubin: bytes) -> dict:
 
 # what _read_cubin reads, in the cache key: a cached record read by an older version lacks
 # the newer fields
-_READER_VERSION = 2
+_READER_VERSION = 4
 
 
 def _cache_key(case: Case, fn, signature, constexprs, attrs, options) -> str:
@@ -300,12 +340,31 @@ def _cache_key(case: Case, fn, signature, constexprs, attrs, options) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def compile_case(case: Case, cache_dir: str | None) -> dict:
-    """Compile one case and read its cubin (run in a worker with TRITON_INTERPRET=0)."""
+def compile_bound(fn, signature, constexprs, attrs, options, target: int) -> dict:
+    """Compile a bound kernel (``bind``) for ``target`` and read its cubin: {"ok", "error",
+    "shared", "compile_seconds", and ``_read_cubin``'s fields}."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", target, 32),
+            options=options,
+        )
+        result = {"ok": True, "error": None, "shared": compiled.metadata.shared}
+        result.update(_read_cubin(compiled.asm["cubin"]))
+    except Exception as exc:
+        message = str(exc).strip().splitlines()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(message[-3:])[:400]}"}
+    result["compile_seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+def compile_case(case: Case, cache_dir: str | None) -> dict:
+    """Compile one case and read its cubin (run in a worker with TRITON_INTERPRET=0)."""
     record = {"case": dataclasses.asdict(case), "key": case.key()}
     try:
         fn, signature, constexprs, attrs, options, fp32_dots = _source(case)
@@ -317,19 +376,7 @@ def compile_case(case: Case, cache_dir: str | None) -> dict:
     if path and os.path.exists(path):
         with open(path) as f:
             return {**record, **json.load(f), "cached": True}
-    start = time.perf_counter()
-    try:
-        compiled = triton.compile(
-            ASTSource(fn, signature, constexprs, attrs),
-            target=GPUTarget("cuda", case.target, 32),
-            options=options,
-        )
-        result = {"ok": True, "error": None, "shared": compiled.metadata.shared}
-        result.update(_read_cubin(compiled.asm["cubin"]))
-    except Exception as exc:
-        message = str(exc).strip().splitlines()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(message[-3:])[:400]}"}
-    result["compile_seconds"] = round(time.perf_counter() - start, 2)
+    result = compile_bound(fn, signature, constexprs, attrs, options, case.target)
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         with open(path + ".tmp", "w") as f:
@@ -363,14 +410,17 @@ def run(case_list, *, jobs: int = 2, cache_dir: str | None = None, progress=None
     return results
 
 
-def plan(*, full: bool, targets=tuple(TARGETS), all_configs: bool = False) -> list[Case]:
-    """``cases`` computed in a worker: the attention configs come from the kernel module, which
-    must be imported with TRITON_INTERPRET=0."""
+def plan(
+    *, full: bool, targets=tuple(TARGETS), all_configs: bool = False, kernels=KERNELS
+) -> list[Case]:
+    """``cases`` computed in a worker (the attention configs come from the kernel module, which
+    must be imported with TRITON_INTERPRET=0), only those of ``kernels``."""
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init) as pool:
-        return pool.submit(
+        out = pool.submit(
             cases, full=full, targets=tuple(targets), all_configs=all_configs
         ).result()
+    return [c for c in out if c.kernel in kernels]
 
 
 # ------------------------------------------------------------------------------------------
@@ -409,7 +459,7 @@ def problems(records) -> list[str]:
     return out
 
 
-def document(records, *, full: bool, seconds: float, jobs: int) -> dict:
+def document(records, *, full: bool, seconds: float, jobs: int, kernels=KERNELS) -> dict:
     import triton
 
     return {
@@ -419,6 +469,9 @@ def document(records, *, full: bool, seconds: float, jobs: int) -> dict:
         .splitlines()[-1],
         "targets": {f"sm_{k}": {"name": v[0], "shared_limit": v[1]} for k, v in TARGETS.items()},
         "full": full,
+        # the kernels compiled (a subset when the command named some)
+        "kernels": list(kernels),
+        "targets_compiled": sorted({r["case"]["target"] for r in records}),
         "jobs": jobs,
         "wall_seconds": round(seconds, 1),
         "compiled": sum(not r.get("cached") for r in records),
@@ -441,21 +494,32 @@ def _span(values) -> str:
 
 
 def _loop_cells(ok) -> str:
-    """The hot loop's tensor-core and other instructions over records: 'mma | other', each a
-    value or a range."""
+    """The hot loop's tensor-core and other instructions over records, and the other
+    instructions per 1000 MMA FLOPs: 'mma | other | per kFLOP', each a value or a range."""
     loops = [r["hot_loop"] for r in ok if r.get("hot_loop")]
     if not loops:
-        return " | "
-    return f"{_span([x['mma'] for x in loops])} | {_span([x['other'] for x in loops])}"
+        return " | | "
+    rates = [1000 * x["other"] / x["mma_flops"] for x in loops if x.get("mma_flops")]
+    rate = f"{min(rates):.2f}–{max(rates):.2f}" if rates else ""
+    if rates and f"{min(rates):.2f}" == f"{max(rates):.2f}":
+        rate = f"{min(rates):.2f}"
+    return f"{_span([x['mma'] for x in loops])} | {_span([x['other'] for x in loops])} | {rate}"
 
 
 def format_markdown(doc: dict) -> str:
     recs = doc["records"]
+    kernels = doc.get("kernels", list(KERNELS))
+    compiled = doc.get("targets_compiled", sorted(int(t[3:]) for t in doc["targets"]))
+    command = "fastpe triton-report" + (" --full" if doc["full"] else "")
+    if compiled != sorted(TARGETS):
+        command += " --targets " + " ".join(map(str, compiled))
+    if list(kernels) != list(KERNELS):
+        command += " --kernels " + " ".join(kernels)
     lines = [
         "# Triton kernels compiled ahead of time (no GPU)",
         "",
-        f"Triton {doc['triton']}, {doc['ptxas']}. Written by `fastpe triton-report"
-        f"{' --full' if doc['full'] else ''}` in {doc['wall_seconds']} s on {doc['jobs']} "
+        f"Triton {doc['triton']}, {doc['ptxas']}. Written by `{command}` in "
+        f"{doc['wall_seconds']} s on {doc['jobs']} "
         f"worker(s) ({doc['compiled']} of {len(recs)} compiled, the rest from the cache; "
         f"compiling all of them takes {doc.get('compile_seconds_total', 0) / 60:.0f} "
         "worker-minutes).",
@@ -465,7 +529,8 @@ def format_markdown(doc: dict) -> str:
         "UTC*MMA sm_100) counted in `nvdisasm` SASS, in the whole kernel and per iteration of its "
         "hot loop (*MMA/iter*, *other/iter*: the instructions between the head and the backward "
         "branch of the loop holding the most tensor-core instructions, NOPs left out; the "
-        "largest loop where none holds one). fp32 attention uses IEEE fp32 dots "
+        "largest loop where none holds one; *other/kFLOP*: the other instructions per 1000 "
+        "FLOPs of those tensor-core instructions, per warp, from their HGMMA/HMMA shapes). fp32 attention uses IEEE fp32 dots "
         "(no tensor cores, by design); an fp16/bf16 attention kernel without them is a "
         "problem. *pick*: the autotuner may choose the config on that "
         "target (after `_prune`); unpicked configs are listed for reference only.",
@@ -480,8 +545,9 @@ def format_markdown(doc: dict) -> str:
         "## Attention (worst over the feature variants)",
         "",
         "| target | dtype | D | config | pick | variants | max regs | max stack B | "
-        "spill ST/LD | max smem KB / limit | tensor-core instr | MMA/iter | other/iter | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "spill ST/LD | max smem KB / limit | tensor-core instr | MMA/iter | other/iter | "
+        "other/kFLOP | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups = {}
     for r in recs:
@@ -507,7 +573,7 @@ def format_markdown(doc: dict) -> str:
                 + _loop_cells(ok)
             )
         else:
-            stats = "| | | | | | "
+            stats = "| | | | | | | "
         verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
         lines.append(
             f"| sm_{target} | {dtype} | {d} | {label} | {'yes' if pick else 'no'} | {len(rs)} | "
@@ -518,8 +584,8 @@ def format_markdown(doc: dict) -> str:
         "## Paged and backward attention (launcher's block sizes; worst over variants)",
         "",
         "| target | kernel | dtype | D | config | variants | max regs | max stack B | "
-        "smem KB | tensor-core instr | MMA/iter | other/iter | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "smem KB | tensor-core instr | MMA/iter | other/iter | other/kFLOP | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (target, kernel, dtype, d, label), rs in _launcher_groups(recs, MMA_KERNELS[1:]):
         ok = [r for r in rs if r["ok"]]
@@ -527,7 +593,7 @@ def format_markdown(doc: dict) -> str:
             tc = "/".join(sorted({str(r["tensor_core"]) for r in ok}, key=int))
             stats = f"{_launcher_stats(ok)} | {tc} | {_loop_cells(ok)}"
         else:
-            stats = "| | | | | "
+            stats = "| | | | | | "
         verdict = "yes" if len(ok) == len(rs) else f"{len(rs) - len(ok)} fail"
         lines.append(
             f"| sm_{target} | {kernel} | {dtype} | {d} | {label} | {len(rs)} | {stats} | {verdict} |"

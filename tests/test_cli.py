@@ -401,7 +401,7 @@ def test_help_lists_every_command_and_choice(capsys):
         assert f"{op}: {baseline}" in " ".join(texts["report"].split())
 
 
-def test_triton_report_rejects_unknown_target_and_unwritable_path(capsys, tmp_path):
+def test_triton_report_rejects_unknown_target_kernel_and_unwritable_path(capsys, tmp_path):
     """Refused before any compilation starts (the sweep takes minutes)."""
     from fastpe import triton_report
 
@@ -409,6 +409,8 @@ def test_triton_report_rejects_unknown_target_and_unwritable_path(capsys, tmp_pa
         pytest.skip(triton_report.unavailable())
     assert cli.main(["triton-report", "--targets", "75"]) == 2
     assert "--targets: unknown [75]; known: 80, 90, 100, 120" in capsys.readouterr().err
+    assert cli.main(["triton-report", "--kernels", "attention", "flash"]) == 2
+    assert "--kernels: unknown ['flash']; known: sinusoidal_table" in capsys.readouterr().err
     assert cli.main(["triton-report", "--json", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--json" in err and "is a directory" in err

@@ -130,11 +130,26 @@ _SASS = """
 
 
 def test_hot_loop_counts_one_iteration_of_the_mma_loop():
-    assert tr.hot_loop(_SASS) == {"mma": 2, "other": 5}
+    # two HGMMA 64x64x16: 2·64·64·16 FLOPs each, a quarter of them per warp
+    assert tr.hot_loop(_SASS) == {"mma": 2, "other": 5, "mma_flops": 2 * 2 * 64 * 64 * 16 // 4}
     # no loop holds a tensor-core instruction (an fp32 kernel): the largest loop instead
     fma = _SASS.replace("HGMMA.64x64x16.F32.BF16", "FFMA")
-    assert tr.hot_loop(fma) == {"mma": 0, "other": 7}
+    assert tr.hot_loop(fma) == {"mma": 0, "other": 7, "mma_flops": 0}
     assert tr.hot_loop("        /*0000*/                   EXIT ;") is None
+    # a block after the EXIT that jumps back into the body (an mbarrier wait's retry path)
+    # is no loop, however many HGMMA its span covers (here the prologue's too)
+    retry = _SASS.replace("        /*0010*/", ".L_x_9:\n        /*0010*/").replace(
+        "        /*01f0*/                   BRA `(.L_x_3);", "        /*01f0*/   BRA `(.L_x_9);"
+    )
+    assert tr.hot_loop(retry) == tr.hot_loop(_SASS)
+
+
+def test_mma_flops_reads_the_shapes():
+    assert tr.mma_flops("HGMMA.64x128x16.F32.BF16") == 2 * 64 * 128 * 16 // 4
+    assert tr.mma_flops("HGMMA.64x64x16.F32") == 2 * 64 * 64 * 16 // 4
+    assert tr.mma_flops("HMMA.16816.F32.BF16") == 2 * 16 * 8 * 16
+    assert tr.mma_flops("HMMA.1688.F32.TF32") == 2 * 16 * 8 * 8
+    assert tr.mma_flops("FFMA") == 0
 
 
 @pytest.mark.slow

@@ -27,7 +27,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from fastpe.kernels.triton._common import LOG2E
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -231,15 +230,29 @@ def modify_scores(
 
 
 @triton.jit
-def softmax_step(s, valid, m_i, l_i):
-    """One tile of the online softmax: (p, alpha, m_new, l_new) with p = exp(s - m_new) for the
-    valid scores (0 elsewhere) and alpha = exp(m_old - m_new), the rescaling of what came before."""
+def softmax_step(s, valid, m_i, l_i, to_log2):
+    """One tile of the online softmax: (p, alpha, m_new, l_new) with p = exp(c·(s - m_new)) for
+    the valid scores (0 elsewhere) and alpha = exp(c·(m_old - m_new)), the rescaling of what
+    came before; ``to_log2`` = c·log2 e (c: the scale of q·kᵀ where s is the raw product, 1
+    where s is already scaled), so that exp2 does the exponentials."""
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
     # the difference first: scores near ±fp32 max must not overflow once scaled
-    alpha = tl.exp2((m_i - m_safe) * LOG2E)
-    p = tl.exp2((s - m_safe[:, None]) * LOG2E)
+    alpha = tl.exp2((m_i - m_safe) * to_log2)
+    p = tl.exp2((s - m_safe[:, None]) * to_log2)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def softmax_step_full(s, m_i, l_i, to_log2):
+    """``softmax_step`` for a tile whose every score counts (no mask, no score beyond fp32's
+    max / log2 e, which only an additive mask can bring): the exponent as one fused
+    multiply-add per score, s·to_log2 - m·to_log2, rather than a subtraction and a product."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every score -inf (overflowed dots)
+    alpha = tl.exp2((m_i - m_safe) * to_log2)
+    p = tl.exp2(s * to_log2 - (m_safe * to_log2)[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 

@@ -6,13 +6,13 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any str
 One program = one block of queries of one (batch, query head), optionally one slice of the keys
 (split-KV for decoding, merged afterwards with the log-sum-exp rule). Online softmax in fp32,
 scores in natural-log units (finite masks up to fp32's max stay finite) exponentiated as
-exp2((s - max)·log2 e); key tiles outside a block's window (above the causal diagonal, before a
-sliding window) are never visited. GQA reads kv head h // (Hq / Hkv) in place. Soft-capping
-is applied to the scaled scores; an attention sink joins the first key slice's result only, so
-that split-KV merging counts it once. The options arrive as one record (``options``, described
-in ``_attention_common``).
-RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style relative-bias buckets are
-computed per tile.
+exp2((s - max)·log2 e) (raw q·kᵀ, scale in the exponent, without score modifiers); key tiles
+outside a block's window (causal, sliding) are never visited, whole tiles every query sees run
+unmasked (``_key_tiles``). GQA reads kv head h // (Hq / Hkv) in place. Soft-capping is applied
+to the scaled scores; an attention sink joins the first key slice's result only, so that
+split-KV merging counts it once. The options arrive as one record (``options``, described in
+``_attention_common``). RoPE rotates q and k tiles as they are loaded; ALiBi and the T5-style
+relative-bias buckets are computed per tile.
 """
 
 from __future__ import annotations
@@ -34,20 +34,19 @@ from fastpe.kernels.triton._attention_common import (
     score_args,
     score_param_args,
     softmax_step,
+    softmax_step_full,
 )
-from fastpe.kernels.triton._common import interpreted, low_precision_via_fp32, next_pow2
+from fastpe.kernels.triton._common import LOG2E, interpreted, low_precision_via_fp32, next_pow2
 
 
 @triton.jit
-def _rotated(ptr, rows, cols, strides, row_ok, col_ok, pos, rope, INTERLEAVED: tl.constexpr):
+def _rotated(ptr, rows, cols, strides, keep, pos, rope, INTERLEAVED: tl.constexpr):
     """Load a [rows, cols] tile and apply RoPE at positions ``pos`` [rows] (columns >= 2·half
     pass through). The partner of column d is d ± half (NeoX) or d ^ 1 (GPT-J). ``rope``:
-    (cos ptr, sin ptr, row stride of both, half)."""
+    (cos ptr, sin ptr, row stride of both, half); ``keep``: the elements to load (None: all)."""
     cos_ptr, sin_ptr, stride_cos, half = rope
-    keep = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(
-        ptr + rows[:, None] * strides[0] + cols[None, :] * strides[1], mask=keep, other=0.0
-    ).to(tl.float32)
+    x = _load(ptr + rows[:, None] * strides[0] + cols[None, :] * strides[1], keep, 0.0)
+    x = x.to(tl.float32)
     rotary = cols < 2 * half
     if INTERLEAVED:
         freq = cols // 2
@@ -57,7 +56,10 @@ def _rotated(ptr, rows, cols, strides, row_ok, col_ok, pos, rope, INTERLEAVED: t
         freq = tl.where(cols < half, cols, cols - half)
         partner = tl.where(cols < half, cols + half, cols - half)
         sign = tl.where(cols < half, -1.0, 1.0)
-    rot_keep = keep & rotary[None, :]
+    if keep is None:
+        rot_keep = rotary[None, :]
+    else:
+        rot_keep = keep & rotary[None, :]
     xp = tl.load(
         ptr + rows[:, None] * strides[0] + partner[None, :] * strides[1], mask=rot_keep, other=0.0
     ).to(tl.float32)
@@ -68,6 +70,32 @@ def _rotated(ptr, rows, cols, strides, row_ok, col_ok, pos, rope, INTERLEAVED: t
         tl.float32
     )
     return tl.where(rotary[None, :], x * c + sign[None, :] * xp * s, x)
+
+
+@triton.jit
+def _load(ptrs, keep, other):
+    """tl.load of ``ptrs`` where ``keep`` (``other`` elsewhere); every element when None."""
+    if keep is None:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=keep, other=other)
+    return x
+
+
+@triton.jit
+def _tile_mask(row_ok, col_ok):
+    """The [rows, cols] elements of a tile to load: None (all of them) when neither the rows
+    nor the columns are masked (``row_ok``, ``col_ok``: None or a mask each)."""
+    if row_ok is None:
+        if col_ok is None:
+            keep = None
+        else:
+            keep = col_ok[None, :]
+    elif col_ok is None:
+        keep = row_ok[:, None]
+    else:
+        keep = row_ok[:, None] & col_ok[None, :]
+    return keep
 
 
 @triton.jit
@@ -86,24 +114,160 @@ def _load_tile(
     INTERLEAVED: tl.constexpr,
 ):
     """A [rows, cols] tile of q or k in fp32 (``strides``: of a row, of a column), rotated by
-    RoPE at its positions when HAS_ROPE. ``positions``: (ptr, (stride b, stride s), offset);
-    the positions of batch b are read from ptr when HAS_POS, else offset + row."""
+    RoPE at its positions when HAS_ROPE. ``row_ok``/``col_ok``: the rows and columns in bounds
+    (None: all of them). ``positions``: (ptr, (stride b, stride s), offset); the positions of
+    batch b are read from ptr when HAS_POS, else offset + row."""
+    keep = _tile_mask(row_ok, col_ok)
     if HAS_ROPE:
         pos_ptr, pos_strides, pos_offset = positions
         if HAS_POS:
-            pos = tl.load(
-                pos_ptr + b * pos_strides[0] + rows * pos_strides[1], mask=row_ok, other=0
-            )
+            pos = _load(pos_ptr + b * pos_strides[0] + rows * pos_strides[1], row_ok, 0)
         else:
             pos = pos_offset + rows
-        tile = _rotated(base, rows, cols, strides, row_ok, col_ok, pos, rope, INTERLEAVED)
+        tile = _rotated(base, rows, cols, strides, keep, pos, rope, INTERLEAVED)
     else:
-        tile = tl.load(
-            base + rows[:, None] * strides[0] + cols[None, :] * strides[1],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        tile = _load(base + rows[:, None] * strides[0] + cols[None, :] * strides[1], keep, 0.0)
+        tile = tile.to(tl.float32)
     return tile
+
+
+@triton.jit
+def _key_tiles(
+    acc,
+    m_i,
+    l_i,
+    q_tile,
+    lo,
+    hi,
+    kv_bases,
+    ks,
+    vs,
+    rows,
+    row_ok,
+    dcols,
+    vcols,
+    sizes,
+    b,
+    h,
+    diagonal,
+    qpos_keys,
+    slope,
+    near,
+    score_params,
+    relative_bias,
+    mask,
+    rope,
+    k_positions,
+    to_log2,
+    MASKED: tl.constexpr,
+    FULL_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_RELATIVE_BIAS: tl.constexpr,
+    RELATIVE_BIAS_BUCKETS: tl.constexpr,
+    RELATIVE_BIAS_BIDIRECTIONAL: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    ROPE_INTERLEAVED: tl.constexpr,
+    HAS_KPOS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The online softmax over the key tiles [lo, hi) of a query block: (acc, m_i, l_i) after
+    them. MASKED: tiles that may hold keys a query must not see (past ``hi``, above the causal
+    diagonal — the block's first query sits at key position ``diagonal`` —, outside the window,
+    masked out), checked per score; otherwise every tile is whole and seen by every query, and
+    neither the loads nor the scores carry a mask. FULL_D: D and Dv are the tiles' widths, no
+    column mask. ``kv_bases``: k's and v's (batch, head); ``sizes``: (D, Dv); ``to_log2``: from
+    the scores' units to log2 units (``softmax_step``)."""
+    d_ok = None
+    dv_ok = None
+    if not FULL_D:
+        d_ok = dcols < sizes[0]
+        dv_ok = vcols < sizes[1]
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = None
+        if MASKED:
+            col_ok = cols < hi
+        k_tile = _load_tile(
+            kv_bases[0],
+            cols,
+            dcols,
+            (ks[2], ks[3]),
+            col_ok,
+            d_ok,
+            b,
+            k_positions,
+            rope,
+            HAS_ROPE,
+            HAS_KPOS,
+            ROPE_INTERLEAVED,
+        )
+        s = qk_scores(q_tile, k_tile, DOT_FP32)
+        if MASKED:
+            s, valid, _, _ = modify_scores(
+                s,
+                rows,
+                cols,
+                row_ok[:, None] & col_ok[None, :],
+                qpos_keys,
+                b,
+                h,
+                start + BLOCK_N - 1 > diagonal,
+                slope,
+                near,
+                score_params,
+                relative_bias,
+                mask,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                HAS_RELATIVE_BIAS,
+                RELATIVE_BIAS_BUCKETS,
+                RELATIVE_BIAS_BIDIRECTIONAL,
+                HAS_MASK,
+                MASK_IS_BOOL,
+            )
+            p, alpha, m_i, l_i = softmax_step(s, valid, m_i, l_i, to_log2)
+        else:
+            s, _, _, _ = modify_scores(
+                s,
+                rows,
+                cols,
+                tl.full((1, 1), True, tl.int1),  # (the T5 lookups' mask: every score)
+                qpos_keys,
+                b,
+                h,
+                False,
+                slope,
+                near,
+                score_params,
+                relative_bias,
+                mask,
+                False,
+                False,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                HAS_RELATIVE_BIAS,
+                RELATIVE_BIAS_BUCKETS,
+                RELATIVE_BIAS_BIDIRECTIONAL,
+                False,
+                False,
+            )
+            p, alpha, m_i, l_i = softmax_step_full(s, m_i, l_i, to_log2)
+        v_tile = _load(
+            kv_bases[1] + cols[:, None] * vs[2] + vcols[None, :] * vs[3],
+            _tile_mask(col_ok, dv_ok),
+            0.0,
+        )
+        pv = pv_product(p, v_tile, DOT_FP32)
+        acc = acc * alpha[:, None] + pv
+    return acc, m_i, l_i
 
 
 def _configs():
@@ -147,8 +311,9 @@ _FITS = {
     (256, False, True): {(32, 16, 8, 2)},
     (256, True, True): {(32, 16, 8, 2)},  # spills: not launched (_rope_in_kernel)
 }
-# the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask)
-_BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3)}, 256: set()}
+# the largest tiles spill once scores carry a per-element bias (ALiBi, T5, an additive mask),
+# and 64 x 64 at head dim 128 with ALiBi (8-16 bytes, bench/results/triton-aot-forward.md)
+_BIASED_OUT = {64: {(128, 128, 8, 2)}, 128: {(128, 64, 8, 3), (64, 64, 4, 3)}, 256: set()}
 # ... and with RoPE rotated in the kernel as well, only the narrowest tiles stay out of local
 # memory at head dim 64 (wider heads rotate before the kernel then: _rope_in_kernel)
 _BIASED_ROPE_OUT = {64: {(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 4, 2)}, 128: set(), 256: set()}
@@ -195,8 +360,8 @@ def _capability(named_args):
 
 def _prune(configs, named_args, capability=None, **kwargs):
     """The configs of ``_FITS`` for this head dim, RoPE and dtype; tiny query counts (decoding)
-    waste most of a 128-row block. ``capability`` (e.g. 90) defaults to the GPU holding q;
-    ``kwargs`` are the kernel's constexprs (the AOT report passes both)."""
+    waste most of a 128-row block. ``capability`` (e.g. 90) defaults to q's GPU; ``kwargs``:
+    the kernel's constexprs (the AOT report passes both)."""
     if capability is None:
         capability = _capability(named_args)
     d = max(named_args["D"], named_args["Dv"])
@@ -209,8 +374,7 @@ def _prune(configs, named_args, capability=None, **kwargs):
         fits -= _BIASED_OUT[dclass]
         if kwargs.get("HAS_ROPE"):
             fits -= _BIASED_ROPE_OUT[dclass]
-    if kwargs.get("HAS_RELATIVE_BIAS") and capability >= 90:
-        fits -= _T5_SM90_OUT[dclass]
+    fits = _sm90_fits(fits, capability, dclass, biased, kwargs)
     if capability in _SMALL_SMEM:
         fits = {f for f in fits if f[3] <= 2} or fits
     key = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
@@ -222,19 +386,19 @@ def _prune(configs, named_args, capability=None, **kwargs):
 
 @triton.autotune(
     configs=_configs(),
-    # the flags _prune reads are part of the key: a config tuned without RoPE must not be
-    # reused for a call with it
-    key=[
-        "tuning_lengths",
-        "D",
-        "Dv",
-        "group",
-        "HAS_ROPE",
-        "HAS_RELATIVE_BIAS",
-        "HAS_MASK",
-        "MASK_IS_BOOL",
-        "HAS_ALIBI",
-    ],
+    # the key: the lengths as tuning_length rounds them (a decoding loop tunes once per
+    # doubling of its length, not per token), the head dims, the GQA group, and every flag
+    # _prune reads (RoPE, the T5 bias, the masks, ALiBi, the soft-cap, the window, sinks):
+    # a config tuned without one of them must not be reused for a call with it, whose
+    # pruned list can be narrower (the widest tiles spill once scores carry a per-element
+    # bias, a cap, a window or sinks). The other constexprs (causal, key lengths, positions,
+    # the dtype's DOT_FP32, which follows q's dtype, itself part of Triton's own key) do
+    # not change what _prune keeps. The list is one string, split, to keep the decorator
+    # as long as it was: Triton's kernel cache keys hold the kernel's line number.
+    key=(
+        "tuning_lengths D Dv group HAS_ROPE HAS_RELATIVE_BIAS HAS_MASK MASK_IS_BOOL HAS_ALIBI "
+        "HAS_SOFTCAP HAS_WINDOW HAS_SINKS"
+    ).split(),
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
@@ -283,6 +447,8 @@ def _attention_kernel(
     HAS_QPOS: tl.constexpr,
     HAS_KPOS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    FULL_D: tl.constexpr,
+    RAW_SCORES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -328,7 +494,11 @@ def _attention_kernel(
         HAS_QPOS,
         ROPE_INTERLEAVED,
     )
-    q_tile = q_tile * scales[0]
+    if RAW_SCORES:  # the scale joins the exponent: q stays as loaded, a tensor-core operand
+        to_log2 = scales[0] * LOG2E
+    else:
+        q_tile = q_tile * scales[0]
+        to_log2 = LOG2E
     if not DOT_FP32:
         q_tile = q_tile.to(k_ptr.dtype.element_ty)
 
@@ -351,55 +521,63 @@ def _attention_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     slope = alibi_slope(alibi, b, h, HAS_ALIBI)
     near = alibi_near(qpos_keys, end_keys, HAS_ALIBI)
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
-        k_tile = _load_tile(
-            k_base,
-            cols,
-            dcols,
-            (ks[2], ks[3]),
-            col_ok,
-            dcols < D,
-            b,
-            k_positions,
-            rope,
-            HAS_ROPE,
-            HAS_KPOS,
-            ROPE_INTERLEAVED,
-        )
-        s, valid, _, _ = modify_scores(
-            qk_scores(q_tile, k_tile, DOT_FP32),
-            rows,
-            cols,
-            row_ok[:, None] & col_ok[None, :],
-            qpos_keys,
-            b,
-            h,
-            start + BLOCK_N - 1 > pid_m * BLOCK_M + shift,
-            slope,
-            near,
-            score_params,
-            relative_bias,
-            mask,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_SOFTCAP,
-            HAS_ALIBI,
-            HAS_RELATIVE_BIAS,
-            RELATIVE_BIAS_BUCKETS,
-            RELATIVE_BIAS_BIDIRECTIONAL,
-            HAS_MASK,
-            MASK_IS_BOOL,
-        )
-        p, alpha, m_i, l_i = softmax_step(s, valid, m_i, l_i)
-        v_tile = tl.load(
-            v_base + cols[:, None] * vs[2] + vcols[None, :] * vs[3],
-            mask=col_ok[:, None] & (vcols[None, :] < Dv),
-            other=0.0,
-        )
-        pv = pv_product(p, v_tile, DOT_FP32)
-        acc = acc * alpha[:, None] + pv
+    diagonal = pid_m * BLOCK_M + shift  # the block's first query, on the key axis
+    # the whole tiles every query of the block sees (below the causal diagonal, before the
+    # last, partial tile) go without masks; a window or a mask takes every tile masked
+    full_hi = lo
+    if not (HAS_WINDOW or HAS_MASK):
+        edge = hi
+        if CAUSAL:
+            edge = tl.minimum(hi, diagonal + 1)
+        full_hi = lo + tl.maximum(edge - lo, 0) // BLOCK_N * BLOCK_N
+    for masked in tl.static_range(2):  # the unmasked tiles, then the masked ones
+        if masked or not (HAS_WINDOW or HAS_MASK):
+            acc, m_i, l_i = _key_tiles(
+                acc,
+                m_i,
+                l_i,
+                q_tile,
+                full_hi if masked else lo,
+                hi if masked else full_hi,
+                (k_base, v_base),
+                ks,
+                vs,
+                rows,
+                row_ok,
+                dcols,
+                vcols,
+                (D, Dv),
+                b,
+                h,
+                diagonal,
+                qpos_keys,
+                slope,
+                near,
+                score_params,
+                relative_bias,
+                mask,
+                rope,
+                k_positions,
+                to_log2,
+                masked == 1,
+                FULL_D,
+                CAUSAL,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+                HAS_MASK,
+                MASK_IS_BOOL,
+                HAS_ALIBI,
+                HAS_RELATIVE_BIAS,
+                RELATIVE_BIAS_BUCKETS,
+                RELATIVE_BIAS_BIDIRECTIONAL,
+                HAS_ROPE,
+                ROPE_INTERLEAVED,
+                HAS_KPOS,
+                DOT_FP32,
+                BLOCK_N,
+            )
+    if RAW_SCORES:
+        m_i = m_i * scales[0]  # the largest score, scaled
     o, row_lse = epilogue(acc, m_i, l_i, slope, near, sinks_ptr, h, split, HAS_ALIBI, HAS_SINKS)
     o_ptrs = (
         out_ptr
@@ -464,6 +642,35 @@ def _merge_kernel(
         mask=r_ok[:, None] & (c[None, :] < Dv),
     )
     tl.store(lse_ptr + r, lse, mask=r_ok)
+
+
+# (for _prune) on sm_90 and later, by (head dim class, RoPE in the kernel, fp32 dots), the
+# configs that spill 8-16 bytes there (bench/results/triton-aot-forward.md): with key lengths
+# at head dim 256, fp32 at 64 ...
+_SM90_OUT = {(256, False, False): {(32, 32, 4, 2)}, (64, False, True): {(32, 16, 4, 2)}}
+# ... and the only config left, replaced by one that does not spill there: every feature with
+# RoPE at head dim 64 (once scores carry extras: ``biased`` in _prune) and fp32 at 256 with a
+# per-element bias (ALiBi, T5, a float mask; the soft-cap, window and sinks keep 8 warps)
+_SM90_BIASED_SWAP = {
+    (64, True, False): ({(64, 32, 8, 2)}, {(32, 32, 4, 2)}),
+    (256, False, True): ({(32, 16, 8, 2)}, {(32, 16, 4, 2)}),
+}
+
+
+def _sm90_fits(fits, capability, dclass, biased, kwargs):
+    """``fits`` less the configs of _T5_SM90_OUT (with a T5 bias) and _SM90_OUT, with
+    _SM90_BIASED_SWAP applied, on sm_90 and later (a part of _prune)."""
+    if capability < 90:
+        return fits
+    if kwargs.get("HAS_RELATIVE_BIAS"):
+        fits = fits - _T5_SM90_OUT[dclass]
+    key = (dclass, bool(kwargs.get("HAS_ROPE")), bool(kwargs.get("DOT_FP32")))
+    fits = fits - _SM90_OUT.get(key, set())
+    per_element = _per_element_bias(kwargs)
+    if key in _SM90_BIASED_SWAP and (per_element if key[2] else biased):
+        out, into = _SM90_BIASED_SWAP[key]
+        fits = (fits - out) | into
+    return fits
 
 
 def merge_launch_args(part_out, part_lse, out, lse):
@@ -650,6 +857,12 @@ def launch_args(
         HAS_KPOS=rope is not None and rope[4][0] is not None,
         # fp32 inputs get IEEE fp32 dots (Triton's default for fp32 is TF32, ~1e-3 relative)
         DOT_FP32=low_precision_via_fp32(q.dtype) or q.dtype == torch.float32,
+        # D and Dv fill their tiles: no column mask in the key loop
+        FULL_D=d == next_pow2(d) and dv == next_pow2(dv),
+        # no score modifier needs scaled scores: the loop keeps q·kᵀ raw and scales it in the
+        # exponent (with the max, which a positive scale preserves)
+        RAW_SCORES=float(options.scale) > 0
+        and not (_per_element_bias(score_flags) or param_flags["HAS_SOFTCAP"]),
         BLOCK_D=next_pow2(d),
         BLOCK_DV=next_pow2(dv),
     )

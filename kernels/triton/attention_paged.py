@@ -39,7 +39,7 @@ from fastpe.kernels.triton._attention_common import (
     score_param_args,
     softmax_step,
 )
-from fastpe.kernels.triton._common import low_precision_via_fp32, next_pow2
+from fastpe.kernels.triton._common import LOG2E, low_precision_via_fp32, next_pow2
 from fastpe.kernels.triton.attention import merged, split_keys
 
 
@@ -180,7 +180,7 @@ def _attention_paged_kernel(
             False,
             False,
         )
-        p, alpha, m_i, l_i = softmax_step(s, valid, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, valid, m_i, l_i, LOG2E)
         v_tile = tl.load(
             v_ptr + prow[:, None] * vs[0] + hk * vs[1] + vcols[None, :] * vs[2],
             mask=col_ok[:, None] & (vcols[None, :] < Dv),
@@ -206,11 +206,11 @@ def _attention_paged_kernel(
 def tiles(max_q: int, d: int, fp32: bool, capability: int) -> dict:
     """BLOCK_M, BLOCK_N, num_warps and num_stages that compile without register spills on
     sm_80/sm_90 (checked by ``fastpe triton-report``): thin query tiles for decoding, smaller
-    tiles for fp32 and wide heads; from 64 queries a sequence, heads up to 128 wide take the
-    dense forward's 64 x 64 tiles (HGMMA on sm_90) with 8 warps. Before sm_90, wide tiles
-    pipeline 2 stages: a third spills there once the scores carry ALiBi, a window, a cap and
-    sinks."""
-    stages = 3 if capability >= 90 else 2
+    tiles for fp32 and wide heads. From 64 queries a sequence, heads up to 128 wide take the
+    dense forward's tiles: on sm_90 and later 128 x 64 with 8 warps (two warpgroups of HGMMA)
+    from 128 queries and 64 x 64 with one warpgroup below (8 warps on 64 rows issue 1.5x the
+    tile's tensor-core FLOPs: two warpgroups on one warpgroup's rows); before sm_90 64 x 64 with 8 warps and 2 stages (128-row
+    tiles, and a third stage once the scores carry ALiBi, a window, a cap and sinks, spill)."""
     if fp32:
         return _tiles(16, 16)
     if max_q <= 16:
@@ -218,8 +218,12 @@ def tiles(max_q: int, d: int, fp32: bool, capability: int) -> dict:
     if d <= 64:
         return _tiles(64, 64)
     if d <= 128 and max_q >= 64:
-        return _tiles(64, 64, num_warps=8, num_stages=stages)
-    return _tiles(32, 32, num_stages=3 if d <= 128 else stages)
+        if capability < 90:
+            return _tiles(64, 64, num_warps=8, num_stages=2)
+        if max_q >= 128:
+            return _tiles(128, 64, num_warps=8)
+        return _tiles(64, 64)
+    return _tiles(32, 32, num_stages=3 if d <= 128 or capability >= 90 else 2)
 
 
 def _tiles(block_m, block_n, num_warps=4, num_stages=3):
@@ -273,7 +277,10 @@ def launch_args(
     if kv_quant == 1:  # read as bits, decoded in the kernel (any GPU, and the interpreter)
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     if kv_quant:
-        # the decoded tiles take registers: 64-key tiles spilled on sm_80/sm_90 for fp8 at D 128
+        # the decoded tiles take registers: 64-key tiles spilled on sm_80/sm_90 for fp8 at D 128;
+        # wide heads keep the 64-row, 8-warp tiles checked for these caches
+        if sizes["BLOCK_M"] >= 64 and d > 64:
+            sizes.update(BLOCK_M=64, num_warps=8)
         sizes["BLOCK_N"] = min(sizes["BLOCK_N"], 32)
     else:
         k_scale = v_scale = dummy[None, None]

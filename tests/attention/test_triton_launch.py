@@ -100,10 +100,12 @@ def test_paged_grid_holds_batch_times_heads_on_axis_0(on_gpu):
     assert _within_limits(grid)
 
 
-def test_paged_kernel_takes_wide_tiles_for_long_sequences():
-    """From 64 queries a sequence, heads of 65-128 take 64 x 64 tiles (tensor cores at the
-    dense forward's size); through the interpreter in fp16 (bf16 computes through fp32 there)
-    against the float64 oracle."""
+@pytest.mark.parametrize("long", [70, 130])
+def test_paged_kernel_takes_wide_tiles_for_long_sequences(long):
+    """From 64 queries a sequence, heads of 65-128 take the dense forward's tiles (tensor cores
+    at its size): 64 x 64, and on sm_90 128 x 64 from 128 queries; through the interpreter
+    (which takes the sm_90 tiles) in fp16 (bf16 computes through fp32 there) against the
+    float64 oracle."""
     import numpy as np
     from fastpe.kernels.triton import attention_paged
 
@@ -114,8 +116,10 @@ def test_paged_kernel_takes_wide_tiles_for_long_sequences():
     assert attention_paged.tiles(70, 96, False, 90)["BLOCK_M"] == 64
     assert attention_paged.tiles(70, 96, False, 90)["BLOCK_N"] == 64
     assert attention_paged.tiles(63, 96, False, 90)["BLOCK_M"] == 32
+    assert attention_paged.tiles(130, 96, False, 90)["BLOCK_M"] == 128
+    assert attention_paged.tiles(130, 96, False, 80)["BLOCK_M"] == 64  # 128 rows spill there
     gen = torch.Generator().manual_seed(70)
-    lengths = np.array([70, 3])
+    lengths = np.array([long, 3])
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, k, v = (torch.randn(int(cu[-1]), 1, 96, generator=gen).half() for _ in range(3))
     out = fastpe.attention_varlen(q, k, v, cu, cu, causal=True, backend="triton")
