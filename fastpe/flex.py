@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from fastpe import _flex_expr, _flex_reference, dispatch
+from fastpe import _arrays, _flex_expr, _flex_reference, dispatch
 from fastpe._flex_expr import CaptureError
 
 __all__ = ["BlockMask", "CaptureError", "create_block_mask", "flex_attention"]
@@ -28,15 +28,10 @@ def _torch():
     return sys.modules.get("torch")
 
 
-def _is_tensor(x) -> bool:
-    torch = _torch()
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
 def _to_numpy(x, *, wide=False):
     """A NumPy view or copy of a tensor or array (half types widened to float32; ``wide``:
     float64 for floats, int64 for integers)."""
-    if _is_tensor(x):
+    if _arrays.is_tensor(x):
         torch = _torch()
         x = x.detach()
         if x.dtype in (torch.bfloat16, torch.float16):
@@ -363,7 +358,7 @@ def flex_attention(
             query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
             mask_mod=mask_mod, backend=backend,
         )  # fmt: skip
-    if _is_tensor(query) and query.device.type != "cpu":
+    if _arrays.is_tensor(query) and query.device.type != "cpu":
         _refuse_cuda("flex_attention")
     name = dispatch.requested_backend(backend) or "numba"
     if name not in ("numba", "numpy"):
@@ -401,7 +396,7 @@ def flex_attention(
     state, blocks = _plan_state(block_mask, mask, arrays_np, batch, hq, sq, key.shape[2])
     call = _Call(score, mask, arrays_np, state, blocks, scale, name)
     del sk
-    if _is_tensor(query):
+    if _arrays.is_tensor(query):
         out, lse = _torch_call(call, query, key, value)
     else:
         out, lse = call.forward(*(_to_numpy(x) for x in (query, key, value)))
