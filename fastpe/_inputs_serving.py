@@ -331,20 +331,25 @@ class KVCachePlan(_Plan):
         self.q_len = self._register(np.full(batch, seqlen_q, np.int64))
         if rows_per_block is not None:
             self._register(self.page_start(rows_per_block))
+
         # where the new tokens go and fused RoPE's positions (rotary needs k, even of 0 tokens;
         # uploaded with the rest only when there are tokens to append)
-        keep = self._register if new else lambda array: self._derive(id(array), lambda: array)
+        def keep(name, values):
+            if new:
+                return self._register(_host_copy(values))
+            return self._derive(name, lambda: values)
+
         pos = lengths[:, None] + np.arange(new)[None, :]
         page = pos // width
         block = np.take_along_axis(self.page_table, page, axis=1)
-        self.written_block = keep(_host_copy(block))
-        self.written_offset = keep(_host_copy(pos - page * width))
-        self.k_positions = keep(_host_copy(pos))
+        self.written_block = keep("written_block", block)
+        self.written_offset = keep("written_offset", pos - page * width)
+        self.k_positions = keep("k_positions", pos)
         # fused RoPE's query positions: FlashAttention's two rules (see attention_kvcache)
         steps = lengths[:, None] + np.arange(seqlen_q)[None, :]
         self._q_positions = {
-            True: keep(_host_copy(steps)),
-            False: keep(_host_copy(np.repeat(lengths[:, None], seqlen_q, 1))),
+            True: keep("q_positions_steps", steps),
+            False: keep("q_positions_first", np.repeat(lengths[:, None], seqlen_q, 1)),
         }
         self._upload()
 

@@ -629,6 +629,22 @@ def test_kvcache_empty_work(backend, paged, case):
         assert not torch.equal(given["v_cache"], args["v_cache"])
 
 
+def test_kvcache_plan_without_new_tokens_keeps_each_table():
+    """With zero new tokens the plan's tables are derived lazily, each under its own name: the
+    query positions stay [B, Sq] = cache_seqlens + i, not another table's (empty) array."""
+    seqlens = torch.tensor([5, 2], dtype=torch.int32)
+    plan = fastpe.plan_kvcache(
+        torch.zeros(2, 3, 4, 8),
+        torch.zeros(6, 4, 2, 8),
+        torch.zeros(2, 0, 2, 8),
+        cache_seqlens=seqlens,
+        block_table=torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32),
+    )
+    assert plan.k_positions.shape == (2, 0) and plan.written_block.shape == (2, 0)
+    np.testing.assert_array_equal(plan.q_positions(True), [[5, 6, 7], [2, 3, 4]])
+    np.testing.assert_array_equal(plan.q_positions(False), [[5, 5, 5], [2, 2, 2]])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_kvcache_empty_cache_and_table(backend):
     """A paged cache of zero blocks and a block table of zero columns: nothing to read."""
