@@ -572,14 +572,16 @@ def cache_directory() -> str | None:
 
 
 def cache_stats() -> dict:
-    """{"directory", "bytes", "kernels" (compiled specialisations), "functions"}."""
+    """{"directory", "bytes", "kernels" (compiled specialisations), "functions", "variants"
+    (generated flex_attention modules)}."""
     from fastpe.kernels.numba import _runtime
 
     return _runtime.cache_stats()
 
 
 def clear_cache() -> dict:
-    """Remove fastpe's compiled kernels from the cache (nothing else); what was removed."""
+    """Remove fastpe's compiled kernels and generated flex_attention variants from the cache
+    (nothing else); what was removed."""
     from fastpe.kernels.numba import _runtime
 
     return _runtime.clear_cache()

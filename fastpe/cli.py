@@ -80,7 +80,8 @@ def _cache_line() -> str:
         )
     return (
         f"{stats['directory']} ({stats['kernels']} compiled kernels of {stats['functions']} "
-        f"functions, {stats['bytes'] / 2**20:.1f} MiB; `fastpe warmup` fills it, "
+        f"functions, {stats['variants']} generated flex_attention variants, "
+        f"{stats['bytes'] / 2**20:.1f} MiB; `fastpe warmup` fills it, "
         "`fastpe cache clear` empties it)"
     )
 
@@ -129,7 +130,8 @@ def cache(args) -> int:
         else:
             print(
                 f"removed {removed['kernels']} compiled kernels of {removed['functions']} "
-                f"functions ({removed['bytes'] / 2**20:.1f} MiB) from {removed['directory']}"
+                f"functions and {removed['variants']} generated flex_attention variants "
+                f"({removed['bytes'] / 2**20:.1f} MiB) from {removed['directory']}"
             )
     else:
         print(f"kernel cache: {_cache_line()}")

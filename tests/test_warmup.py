@@ -167,6 +167,42 @@ def test_info_and_cache_clear(warmed):
     assert len(json.loads(again.stdout)) >= 2
 
 
+# a generated module as flex_attention writes one (a trivial kernel: the cheapest compile)
+VARIANT_CALL = """
+import json
+from fastpe.kernels.numba import _runtime, flex_attention
+module = flex_attention.load_variant(
+    "from fastpe.kernels.numba._runtime import njit\\n"
+    "@njit(cache=True)\\ndef plus_one(x):\\n    return x + 1\\n"
+)
+assert module.plus_one(1) == 2
+print(json.dumps(_runtime.compiled_kernels))
+"""
+
+
+def test_cache_clear_removes_generated_variants(tmp_path):
+    """Generated modules (flex_attention's variants) and their compiled kernels, which Numba
+    keeps in a folder of its own, are counted by `cache info` and removed by `cache clear`."""
+    cache = tmp_path / "cache"
+    made = run_python(VARIANT_CALL, cache)
+    assert made.returncode == 0, made.stderr
+    assert any("plus_one" in name for name in json.loads(made.stdout)), made.stdout
+    numba_files = [p for p in cache.rglob("*") if p.suffix in (".nbi", ".nbc")]
+    sources = list(cache.rglob("flex_*.py"))
+    assert len(sources) == 1 and numba_files, sorted(cache.rglob("*"))
+    shown = run_cli("cache", "info", cache=cache).stdout
+    assert "1 generated flex_attention variants" in shown, shown
+    cleared = run_cli("cache", "clear", cache=cache)
+    assert cleared.returncode == 0, cleared.stderr
+    assert "and 1 generated flex_attention variants" in cleared.stdout, cleared.stdout
+    left = [p for p in cache.rglob("*") if p.is_file()]
+    assert left == [], left  # the module, Numba's files of its kernel and their lock files
+    assert (
+        "0 compiled kernels of 0 functions, 0 generated"
+        in run_cli("cache", "info", cache=cache).stdout
+    )
+
+
 def test_cache_commands_without_a_writable_cache(monkeypatch, capsys):
     # what the runtime reports on a read-only install with no usable NUMBA_CACHE_DIR (made
     # for real in test_numba_runtime.py's read-only test)
@@ -179,7 +215,13 @@ def test_cache_commands_without_a_writable_cache(monkeypatch, capsys):
     assert "no writable cache directory (nothing to remove)" in capsys.readouterr().out
     assert main(["cache", "info"]) == 0
     assert "set NUMBA_CACHE_DIR to a writable directory" in capsys.readouterr().out
-    assert _warmup.cache_stats() == {"directory": None, "bytes": 0, "kernels": 0, "functions": 0}
+    assert _warmup.cache_stats() == {
+        "directory": None,
+        "bytes": 0,
+        "kernels": 0,
+        "functions": 0,
+        "variants": 0,
+    }
 
 
 def test_import_stays_light():

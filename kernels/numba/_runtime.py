@@ -608,35 +608,77 @@ def cache_directory() -> str | None:
         return None
 
 
-def _cache_entries(directory: str) -> list[pathlib.Path]:
-    """fastpe's files in the cache directory: Numba's index (.nbi) and data (.nbc) files of the
-    kernel modules here. In-tree (the package's __pycache__) the folder also holds Python's
-    .pyc files, which are left alone."""
-    modules = tuple(f"{path.stem}." for path in pathlib.Path(__file__).parent.glob("*.py"))
+# generated kernel modules (flex_attention's score/mask variants) live in this folder under
+# cache_directory(); Numba keeps the compiled code of each source folder in a folder of its own
+VARIANTS_FOLDER = "flex_variants"
+_CACHE_SUFFIXES = (".nbi", ".nbc", ".lock")  # Numba's index and data files, and our locks
+
+
+def variants_directory() -> str | None:
+    """Where generated kernel modules are written (None: nowhere writable, kept in memory)."""
+    root = cache_directory()
+    return None if root is None else os.path.join(root, VARIANTS_FOLDER)
+
+
+def _compiled_folder_of(source: pathlib.Path) -> str | None:
+    """The folder Numba keeps the compiled kernels of the module file ``source`` in."""
+    namespace = {"__name__": source.stem}
+    exec(compile("def probe():\n    pass\n", str(source), "exec"), namespace)
+    try:
+        return _KernelCache(namespace["probe"])._cache_path
+    except RuntimeError:
+        return None
+
+
+def _entries(folder, stems) -> list[pathlib.Path]:
+    """Numba's files (and our lock files) of the modules named ``stems`` in ``folder``."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    prefixes = tuple(f"{stem}." for stem in stems)
     return [
         path
-        for path in pathlib.Path(directory).iterdir()
-        if path.suffix in (".nbi", ".nbc") and path.name.startswith(modules)
+        for path in pathlib.Path(folder).iterdir()
+        if path.suffix in _CACHE_SUFFIXES and path.name.startswith(prefixes)
     ]
 
 
+def _cache_entries(directory: str) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """fastpe's files in the cache: (Numba's files of the kernel modules here and of the
+    generated variant modules, the variant modules' sources). In-tree (the package's
+    __pycache__) the folder also holds Python's .pyc files, which are left alone."""
+    kernels = _entries(
+        directory, [path.stem for path in pathlib.Path(__file__).parent.glob("*.py")]
+    )
+    folder = pathlib.Path(directory, VARIANTS_FOLDER)
+    sources = sorted(folder.glob("flex_*.py")) if folder.is_dir() else []
+    if sources:
+        kernels += _entries(_compiled_folder_of(sources[0]), [path.stem for path in sources])
+    return kernels, sources
+
+
 def cache_stats() -> dict:
-    """{"directory", "bytes", "kernels" (compiled specialisations), "functions"}."""
+    """{"directory", "bytes", "kernels" (compiled specialisations), "functions", "variants"
+    (generated flex_attention modules)}."""
     directory = cache_directory()
-    entries = _cache_entries(directory) if directory and os.path.isdir(directory) else []
+    compiled, sources = (
+        _cache_entries(directory) if directory and os.path.isdir(directory) else ([], [])
+    )
     return {
         "directory": directory,
-        "bytes": sum(path.stat().st_size for path in entries),
-        "kernels": sum(path.suffix == ".nbc" for path in entries),
-        "functions": sum(path.suffix == ".nbi" for path in entries),
+        "bytes": sum(path.stat().st_size for path in compiled + sources),
+        "kernels": sum(path.suffix == ".nbc" for path in compiled),
+        "functions": sum(path.suffix == ".nbi" for path in compiled),
+        "variants": len(sources),
     }
 
 
 def clear_cache() -> dict:
-    """Remove fastpe's compiled kernels from the cache; the stats of what was removed."""
+    """Remove fastpe's compiled kernels and generated variant modules from the cache; the stats
+    of what was removed."""
     removed = cache_stats()
-    if removed["directory"]:
-        for path in _cache_entries(removed["directory"]):
+    if removed["directory"] and os.path.isdir(removed["directory"]):
+        compiled, sources = _cache_entries(removed["directory"])
+        for path in compiled + sources:
             with contextlib.suppress(FileNotFoundError):  # another process removed it first
                 path.unlink()
     return removed
