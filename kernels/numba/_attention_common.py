@@ -206,8 +206,8 @@ class ScoreMods(NamedTuple):
     win_right: int
     has_mask: bool
     mask_is_bool: bool
-    mask_bool: np.ndarray  # [B, Hq, Sq, Sk] bool, True = attend
-    mask: np.ndarray  # [B, Hq, Sq, Sk] float, added (in natural units)
+    mask_bool: np.ndarray  # [1, B, Hq, Sq, Sk] bool, True = attend (see _mask_argument)
+    mask: np.ndarray  # [1, B, Hq, Sq, Sk] float, added (in natural units)
     mask_limit: float  # the compute dtype's largest finite value: a finite mask saturates there
     has_alibi: bool
     alibi: np.ndarray
@@ -244,6 +244,23 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
+
+
+def _mask_argument(mask: np.ndarray) -> np.ndarray:
+    """A mask [B, Hq, Sq, Sk] (or a placeholder) as the kernels read it: a read-only view with a
+    leading axis of 2 at stride 0, which they index at 0 only. No such view is contiguous, so
+    Numba types every mask alike — the caller's contiguous mask, a broadcast view, and the
+    placeholder of a call without one — and one compiled kernel serves them all (by layout
+    alone, each would be a compile of its own)."""
+    view = np.lib.stride_tricks.as_strided(
+        mask, shape=(2, *mask.shape), strides=(0, *mask.strides), writeable=False
+    )
+    return view
+
+
+@functools.cache
+def _mask_placeholder(dtype) -> np.ndarray:
+    return _mask_argument(_dummy(dtype, 4))
 
 
 @functools.cache
@@ -292,8 +309,10 @@ def score_mods(
         win_right=win_right,
         has_mask=mask is not None,
         mask_is_bool=mask_is_bool,
-        mask_bool=_read_only(mask) if mask_is_bool else _dummy(np.bool_, 4),
-        mask=_read_only(mask) if mask is not None and not mask_is_bool else _dummy(dtype, 4),
+        mask_bool=_mask_argument(mask) if mask_is_bool else _mask_placeholder(np.dtype(np.bool_)),
+        mask=_mask_argument(mask)
+        if mask is not None and not mask_is_bool
+        else _mask_placeholder(np.dtype(dtype)),
         mask_limit=_largest_float(dtype),
         has_alibi=alibi_slopes is not None,
         alibi=_read_only(alibi),
@@ -355,15 +374,20 @@ def _apply_tile_masks(s, mods, tile, j0, n):
                 for c in range(n):
                     s[r, c] += mods.bias[h, base + c]
             if mods.has_mask:
+                # the mask's layout is known only at run time (_mask_argument): a row of
+                # adjacent elements (the usual case, broadcast or not) is read as a contiguous
+                # view, which LLVM vectorises; any other row is copied first
                 if mods.mask_is_bool:
+                    row = np.ascontiguousarray(mods.mask_bool[0, b, h, i, j0 : j0 + n])
                     for c in range(n):
-                        if not mods.mask_bool[b, h, i, j0 + c]:
+                        if not row[c]:
                             s[r, c] = -np.inf
                 else:
                     # a finite mask is a score however large: one beyond the compute dtype
                     # (float64 masks on float32) saturates at its largest finite value
+                    row = np.ascontiguousarray(mods.mask[0, b, h, i, j0 : j0 + n])
                     for c in range(n):
-                        x = mods.mask[b, h, i, j0 + c] * mods.unit
+                        x = row[c] * mods.unit
                         x = mods.mask_limit if x > mods.mask_limit else x
                         x = -mods.mask_limit if -mods.mask_limit > x > -np.inf else x
                         s[r, c] += x

@@ -107,6 +107,58 @@ def test_huge_finite_mask_values(backend, fw, fill, rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# mask layouts
+
+
+def test_every_mask_layout_is_one_kernel_argument_type():
+    """A contiguous mask, a broadcast view and the placeholder of a call without a mask reach
+    the Numba kernels as one argument type (so one compiled kernel serves them all)."""
+    numba = pytest.importorskip("numba")
+    from fastpe.kernels.numba._attention_common import score_mods
+
+    from fastpe._options import AttentionOptions
+
+    def mods(mask):
+        return score_mods(
+            np.dtype(np.float32),
+            1.0,
+            AttentionOptions(scale=1.0),
+            key_len=np.array([8]),
+            q_len=4,
+            unbounded=13,
+            mask=mask,
+        )
+
+    full = np.ones((1, 2, 4, 8), bool)
+    broadcast = np.broadcast_to(np.ones((1, 1, 4, 8), bool), full.shape)
+    typed = {numba.typeof(mods(m)) for m in (None, full, broadcast)}
+    assert len(typed) == 1, typed
+    floats = (full.astype(np.float32), np.zeros((1, 2, 4, 1), np.float32))
+    typed = {
+        numba.typeof(mods(m)) for m in (None, floats[0], np.broadcast_to(floats[1], (1, 2, 4, 8)))
+    }
+    assert len(typed) == 1, typed
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("layout", ["contiguous", "key-broadcast", "transposed"])
+def test_masks_of_any_layout(backend, layout, rng):
+    """Rows of a mask whose keys are not adjacent in memory (broadcast along keys, or a
+    transposed view) give the oracle's result, as contiguous ones do."""
+    q, k, v = _qkv(rng, 1, 2, 2, 5, 7, 8)
+    if layout == "key-broadcast":  # one value per query row, for every key
+        mask = np.broadcast_to(rng.standard_normal((1, 2, 5, 1)).astype(np.float32), (1, 2, 5, 7))
+    elif layout == "transposed":
+        mask = np.swapaxes(rng.random((1, 2, 7, 5)) > 0.4, 2, 3)
+        mask[..., 0] = True  # every row sees a key
+    else:
+        mask = rng.random((1, 2, 5, 7)) > 0.4
+        mask[..., 0] = True
+    got = fastpe.attention(q, k, v, mask=mask, backend=backend)
+    _close(got, fastpe.attention(q, k, v, mask=mask, **O), 2e-6, layout)
+
+
+# ---------------------------------------------------------------------------------------------
 # softmax overflow
 
 
