@@ -196,9 +196,9 @@ def main():
                     copy_rates = [nbytes["copy"] / x / 1e9 for x in times[threads, "copy"]]
                     share = [r / c for r, c in zip(rates, copy_rates, strict=True)]
                     rate += f" ({statistics.median(share):.0%} of copy's)"
-            label = "copy bf16 k, v" if name == "copy" else name
+            label = f"{'copy bf16 k, v' if name == 'copy' else name}, {threads}t"
             lines.append(
-                f"  {label:9s} median {statistics.median(t) * 1e3:7.2f} ms "
+                f"  {label:19s} median {statistics.median(t) * 1e3:7.2f} ms "
                 f"[{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]{rate}"
             )
         for name in ("fp8", "int8"):
