@@ -23,7 +23,7 @@ sequence's length and unused block-table entries are never touched):
   loaded once per four rows) read the cache rows in place (bfloat16, fp8 and int8 widened as
   read; float16 ones, and rows that are not C-contiguous, copied once per run: ``_loop_rows``),
   in runs of at most RUN_ROWS rows of one page, every head of a run before the next, with the
-  next run prefetched (the hardware cannot guess where the next page lies);
+  next run prefetched, int8 scales with it (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
   and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
 
