@@ -1,26 +1,30 @@
 """Paged decode on quantized KV caches vs a bfloat16 cache (Numba, CPU), in one run.
 
-    python bench/kv_quant_decode.py [--rounds 9] [--out FILE]
+    python bench/kv_quant_decode.py [--rounds 9] [--threads 1 2] [--out FILE]
 
 B 8, Sk 4096 (every cache full), Hq 32 / Hkv 8, D 128, block 16, random block table, q
 bfloat16 [B, 1, Hq, D]: fastpe.attention_kvcache(backend="numba") on a bfloat16 cache, on a
 float8_e4m3fn cache (one scale per kv head) and on an int8 cache (one scale per token and kv
-head). Each round times each cache once (best of 3 calls), in turn, so machine noise hits all
-alike; the ratio bf16 time / quantized time is per round, reported as median [min, max]. Also
-each quantized output's max error against the float64 attention on its dequantized cache, to
-show that the times are of a correct computation.
+head). Each round runs every thread count in turn (Numba's and torch's threads set alike) and,
+within it, times each cache once (best of 3 calls), so machine noise hits all alike; the ratio
+bf16 time / quantized time is per round, reported as median [min, max]. Also each quantized
+output's max error against the float64 attention on its dequantized cache, to show that the
+times are of a correct computation.
 
-What bounds the decode: each cache is also timed "hot", with every page of every sequence
-mapped onto the same 16 blocks (the same arithmetic on 1/256 of the memory, which stays in the
-CPU's caches); cold / hot near 1 means memory traffic is not what limits the kernel, so halving
-the bytes cannot halve the time. And the kernel's decode loops alone (``_scores_rows`` and
-``_add_values_rows``: the 4 query rows of a kv head against a run of 16 cache rows, widening
-included, in L1), in ns per cache element.
+What bounds the decode: the bytes each step reads (cache and scales) per second, against this
+machine's copy bandwidth measured in the same rounds (torch ``copy_`` of the bfloat16 k and v
+caches into other buffers: the same bytes read, and as many written); and each cache timed
+"hot", with every page of every sequence mapped onto the same 16 blocks (the same arithmetic on
+1/256 of the memory, which stays in the CPU's caches): cold / hot near 1 means memory traffic is
+not what limits the kernel, so halving the bytes cannot halve the time. And the kernel's decode
+loops alone (``_scores_rows`` and ``_add_values_rows``: the 4 query rows of a kv head against a
+run of 16 cache rows, widening included, in L1, one thread), in ns per cache element.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -115,8 +119,10 @@ def max_error(q, table, run, out):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, nargs="+", default=[numba.get_num_threads()])
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     q, table, runs = caches()
     lengths = torch.full((B,), SK, dtype=torch.int32)
     hot_table = (torch.arange(B * (SK // BLOCK)) % 16).reshape(B, -1).to(torch.int32)
@@ -134,6 +140,13 @@ def main():
             backend="numba",
         )
 
+    copy_src = runs["bf16"][:2]
+    copy_dst = tuple(torch.empty_like(x) for x in copy_src)
+
+    def copy(run, hot=False):
+        for dst, src in zip(copy_dst, copy_src, strict=True):
+            dst.copy_(src)
+
     cpuinfo = Path("/proc/cpuinfo")
     models = [
         line.split(":", 1)[1].strip()
@@ -143,46 +156,72 @@ def main():
     model = models[0] if models else platform.machine()
     lines = [
         f"$ {' '.join(['python', *sys.argv])}",
-        f"{model}, {numba.get_num_threads()} Numba threads, "
-        f"torch {torch.__version__}, numba {numba.__version__}",
+        f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__}, numba {numba.__version__}",
         f"paged decode B {B}, Sk {SK}, Hq {HQ} / Hkv {HKV}, D {D}, block {BLOCK}, q bfloat16",
+        "load average before: " + " ".join(f"{x:.2f}" for x in load_before),
     ]
+    nbytes = {}
     for name, run in runs.items():
         out = call(run)  # compile / warm
-        bytes_ = sum(x.numel() * x.element_size() for x in run if x is not None)
+        nbytes[name] = sum(x.numel() * x.element_size() for x in run if x is not None)
         error = "" if name == "bf16" else f", max error {max_error(q, table, run, out):.1e}"
-        lines.append(f"  {name:5s} cache + scales {bytes_ / 2**20:.0f} MiB{error}")
-    timed = {**{name: (run, False) for name, run in runs.items()}}
-    timed.update({f"{name} hot": (run, True) for name, run in runs.items()})
-    times = {name: [] for name in timed}
+        lines.append(f"  {name:5s} cache + scales {nbytes[name] / 2**20:.0f} MiB{error}")
+    nbytes["copy"] = nbytes["bf16"]
+    timed = {name: (call, run, False) for name, run in runs.items()}
+    timed.update({f"{name} hot": (call, run, True) for name, run in runs.items()})
+    timed["copy"] = (copy, None, False)
+    times = {(t, name): [] for t in args.threads for name in timed}
     for _ in range(args.rounds):
-        for name, (run, hot) in timed.items():
-            best = []
-            for _ in range(3):
-                t = time.perf_counter()
-                call(run, hot)
-                best.append(time.perf_counter() - t)
-            times[name].append(min(best))
-    for name, t in times.items():
-        lines.append(
-            f"  {name:5s} median {statistics.median(t) * 1e3:7.2f} ms "
-            f"[{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]"
-        )
-    for name in ("fp8", "int8"):
-        ratios = [a / b for a, b in zip(times["bf16"], times[name], strict=True)]
-        lines.append(
-            f"  bf16 / {name}: {statistics.median(ratios):.2f}x "
-            f"[{min(ratios):.2f}, {max(ratios):.2f}] ({args.rounds} rounds)"
-        )
-    for name in runs:
-        ratios = [a / b for a, b in zip(times[name], times[f"{name} hot"], strict=True)]
-        lines.append(
-            f"  {name} cold / hot: {statistics.median(ratios):.2f}x "
-            f"[{min(ratios):.2f}, {max(ratios):.2f}]"
-        )
+        for threads in args.threads:
+            numba.set_num_threads(threads)
+            torch.set_num_threads(threads)
+            for name, (fn, run, hot) in timed.items():
+                fn(run, hot)  # the first call after a thread change starts the pool
+                best = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    fn(run, hot)
+                    best.append(time.perf_counter() - t)
+                times[threads, name].append(min(best))
+    lines.append("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    for threads in args.threads:
+        lines.append(f"{threads} thread{'s' if threads > 1 else ''} (Numba and torch):")
+        for name in timed:
+            t = times[threads, name]
+            rate = ""
+            if not name.endswith("hot"):
+                rates = [nbytes[name] / x / 1e9 for x in t]
+                rate = f"  {statistics.median(rates):5.1f} GB/s read"
+                if name != "copy":
+                    copy_rates = [nbytes["copy"] / x / 1e9 for x in times[threads, "copy"]]
+                    share = [r / c for r, c in zip(rates, copy_rates, strict=True)]
+                    rate += f" ({statistics.median(share):.0%} of copy's)"
+            label = f"{'copy bf16 k, v' if name == 'copy' else name}, {threads}t"
+            lines.append(
+                f"  {label:19s} median {statistics.median(t) * 1e3:7.2f} ms "
+                f"[{min(t) * 1e3:.2f}, {max(t) * 1e3:.2f}]{rate}"
+            )
+        for name in ("fp8", "int8"):
+            ratios = [
+                a / b for a, b in zip(times[threads, "bf16"], times[threads, name], strict=True)
+            ]
+            lines.append(
+                f"  bf16 / {name}: {statistics.median(ratios):.2f}x "
+                f"[{min(ratios):.2f}, {max(ratios):.2f}] ({args.rounds} rounds)"
+            )
+        for name in runs:
+            ratios = [
+                a / b
+                for a, b in zip(times[threads, name], times[threads, f"{name} hot"], strict=True)
+            ]
+            lines.append(
+                f"  {name} cold / hot: {statistics.median(ratios):.2f}x "
+                f"[{min(ratios):.2f}, {max(ratios):.2f}]"
+            )
+    numba.set_num_threads(1)
     costs = decode_cost(runs)
     lines.append(
-        "  decode loops alone (4 query rows x 16 cache rows, head by head, in L1): "
+        "decode loops alone (4 query rows x 16 cache rows, head by head, in L1, 1 thread): "
         + ", ".join(f"{name} {ns:.2f} ns/element" for name, ns in costs.items())
     )
     print("\n".join(lines))

@@ -23,7 +23,7 @@ sequence's length and unused block-table entries are never touched):
   loaded once per four rows) read the cache rows in place (bfloat16, fp8 and int8 widened as
   read; float16 ones, and rows that are not C-contiguous, copied once per run: ``_loop_rows``),
   in runs of at most RUN_ROWS rows of one page, every head of a run before the next, with the
-  next run prefetched (the hardware cannot guess where the next page lies);
+  next run prefetched, int8 scales with it (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
   and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
 
@@ -57,7 +57,7 @@ from fastpe.kernels.numba._attention_tiles import (
     _split_key_range,
     key_splits,
 )
-from fastpe.kernels.numba._half import _e4m3_finite_to_float32, _widen
+from fastpe.kernels.numba._half import E4M3_UNIT, _e4m3_finite_to_units, _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from fastpe.kernels.numba.attention import SERIAL_WORK
 from llvmlite import ir
@@ -78,20 +78,33 @@ def _scale_of_impl(scale, b, row, hk):
     return lambda scale, b, row, hk: scale[min(b, scale.shape[0] - 1), row, hk]
 
 
-def _scale_columns(s, col, scale, b, row, n, hk):
-    """s[:, col + c] *= the scale of cache row row + c, for c < n: the dequantization of the
-    keys of a run applied to their scores (values: to their weights), once per score rather
-    than once per element read. Nothing for caches that are not quantized."""
+def _loop_unit(cache):
+    """What an element of ``cache`` as the decode loops widen it (``_cache_widen``) is worth: fp8
+    (uint8 bits) E4M3_UNIT, anything else 1 (a compile-time constant)."""
+
+
+@overload(_loop_unit, inline="always")
+def _loop_unit_impl(cache):
+    unit = E4M3_UNIT if cache.dtype == types.uint8 else 1.0
+    return lambda cache: np.float32(unit)
+
+
+def _scale_columns(s, col, scale, b, row, n, hk, cache):
+    """s[:, col + c] *= the scale of cache row row + c, for c < n, times the unit of the
+    elements the loops read from ``cache`` (``_loop_unit``): the dequantization of the keys of a
+    run applied to their scores (values: to their weights), once per score rather than once per
+    element read. Nothing for caches that are not quantized."""
 
 
 @overload(_scale_columns, inline="always")
-def _scale_columns_impl(s, col, scale, b, row, n, hk):
-    if isinstance(scale, types.NoneType):
-        return lambda s, col, scale, b, row, n, hk: None
+def _scale_columns_impl(s, col, scale, b, row, n, hk, cache):
+    if isinstance(scale, types.NoneType) and cache.dtype != types.uint8:
+        return lambda s, col, scale, b, row, n, hk, cache: None
 
-    def scale_columns(s, col, scale, b, row, n, hk):
+    def scale_columns(s, col, scale, b, row, n, hk, cache):
+        unit = _loop_unit(cache)
         for c in range(n):
-            factor = s.dtype.type(_scale_of(scale, b, row + c, hk))
+            factor = s.dtype.type(_scale_of(scale, b, row + c, hk) * unit)
             for r in range(s.shape[0]):
                 s[r, col + c] *= factor
 
@@ -198,6 +211,30 @@ def _prefetch_rows_impl(src, row, n, hk):
     return strided
 
 
+def _prefetch_scales(scale, row, n):
+    """Prefetch the scales of rows row … row + n - 1 (every kv head) of an int8 cache, whose
+    per-token scales are read once per run, from memory as scattered as the cache's pages:
+    their view [1, R, Hkv] when its rows lie side by side (one byte range). Nothing for other
+    scales (fp8's, one per sequence and head, stay in the CPU's caches) or none."""
+
+
+@overload(_prefetch_scales)
+def _prefetch_scales_impl(scale, row, n):
+    if isinstance(scale, types.NoneType):
+        return lambda scale, row, n: None
+
+    def prefetch(scale, row, n):
+        row_stride, head_stride = scale.strides[1], scale.strides[2]
+        if n <= 0 or head_stride != scale.itemsize or row_stride != scale.shape[2] * head_stride:
+            return
+        first, last = row * row_stride, (row + n) * row_stride - 1
+        for x in range(first, last + 1, 64):
+            _prefetch_bytes(scale, x)
+        _prefetch_bytes(scale, last)  # the last line, when the range is unaligned
+
+    return prefetch
+
+
 # Rows per page run: every kv head of up to this many cache rows is consumed before the next
 # rows are touched. Measured on B 8, Sk 4096, H 32/8, D 128 with 256-row pages: runs of a whole
 # page (each head streamed through it in turn) ran 1.3x slower than runs of 16; runs of 4 or 8
@@ -241,12 +278,14 @@ def _loop_rows(rows, scratch):
 @njit(cache=True, fastmath=_FLAGS)
 def _exact_head(rows, hk, scratch):
     """Head hk of run rows [n, H, D] widened exactly (``_widen``: NaN patterns too) into
-    scratch, as [n, 1, D] (read as head 0)."""
+    scratch, as [n, 1, D] (read as head 0), in the loops' unit (``_loop_unit``: a power of
+    two, so exactly)."""
     n, width = rows.shape[0], rows.shape[2]
     out = scratch[: n * width].reshape((n, 1, width))
+    inverse = np.float32(1.0) / _loop_unit(rows)
     for r in range(n):
         for c in range(width):
-            out[r, 0, c] = _widen(rows[r, hk, c])
+            out[r, 0, c] = _widen(rows[r, hk, c]) * inverse
     return out
 
 
@@ -290,13 +329,15 @@ def _item_span(rows, item, hk, group, block_m):
 def _cache_widen(value):
     """An element of a cache run as the decode loops (``_scores_rows``, ``_add_values_rows``)
     read it: fp8 bits without the NaN step (``_run_scores`` and ``_run_values`` send runs that
-    hold a NaN pattern through the exact widening first), anything else as ``_widen``."""
+    hold a NaN pattern through the exact widening first) and in units of E4M3_UNIT (the value /
+    256, exactly: F16C's conversion and no multiply; ``_scale_columns`` multiplies the scale by
+    the unit instead), anything else as ``_widen``."""
 
 
 @overload(_cache_widen, inline="always")
 def _cache_widen_impl(value):
     if value == types.uint8:
-        return lambda value: _e4m3_finite_to_float32(value)
+        return lambda value: _e4m3_finite_to_units(value)
     return lambda value: _widen(value)
 
 
@@ -341,6 +382,11 @@ def _scores_rows(qt, kt, hk, s, col):
             s[r, col + c], s[r + 1, col + c], s[r + 2, col + c], s[r + 3, col + c] = s0, s1, s2, s3
     if whole_rows < m:
         _scores_small(qt[whole_rows:], kt, hk, s[whole_rows:], col)
+        inverse = np.float32(1.0) / _loop_unit(kt)
+        if inverse != 1.0:  # _scores_small widens fp8 to its value: in the loops' unit
+            for r in range(whole_rows, m):
+                for c in range(n):
+                    s[r, col + c] *= inverse
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -377,6 +423,11 @@ def _add_values_rows(p, col, vt, hk, acc):
                 acc[r + 2, e] += w2 * v0
                 acc[r + 3, e] += w3 * v0
     if whole_rows < m:
+        inverse = np.float32(1.0) / _loop_unit(vt)
+        if inverse != 1.0:  # _add_weighted_values_small widens fp8 to its value: p is in units
+            for r in range(whole_rows, m):
+                for c in range(n):
+                    p[r, col + c] *= inverse
         _add_weighted_values_small(p[whole_rows:], col, vt, hk, acc[whole_rows:])
 
 
@@ -465,13 +516,14 @@ def _attend_direct(
             ahead, ahead_rows = _page_run(page_start, page_size, b, j0, n)
         keys = _loop_rows(k[row : row + run], scratch)
         nan_run = _holds_fp8_nan(keys)
+        _prefetch_scales(v_scale if last else k_scale, ahead, ahead_rows)
         for hk in range(hkv):
             if last:
                 _prefetch_rows(v, ahead, ahead_rows, hk)
             else:
                 _prefetch_rows(k, ahead, ahead_rows, hk)
             _run_scores(qt[hk], keys, hk, s[hk], c0, scratch, nan_run)
-            _scale_columns(s[hk], c0, k_scale, b, row, run, hk)
+            _scale_columns(s[hk], c0, k_scale, b, row, run, hk, k)
         c0 += run
     for hk in range(hkv):
         _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n, is_f32)
@@ -484,9 +536,10 @@ def _attend_direct(
         ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
         values = _loop_rows(v[row : row + run], scratch)
         nan_run = _holds_fp8_nan(values)
+        _prefetch_scales(v_scale, ahead, ahead_rows)
         for hk in range(hkv):
             _prefetch_rows(v, ahead, ahead_rows, hk)
-            _scale_columns(p[hk], c0, v_scale, b, row, run, hk)  # p is not read after this
+            _scale_columns(p[hk], c0, v_scale, b, row, run, hk, v)  # p is not read after this
             _run_values(p[hk], c0, values, hk, acc[hk], scratch, nan_run)
         c0 += run
 
