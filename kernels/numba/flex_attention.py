@@ -287,7 +287,8 @@ def _step_source(name, setup, keys, row, cell, *, score, keep, grad, reads, back
     if grad:
         store.append("dz_ds[r, c] = grad")
     for e in range(reads):
-        store.append(f"dz_dread[{e}, r, c] = {f'dread{e} if keep else 0.0' if keep else f'dread{e}'}")
+        value = f"dread{e} if keep else 0.0" if keep else f"dread{e}"
+        store.append(f"dz_dread[{e}, r, c] = {value}")
         store.append(f"read_at[{e}, r, c] = at{e}")
     return _STEP.format(
         name=name,
@@ -306,12 +307,8 @@ def module_source(steps: dict, has_score_mod: bool, has_derivative: bool) -> str
     the statement lists (setup, keys, row, cell) and flags as ``_step_source`` takes them."""
     parts = [_HEADER, f"HAS_SCORE_MOD = {has_score_mod}\nHAS_DERIVATIVE = {has_derivative}\n"]
     for name, (statements, score, keep, grad, reads) in steps.items():
-        parts.append(
-            _step_source(
-                name, *statements, score=score, keep=keep, grad=grad, reads=reads,
-                backward="backward" in name,
-            )  # fmt: skip
-        )
+        flags = dict(score=score, keep=keep, grad=grad, reads=reads, backward="backward" in name)
+        parts.append(_step_source(name, *statements, **flags))
     parts.append(_KERNELS)
     return "".join(parts)
 
