@@ -206,6 +206,103 @@ def test_gradient_of_lse():
         _close(got, want, 5e-5, "gradient through lse")
 
 
+def _relative_bias(table, sk):
+    """relative_bias of ``_patterns`` over the given table (with a float32 table, its variant)."""
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + sk]
+
+    return relative_bias
+
+
+def _alibi(slopes):
+    """alibi of ``_patterns`` over the given slopes (with float64 slopes, its variant)."""
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+
+    return alibi
+
+
+@pytest.mark.parametrize("pattern", ["document+relative_bias", "window+alibi"])
+def test_gradients_of_captured_tensors(pattern):
+    """A learned relative-bias table and learned ALiBi slopes: their gradients equal torch's
+    FlexAttention's (eager autograd, float64; on the CPU torch differentiates captured tensors
+    when q, k, v need no grad) on the kernels (float32) and the oracle (float64), with GQA and
+    Sq ≠ Sk; dq, dk, dv of the same backward equal torch autograd's."""
+    from fastpe.kernels.numba import flex_attention as kernels
+
+    sq, sk = 200, 120
+    patterns, captured = _patterns(sq, sk)
+    _, mask_mod = patterns[pattern]
+    name, make = ("table", _relative_bias) if "bias" in pattern else ("slopes", _alibi)
+    values = captured[name]  # its dtype as in _patterns: the compiled variant's
+    args = (sk,) if name == "table" else ()
+    q, k, v = _qkv(sq, sk, torch.float32, seed=4)
+    grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(5))
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
+    theirs = torch_block_mask(mask_mod, B, None, sq, sk, device="cpu", BLOCK_SIZE=BLOCK)
+
+    leaf = values.detach().double().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch_flex(*(x.double() for x in (q, k, v)), make(leaf, *args), theirs,
+                         enable_gqa=True)  # fmt: skip
+    (out * grad_out.double()).sum().backward()
+    want = leaf.grad
+    want_qkv = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    (_eager(*want_qkv, make(leaf.detach(), *args), mask_mod) * grad_out.double()).sum().backward()
+
+    # captured tensors that need no grad: the backward is the forward's variant, nothing more
+    fastpe.flex_attention(q, k, v, make(values, *args), block_mask, enable_gqa=True)
+    variants = len(kernels.compiled_variants)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fastpe.flex_attention(*leaves, make(values, *args), block_mask, enable_gqa=True)
+    (out * grad_out).sum().backward()
+    assert len(kernels.compiled_variants) == variants
+
+    for backend, dtype, tol in (("numba", torch.float32, 5e-5), ("numpy", torch.float64, 1e-10)):
+        leaf = values.detach().to(values.dtype if backend == "numba" else dtype)
+        leaf.requires_grad_()
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fastpe.flex_attention(*leaves, make(leaf, *args), block_mask, enable_gqa=True,
+                                    backend=backend)  # fmt: skip
+        (out * grad_out.to(dtype)).sum().backward()
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
+        assert want.abs().max() > 0.1  # the gradient is not trivially zero
+        _close(leaf.grad, want, tol, f"{backend} d{name}")
+        for what, got, w in zip(("dq", "dk", "dv"), leaves, want_qkv, strict=True):
+            _close(got.grad, w.grad, tol, f"{backend} {what} with d{name}")
+
+
+def test_captured_gradients_pass_gradcheck():
+    """Finite differences in float64 (the oracle) on a tiny case: a relative-bias table, ALiBi
+    slopes and a per-head soft-cap scale read by score_mod, the table also read by mask_mod
+    (whose reads have no gradient: the block structure is piecewise constant in them)."""
+    sq, sk, hq = 5, 4, 2
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, s, 3, generator=g, dtype=torch.float64) for h, s in
+               ((hq, sq), (1, sk), (1, sk)))  # fmt: skip
+    table = torch.randn(hq, sq + sk, generator=g, dtype=torch.float64)
+    table[table.abs() < 0.05] = 0.5  # keep the mask's threshold (0) away from the values
+    slopes = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    caps = torch.tensor([1.5, 4.0], dtype=torch.float64)
+
+    def run(q, table, slopes, caps):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            biased = score + table[h, q_idx - kv_idx + sk] - slopes[h] * (q_idx - kv_idx)
+            return caps[h] * torch.tanh(biased / caps[h])
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (table[h, q_idx - kv_idx + sk] > 0) | (q_idx == kv_idx)
+
+        return fastpe.flex_attention(q, k, v, score_mod, enable_gqa=True, backend="numpy",
+                                     mask_mod=mask_mod)  # fmt: skip
+
+    inputs = [x.clone().requires_grad_() for x in (q, table, slopes, caps)]
+    assert torch.autograd.gradcheck(run, inputs)
+
+
 def test_builtins_written_as_modifiers_match_the_builtin_options():
     q, k, v = _qkv(SQ, SK, torch.float32)
     patterns, captured = _patterns(SQ, SK)
@@ -328,13 +425,9 @@ def test_uncapturable_functions_get_clear_errors(func, message):
 
 def test_refusals():
     q, k, v = _qkv(SQ, SK, torch.float32)
-    patterns, captured = _patterns(SQ, SK)
+    patterns, _ = _patterns(SQ, SK)
     score_mod, mask_mod = patterns["document+relative_bias"]
     block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
-    captured["table"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="captured by score_mod or mask_mod requires"):
-        fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
-    captured["table"].requires_grad_(False)
     small_table = torch.zeros(HQ, 10)  # distances reach 2·SK: indices out of range
 
     def short_bias(score, b, h, q_idx, kv_idx):  # relative_bias's variant, another table
