@@ -456,6 +456,14 @@ def flex_forward_numba(module, q, k, v, caps, plan, blocks, scale):
     return out, lse
 
 
+def _gradient_rows():
+    """Rows of the captured arrays' gradient buffer: one per thread (the kernel adds into row
+    ``numba.get_thread_id()``), not one per work item (batch × kv heads × key splits, which
+    outnumber the threads): each row is as large as the arrays, and zeroing and summing more
+    rows costs time (bench/flex_captured_grads.py measures both layouts)."""
+    return numba.get_num_threads()
+
+
 def flex_backward_numba(
     module, q, k, v, out, lse, grad_out, grad_lse, caps, plan, blocks, scale,
     read_offsets=None, captured_size=0,
@@ -467,9 +475,7 @@ def flex_backward_numba(
     starts in that vector. P comes back from lse (docs/math.md#attention-backward).
 
     Reads of many scores add into one element (all of a slope's, say), from any work item: each
-    thread adds into its own float64 row (``numba.get_thread_id``), and the rows are summed
-    here. Rows per thread rather than per work item: the items (batch × kv heads × key splits)
-    outnumber the threads, and each row is the size of the arrays."""
+    thread adds into its own float64 row (``_gradient_rows``), and the rows are summed here."""
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     dtype = q.dtype
     batch, hq, sq, d = q.shape
@@ -492,7 +498,7 @@ def flex_backward_numba(
         read_offsets = np.zeros(0, np.int64)
         dcaps = np.zeros((0, 0))
     else:
-        dcaps = np.zeros((numba.get_num_threads(), captured_size))
+        dcaps = np.zeros((_gradient_rows(), captured_size))
     if batch * hq * sq > 0 and sk > 0:
         with single_threaded_blas():
             module._flex_backward(

@@ -1,10 +1,11 @@
 """fastpe.flex_attention: user-defined score and mask modifiers on the float64 oracle and the
 Numba kernels.
 
-Expected values come from torch's own FlexAttention (eager on the CPU: forward only) and, for
-gradients, from torch autograd through an independent eager formulation (the modifiers called
-on broadcast index tensors); the oracle is also checked in float64 against torch's FlexAttention
-in float64. Eight patterns share five compiled variants (each variant is a Numba compile, so
+Expected values come from torch's own FlexAttention (eager on the CPU: forward, and gradients
+of captured tensors when q, k, v need none) and, for gradients of q, k, v, from torch autograd
+through an independent eager formulation (the modifiers called on broadcast index tensors); the
+oracle is also checked in float64 against torch's FlexAttention in float64, and its captured
+gradients against finite differences. Eight patterns share five compiled variants (each variant is a Numba compile, so
 patterns are paired: a mask with a score modifier), over one shape with GQA, and Sq ≠ Sk on two.
 """
 
