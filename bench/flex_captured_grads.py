@@ -2,12 +2,13 @@
 float32): its cost over the backward of query, key and value alone, and the two race-free
 layouts of the table's gradient.
 
-    python bench/flex_captured_grads.py [--bias relative|full] [--seq 1024] [--batch 1]
+    python bench/flex_captured_grads.py [--bias relative|full|slopes] [--seq 1024] [--batch 1]
                                         [--heads 16] [--dim 64] [--rounds 5] [--calls 2]
 
 ``--bias relative`` (default): ``score + table[h, q_idx - kv_idx + S]``, table [H, 2S];
 ``--bias full``: ``score + table[h, q_idx, kv_idx]``, table [H, S, S] (a gradient as large as
-the scores of one batch).
+the scores of one batch); ``--bias slopes``: ALiBi, ``score - table[h] * |q_idx - kv_idx|``,
+table [H] (every score of a head adds into one element).
 
 Cases, each timing ``torch.autograd.grad`` of one forward's graph (the backward alone):
 - ``q, k, v``: the table needs no grad (the variant's own backward);
@@ -59,7 +60,7 @@ def _per_item_layout(items):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bias", choices=("relative", "full"), default="relative")
+    parser.add_argument("--bias", choices=("relative", "full", "slopes"), default="relative")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
@@ -70,8 +71,8 @@ def main():
     b, h, s, d = args.batch, args.heads, args.seq, args.dim
     g = torch.Generator().manual_seed(0)
     q, k, v, grad_out = (torch.randn(b, h, s, d, generator=g) for _ in range(4))
-    full = args.bias == "full"
-    table = torch.randn(h, s, s, generator=g) if full else torch.randn(h, 2 * s, generator=g)
+    shape = {"relative": (h, 2 * s), "full": (h, s, s), "slopes": (h,)}[args.bias]
+    table = torch.rand(shape, generator=g)
     block_mask = fastpe.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None,
                                           None, s, s)  # fmt: skip
     threads = numba.get_num_threads()
@@ -88,7 +89,11 @@ def main():
         def full_bias(score, b, h, q_idx, kv_idx):
             return score + bias[h, q_idx, kv_idx]
 
-        out = fastpe.flex_attention(*leaves, full_bias if full else relative_bias, block_mask)
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - bias[h] * torch.abs(q_idx - kv_idx)
+
+        score_mod = {"relative": relative_bias, "full": full_bias, "slopes": alibi}[args.bias]
+        out = fastpe.flex_attention(*leaves, score_mod, block_mask)
         inputs = [*leaves, bias] if train_table else leaves
 
         def backward():

@@ -305,7 +305,11 @@ def _variant_steps(score, mask, reads=()):
                 statements, score is not None, keep is not None, grad is not None,
                 len(reads) if prefix else 0,
             )  # fmt: skip
-    return steps, score is not None, has_derivative
+    per_row = [
+        not any(n.op in ("kv_idx", "score") for n in _flex_expr.nodes_in_order(read))
+        for read in reads
+    ]
+    return steps, score is not None, has_derivative, per_row
 
 
 def _check_qkv(query, key, value, enable_gqa):

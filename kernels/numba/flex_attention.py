@@ -242,9 +242,16 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                             row = dcaps[get_thread_id()]
                             for e in range(n_reads):
                                 start = read_offsets[e]
-                                for r in range(m):
-                                    for c in range(n):
-                                        row[start + read_at[e, r, c]] += np.float64(dp[r, c]) * dz_dread[e, r, c]
+                                if READ_PER_ROW[e]:  # one element per row: sum the row first
+                                    for r in range(m):
+                                        total = 0.0
+                                        for c in range(n):
+                                            total += np.float64(dp[r, c]) * dz_dread[e, r, c]
+                                        row[start + read_at[e, r, 0]] += total
+                                else:
+                                    for r in range(m):
+                                        for c in range(n):
+                                            row[start + read_at[e, r, c]] += np.float64(dp[r, c]) * dz_dread[e, r, c]
                         if HAS_DERIVATIVE:
                             for r in range(m):
                                 for c in range(n):
@@ -301,11 +308,18 @@ def _step_source(name, setup, keys, row, cell, *, score, keep, grad, reads, back
     )
 
 
-def module_source(steps: dict, has_score_mod: bool, has_derivative: bool) -> str:
+def module_source(steps: dict, has_score_mod: bool, has_derivative: bool, reads_per_row=()) -> str:
     """The variant's module. ``steps`` maps each step name (_full_step, _partial_step,
     _full_backward_step, _partial_backward_step) to (statements, score, keep, grad, reads):
-    the statement lists (setup, keys, row, cell) and flags as ``_step_source`` takes them."""
-    parts = [_HEADER, f"HAS_SCORE_MOD = {has_score_mod}\nHAS_DERIVATIVE = {has_derivative}\n"]
+    the statement lists (setup, keys, row, cell) and flags as ``_step_source`` takes them.
+    ``reads_per_row``: per differentiated read, whether it reads one element per query row
+    (its index does not depend on kv_idx or the score)."""
+    flags = ", ".join(str(bool(x)) for x in reads_per_row)
+    parts = [
+        _HEADER,
+        f"HAS_SCORE_MOD = {has_score_mod}\nHAS_DERIVATIVE = {has_derivative}\n"
+        f"READ_PER_ROW = np.array([{flags}], dtype=np.bool_)\n",
+    ]
     for name, (statements, score, keep, grad, reads) in steps.items():
         flags = dict(score=score, keep=keep, grad=grad, reads=reads, backward="backward" in name)
         parts.append(_step_source(name, *statements, **flags))
