@@ -278,8 +278,9 @@ def test_gradients_of_captured_tensors(pattern):
 
 def test_captured_gradients_pass_gradcheck():
     """Finite differences in float64 (the oracle) on a tiny case: a relative-bias table, ALiBi
-    slopes and a per-head soft-cap scale read by score_mod, the table also read by mask_mod
-    (whose reads have no gradient: the block structure is piecewise constant in them)."""
+    slopes, a per-head soft-cap scale and a 0-d temperature read by score_mod, the table also
+    read by mask_mod (whose reads have no gradient: the block structure is piecewise constant in
+    them)."""
     sq, sk, hq = 5, 4, 2
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, h, s, 3, generator=g, dtype=torch.float64) for h, s in
@@ -288,10 +289,12 @@ def test_captured_gradients_pass_gradcheck():
     table[table.abs() < 0.05] = 0.5  # keep the mask's threshold (0) away from the values
     slopes = torch.tensor([0.3, 0.7], dtype=torch.float64)
     caps = torch.tensor([1.5, 4.0], dtype=torch.float64)
+    temperature = torch.tensor(0.8, dtype=torch.float64)
 
-    def run(q, table, slopes, caps):
+    def run(q, table, slopes, caps, temperature):
         def score_mod(score, b, h, q_idx, kv_idx):
-            biased = score + table[h, q_idx - kv_idx + sk] - slopes[h] * (q_idx - kv_idx)
+            biased = score * temperature + table[h, q_idx - kv_idx + sk]
+            biased = biased - slopes[h] * (q_idx - kv_idx)
             return caps[h] * torch.tanh(biased / caps[h])
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -300,7 +303,7 @@ def test_captured_gradients_pass_gradcheck():
         return fastpe.flex_attention(q, k, v, score_mod, enable_gqa=True, backend="numpy",
                                      mask_mod=mask_mod)  # fmt: skip
 
-    inputs = [x.clone().requires_grad_() for x in (q, table, slopes, caps)]
+    inputs = [x.clone().requires_grad_() for x in (q, table, slopes, caps, temperature)]
     assert torch.autograd.gradcheck(run, inputs)
 
 
