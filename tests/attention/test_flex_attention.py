@@ -162,31 +162,61 @@ def test_rows_without_keys_give_zero_and_minus_inf():
 
 
 @pytest.mark.parametrize(
-    "pattern,sq,sk",
-    [("causal+softcap", SQ, SK), ("window+alibi", SQ, SK), ("document+relative_bias", 200, 120)],
+    "pattern,sq,sk,trained",
+    [
+        ("causal+softcap", SQ, SK, None),
+        ("window+alibi", 120, 200, "slopes"),
+        ("document+relative_bias", 200, 120, "table"),
+    ],
 )
-def test_backward_matches_torch_autograd(pattern, sq, sk):
-    score_mod, mask_mod = _patterns(sq, sk)[0][pattern]
+def test_backward_matches_torch_autograd(pattern, sq, sk, trained):
+    """dq, dk, dv equal torch autograd's; with ``trained``, the captured tensor (learned ALiBi
+    slopes, a learned relative-bias table) requires grad too, and its gradient equals torch's
+    FlexAttention's (eager autograd in float64: on the CPU torch differentiates captured tensors
+    when q, k, v need no grad). The kernels compute in float32, the oracle in float64."""
+    patterns, captured = _patterns(sq, sk)
+    score_mod, mask_mod = patterns[pattern]
     q, k, v = _qkv(sq, sk, torch.float32, seed=1)
     grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(2))
     block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
+    make = {"table": lambda t: _relative_bias(t, sk), "slopes": _alibi, None: None}[trained]
+    values = captured.get(trained)  # its dtype as in _patterns: the compiled variant's
 
-    def grads(run, dtype):
+    def grads(backend, dtype, tensor=None):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        (run(*leaves) * grad_out.to(dtype)).sum().backward()
+        if tensor is None:
+            out = fastpe.flex_attention(*leaves, score_mod, block_mask, enable_gqa=True,
+                                        backend=backend)  # fmt: skip
+        else:
+            out = fastpe.flex_attention(*leaves, make(tensor), block_mask, enable_gqa=True,
+                                        backend=backend)  # fmt: skip
+        (out * grad_out.to(dtype)).sum().backward()
         return [x.grad for x in leaves]
 
-    want = grads(lambda *x: _eager(*x, score_mod, mask_mod), torch.float64)
+    want = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    (_eager(*want, score_mod, mask_mod) * grad_out.double()).sum().backward()
+    if trained is not None:
+        leaf = values.detach().double().requires_grad_()
+        theirs = torch_block_mask(mask_mod, B, None, sq, sk, device="cpu", BLOCK_SIZE=BLOCK)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = torch_flex(*(x.double() for x in (q, k, v)), make(leaf), theirs,
+                             enable_gqa=True)  # fmt: skip
+        (out * grad_out.double()).sum().backward()
+        want_captured = leaf.grad
+        assert want_captured.abs().max() > 0.1  # the gradient is not trivially zero
     for backend, dtype, tol in (("numba", torch.float32, 5e-5), ("numpy", torch.float64, 1e-10)):
-        got = grads(
-            lambda *x, backend=backend: fastpe.flex_attention(
-                *x, score_mod, block_mask, enable_gqa=True, backend=backend
-            ),
-            dtype,
-        )
+        tensor = None
+        if trained is not None:
+            tensor = values.detach().to(values.dtype if backend == "numba" else dtype)
+            tensor.requires_grad_()
+        got = grads(backend, dtype, tensor)
         for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
             assert g.dtype == dtype
-            _close(g, w, tol, f"{backend} {name}")
+            _close(g, w.grad, tol, f"{backend} {name}")
+        if tensor is not None:
+            assert tensor.grad.dtype == tensor.dtype and tensor.grad.shape == tensor.shape
+            _close(tensor.grad, want_captured, tol, f"{backend} d{trained}")
 
 
 def test_gradient_of_lse():
@@ -223,57 +253,6 @@ def _alibi(slopes):
         return score - slopes[h] * torch.abs(q_idx - kv_idx)
 
     return alibi
-
-
-@pytest.mark.parametrize("pattern", ["document+relative_bias", "window+alibi"])
-def test_gradients_of_captured_tensors(pattern):
-    """A learned relative-bias table and learned ALiBi slopes: their gradients equal torch's
-    FlexAttention's (eager autograd, float64; on the CPU torch differentiates captured tensors
-    when q, k, v need no grad) on the kernels (float32) and the oracle (float64), with GQA and
-    Sq ≠ Sk; dq, dk, dv of the same backward equal torch autograd's."""
-    from fastpe.kernels.numba import flex_attention as kernels
-
-    sq, sk = 200, 120
-    patterns, captured = _patterns(sq, sk)
-    _, mask_mod = patterns[pattern]
-    name, make = ("table", _relative_bias) if "bias" in pattern else ("slopes", _alibi)
-    values = captured[name]  # its dtype as in _patterns: the compiled variant's
-    args = (sk,) if name == "table" else ()
-    q, k, v = _qkv(sq, sk, torch.float32, seed=4)
-    grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(5))
-    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
-    theirs = torch_block_mask(mask_mod, B, None, sq, sk, device="cpu", BLOCK_SIZE=BLOCK)
-
-    leaf = values.detach().double().requires_grad_()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = torch_flex(*(x.double() for x in (q, k, v)), make(leaf, *args), theirs,
-                         enable_gqa=True)  # fmt: skip
-    (out * grad_out.double()).sum().backward()
-    want = leaf.grad
-    want_qkv = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    (_eager(*want_qkv, make(leaf.detach(), *args), mask_mod) * grad_out.double()).sum().backward()
-
-    # captured tensors that need no grad: the backward is the forward's variant, nothing more
-    fastpe.flex_attention(q, k, v, make(values, *args), block_mask, enable_gqa=True)
-    variants = len(kernels.compiled_variants)
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out = fastpe.flex_attention(*leaves, make(values, *args), block_mask, enable_gqa=True)
-    (out * grad_out).sum().backward()
-    assert len(kernels.compiled_variants) == variants
-
-    for backend, dtype, tol in (("numba", torch.float32, 5e-5), ("numpy", torch.float64, 1e-10)):
-        leaf = values.detach().to(values.dtype if backend == "numba" else dtype)
-        leaf.requires_grad_()
-        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        out = fastpe.flex_attention(*leaves, make(leaf, *args), block_mask, enable_gqa=True,
-                                    backend=backend)  # fmt: skip
-        (out * grad_out.to(dtype)).sum().backward()
-        assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
-        assert want.abs().max() > 0.1  # the gradient is not trivially zero
-        _close(leaf.grad, want, tol, f"{backend} d{name}")
-        for what, got, w in zip(("dq", "dk", "dv"), leaves, want_qkv, strict=True):
-            _close(got.grad, w.grad, tol, f"{backend} {what} with d{name}")
 
 
 def test_captured_gradients_pass_gradcheck():
