@@ -143,7 +143,7 @@ def lift(value) -> Node:
     array, is_array = _array_of(value)
     if is_array:
         if array.ndim == 0:
-            return index(value, ())
+            return index(value, ()).node
         raise CaptureError(
             f"{_trace.where} uses a captured array of shape {tuple(array.shape)} whole: "
             "index it with the index arguments (e.g. doc_id[q_idx]) to get one value"
@@ -594,19 +594,41 @@ def _mul(a, b):
     return _n("mul", a, b)
 
 
-def derivative(root: Node) -> Node | None:
-    """∂root/∂score as an expression (None: zero), by the chain rule on the DAG."""
+SCORE = Node("score", (), "float")
+
+
+def derivative(root: Node, wrt: Node = SCORE) -> Node | None:
+    """∂root/∂wrt as an expression (None: zero), by the chain rule on the DAG. ``wrt`` is the
+    score, or one read of a captured array (an ``index`` node: ``gradient_leaves``)."""
     grads: dict[Node, Node | None] = {}
     for node in nodes_in_order(root):
-        grads[node] = _local_derivative(node, grads)
+        grads[node] = ONE if node == wrt else _local_derivative(node, grads)
     return grads[root]
+
+
+def gradient_leaves(root: Node, caps) -> list[tuple[Node, Node]]:
+    """(read, ∂root/∂read) of each float read of a captured array numbered in ``caps`` that
+    ``root`` depends on differentiably: the gradient of such an array is the sum, over every
+    score, of dZ·∂root/∂read scattered to the element the read indexes (``flat_index``)."""
+    leaves = []
+    for node in nodes_in_order(root):
+        if node.op == "index" and node.kind == "float" and node.args[0].args[0] in caps:
+            grad = derivative(root, node)
+            if grad is not None:
+                leaves.append((node, grad))
+    return leaves
+
+
+def flat_index(read: Node) -> Node:
+    """The C-order position of the element a captured-array read takes (as the kernel reads
+    it: negative indices from the end, clamped into the array)."""
+    return Node("flat", (read,), "int")
 
 
 def _local_derivative(node, grads):
     op, args = node.op, node.args
-    if op == "score":
-        return ONE
-    if node.kind != "float" or op in ("const", "cap", "index", "b", "h", "q_idx", "kv_idx"):
+    leaves = ("const", "cap", "index", "score", "b", "h", "q_idx", "kv_idx")
+    if node.kind != "float" or op in leaves:
         return None
     d = [grads.get(a) if isinstance(a, Node) else None for a in args]
     if all(x is None for x in d):
@@ -816,7 +838,13 @@ def numba_statements(roots: dict):
         name = f"t{number}"
         if level[node] == "key":
             stored.append((name, node.kind))
-        if op == "index":
+        if op == "flat":
+            read = args[0]
+            array = names[read.args[0]]
+            out.append(f"{name} = 0")
+            for axis in range(len(read.args) - 1):
+                out.append(f"{name} = {name} * {array}.shape[{axis}] + {names[read]}_{axis}")
+        elif op == "index":
             array = names[args[0]]
             parts = []
             for axis, index_node in enumerate(args[1:]):

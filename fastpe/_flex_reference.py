@@ -74,9 +74,13 @@ def flex_attention(q, k, v, scale, score, mask, state, blocks, arrays):
     return np.einsum("bhij,bhjd->bhid", p, v), lse
 
 
-def flex_attention_backward(q, k, v, grad_out, grad_lse, scale, score, mask, state, blocks, arrays):
-    """(dq, dk, dv) in float64 of ``flex_attention``'s out (and lse, when ``grad_lse`` is not
-    None): dZ = P∘(dO·Vᵀ - D) with D = rowsum(dO∘O) - dlse, dS = dZ∘∂Z/∂S."""
+def flex_attention_backward(
+    q, k, v, grad_out, grad_lse, scale, score, mask, state, blocks, arrays, grad_caps=()
+):
+    """(dq, dk, dv, *captured) in float64 of ``flex_attention``'s out (and lse, when
+    ``grad_lse`` is not None): dZ = P∘(dO·Vᵀ - D) with D = rowsum(dO∘O) - dlse, dS = dZ∘∂Z/∂S;
+    and for each captured array numbered in ``grad_caps``, its gradient (its shape): every
+    visible score's dZ·∂Z/∂read added to the element each of the score's reads indexes."""
     q64 = np.asarray(q, np.float64)
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -103,4 +107,23 @@ def flex_attention_backward(q, k, v, grad_out, grad_lse, scale, score, mask, sta
     batch, _, sk, d = dk.shape
     dk = dk.reshape(batch, hkv, group, sk, d).sum(axis=2)
     dv = dv.reshape(batch, hkv, group, sk, dv.shape[-1]).sum(axis=2)
-    return dq, dk, dv
+    captured = [np.zeros(np.shape(arrays[number])) for number in grad_caps]
+    if grad_caps:
+        shape = dz.shape
+        env = dict(_grid(*shape), score=np.einsum("bhid,bhjd->bhij", q64, kr) * scale)
+        visible = np.isfinite(z)
+        for read, grad in _flex_expr.gradient_leaves(score, grad_caps):
+            number = read.args[0].args[0]
+            target = captured[grad_caps.index(number)]
+            local = np.broadcast_to(_flex_expr.evaluate(grad, env, arrays), shape)
+            seen = np.nonzero(visible)
+            index = []
+            for axis, node in enumerate(read.args[1:]):
+                i = np.broadcast_to(_flex_expr.evaluate(node, env, arrays), shape)[seen]
+                index.append(np.where(i < 0, i + target.shape[axis], i))
+            contribution = dz[seen] * local[seen]
+            if index:
+                np.add.at(target, tuple(index), contribution)
+            else:  # a 0-d array
+                target[...] += contribution.sum()
+    return (dq, dk, dv, *captured)

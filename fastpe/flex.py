@@ -193,19 +193,21 @@ def _refuse_cuda(what):
 
 
 class _Call:
-    """One flex_attention call's captured variant, captured values and tile plan."""
+    """One flex_attention call's captured variant, captured values and tile plan.
+    ``grad_caps``: the numbers of the captured arrays whose gradient the backward gives."""
 
-    def __init__(self, score, mask, arrays, state, blocks, scale, backend):
+    def __init__(self, score, mask, arrays, state, blocks, scale, backend, grad_caps=()):
         self.score, self.mask, self.arrays = score, mask, arrays
         self.state, self.blocks, self.scale, self.backend = state, blocks, scale, backend
+        self.grad_caps = tuple(grad_caps)
 
     def _oracle_args(self):
         return self.scale, self.score, self.mask, self.state, self.blocks, self.arrays
 
-    def _kernel(self, hkv):
+    def _kernel(self, hkv, reads=()):
         from fastpe.kernels.numba import flex_attention as kernels
 
-        module = _variant_module(self.score, self.mask)
+        module = _variant_module(self.score, self.mask, reads)
         forward, backward = kernels.plan_tiles(self.state, hkv)
         caps = tuple(np.ascontiguousarray(a if a.ndim else a.reshape(1)) for a in self.arrays)
         return kernels, module, forward, backward, caps
@@ -222,43 +224,69 @@ class _Call:
         return out, lse.astype(dtype, copy=False)
 
     def backward(self, q, k, v, out, lse, grad_out, grad_lse):
+        """(dq, dk, dv) in the compute dtype, and the float64 gradient of each captured array
+        numbered in ``grad_caps`` (its shape)."""
         dtype = np.float64 if q.dtype == np.float64 else np.float32
         if self.backend == "numpy":
-            grads = _flex_reference.flex_attention_backward(
-                q, k, v, grad_out, grad_lse, *self._oracle_args()
+            dq, dk, dv, *captured = _flex_reference.flex_attention_backward(
+                q, k, v, grad_out, grad_lse, *self._oracle_args(), self.grad_caps
             )
-            return tuple(g.astype(dtype) for g in grads)
-        kernels, module, _, plan, caps = self._kernel(k.shape[1])
+            return (dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)), captured
+        reads = tuple(
+            read for read, _ in _flex_expr.gradient_leaves(self.score, self.grad_caps)
+        ) if self.grad_caps else ()  # fmt: skip
+        kernels, module, _, plan, caps = self._kernel(k.shape[1], reads)
         q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
-        return kernels.flex_backward_numba(
-            module, q, k, v, out, lse, grad_out, grad_lse, caps, plan, self.blocks, self.scale
+        sizes = [caps[number].size for number in self.grad_caps]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        read_offsets = np.array(
+            [starts[self.grad_caps.index(read.args[0].args[0])] for read in reads], np.int64
         )
+        dq, dk, dv, flat = kernels.flex_backward_numba(
+            module, q, k, v, out, lse, grad_out, grad_lse, caps, plan, self.blocks, self.scale,
+            read_offsets if reads else None, int(starts[-1]),
+        )  # fmt: skip
+        captured = [
+            (np.zeros(int(starts[-1])) if flat is None else flat)[start : start + size].reshape(
+                self.arrays[number].shape
+            )
+            for number, start, size in zip(self.grad_caps, starts[:-1], sizes, strict=True)
+        ]
+        return (dq, dk, dv), captured
 
 
 _variants: dict = {}
 _variants_lock = threading.Lock()
 
 
-def _variant_module(score, mask):
-    """The Numba module of an expression pair (generated and loaded once per process)."""
-    key = (score, mask)
+def _variant_module(score, mask, reads=()):
+    """The Numba module of an expression pair (generated and loaded once per process), whose
+    backward also differentiates the captured-array ``reads`` (index nodes of ``score``): a
+    module of its own, used for the backward only, so a call without captured gradients
+    compiles nothing more."""
+    key = (score, mask, reads)
     module = _variants.get(key)
     if module is not None:
         return module
     from fastpe.kernels.numba import flex_attention as kernels
 
-    source = kernels.module_source(*_variant_steps(score, mask))
+    source = kernels.module_source(*_variant_steps(score, mask, reads))
     with _variants_lock:
         module = _variants.setdefault(key, kernels.load_variant(source))
     return module
 
 
-def _variant_steps(score, mask):
-    """The generated steps of ``kernels.module_source`` for the expressions."""
+def _variant_steps(score, mask, reads=()):
+    """The generated steps of ``kernels.module_source`` for the expressions (the backward
+    steps also give ∂score/∂read and the position of each of ``reads``)."""
     derivative = None
     if score is not None:
         derivative = _flex_expr.derivative(score) or _flex_expr.const(0.0)
     has_derivative = derivative is not None and derivative != _flex_expr.ONE
+    read_roots = {}
+    for e, read in enumerate(reads):
+        read_roots[f"dread{e}"] = _flex_expr.derivative(score, read)
+        read_roots[f"at{e}"] = _flex_expr.flat_index(read)
     steps = {}
     for prefix, grad in (("", None), ("backward_", derivative if has_derivative else None)):
         for kind, keep in (("full", None), ("partial", mask)):
@@ -269,10 +297,19 @@ def _variant_steps(score, mask):
                 roots["keep"] = keep
             if grad is not None:
                 roots["grad"] = grad
+            if prefix:
+                roots.update(read_roots)
             statements = _flex_expr.numba_statements(roots)
             name = f"_{kind}_{prefix}step"
-            steps[name] = (statements, score is not None, keep is not None, grad is not None)
-    return steps, score is not None, has_derivative
+            steps[name] = (
+                statements, score is not None, keep is not None, grad is not None,
+                len(reads) if prefix else 0,
+            )  # fmt: skip
+    per_row = [
+        not any(n.op in ("kv_idx", "score") for n in _flex_expr.nodes_in_order(read))
+        for read in reads
+    ]
+    return steps, score is not None, has_derivative, per_row
 
 
 def _check_qkv(query, key, value, enable_gqa):
@@ -386,18 +423,18 @@ def flex_attention(
     if score_mod is not None:
         captured = _flex_expr.capture(score_mod, "score_mod")
         score, arrays = captured.node, list(captured.arrays)
+    grad_caps = _captured_grads(arrays, name)
     mask_func = block_mask.mask_mod if block_mask is not None else mask_mod
     if mask_func is not None and not _is_noop(mask_func):
         captured = _flex_expr.capture(mask_func, "mask_mod")
         mask = _flex_expr.renumber(captured, len(arrays))
         arrays += captured.arrays
-    _refuse_captured_grads(arrays)
     arrays_np = [_to_numpy(a, wide=name == "numpy") for a in arrays]
     state, blocks = _plan_state(block_mask, mask, arrays_np, batch, hq, sq, key.shape[2])
-    call = _Call(score, mask, arrays_np, state, blocks, scale, name)
+    call = _Call(score, mask, arrays_np, state, blocks, scale, name, grad_caps)
     del sk
     if _arrays.is_tensor(query):
-        out, lse = _torch_call(call, query, key, value)
+        out, lse = _torch_call(call, query, key, value, [arrays[n] for n in grad_caps])
     else:
         out, lse = call.forward(*(_to_numpy(x) for x in (query, key, value)))
         out = out.astype(np.result_type(query.dtype, np.float32), copy=False)
@@ -420,24 +457,35 @@ def _is_noop(func) -> bool:
     return getattr(func, "__name__", "") == "noop_mask"
 
 
-def _refuse_captured_grads(arrays):
+_CAPTURED_GRAD_BACKENDS = ("numba", "numpy")
+
+
+def _captured_grads(arrays, backend) -> tuple:
+    """The numbers of the tensors captured by score_mod that require grad (when autograd
+    records): the backward gives their gradients. The backends without that refuse them."""
     torch = _torch()
     if torch is None or not torch.is_grad_enabled():
-        return
-    for array in arrays:
-        if isinstance(array, torch.Tensor) and array.requires_grad:
-            raise NotImplementedError(
-                "a tensor captured by score_mod or mask_mod requires grad: fastpe.flex_attention "
-                "gives gradients for query, key and value only; capture tensor.detach() (or "
-                "use torch's flex_attention to train a captured bias)"
-            )
+        return ()
+    numbers = tuple(
+        i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor) and a.requires_grad
+    )
+    if numbers and backend not in _CAPTURED_GRAD_BACKENDS:
+        raise NotImplementedError(
+            f"a tensor captured by score_mod requires grad: fastpe.flex_attention on {backend!r} "
+            "gives gradients for query, key and value only; capture tensor.detach(), or run on "
+            "the CPU backends ('numba', 'numpy'), which train captured tensors"
+        )
+    return numbers
 
 
-def _torch_call(call, query, key, value):
+def _torch_call(call, query, key, value, captured):
+    """``captured``: the tensors numbered ``call.grad_caps`` (autograd inputs)."""
     torch = _torch()
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and (
+        any(x.requires_grad for x in (query, key, value)) or captured
+    )
     if needs_grad:
-        return _flex_function().apply(query, key, value, call)
+        return _flex_function().apply(query, key, value, call, *captured)
     return _torch_forward(call, query, key, value)
 
 
@@ -463,8 +511,9 @@ def _flex_function():
 
     class FlexAttentionFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, query, key, value, call):
+        def forward(ctx, query, key, value, call, *captured):
             out, lse = _torch_forward(call, query, key, value)
+            ctx.captured = [(c.dtype, c.requires_grad) for c in captured]
             ctx.call = call
             ctx.save_for_backward(query, key, value, out, lse)
             return out, lse
@@ -474,7 +523,7 @@ def _flex_function():
             query, key, value, out, lse = ctx.saved_tensors
             call = ctx.call
             dtype = np.float64 if query.dtype == torch.float64 else np.float32
-            grads = call.backward(
+            grads, captured = call.backward(
                 *(_to_numpy(x) for x in (query, key, value)),
                 _to_numpy(out).astype(dtype),
                 _to_numpy(lse).astype(dtype),
@@ -485,7 +534,11 @@ def _flex_function():
                 torch.from_numpy(np.ascontiguousarray(g)).to(x.dtype) if x.requires_grad else None
                 for g, x in zip(grads, (query, key, value), strict=True)
             ]
-            return (*results, None)
+            results += [
+                torch.from_numpy(np.ascontiguousarray(g)).to(kind) if needed else None
+                for g, (kind, needed) in zip(captured, ctx.captured, strict=True)
+            ]
+            return (*results[:3], None, *results[3:])
 
     _function = FlexAttentionFunction
     return _function

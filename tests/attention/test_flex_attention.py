@@ -1,10 +1,11 @@
 """fastpe.flex_attention: user-defined score and mask modifiers on the float64 oracle and the
 Numba kernels.
 
-Expected values come from torch's own FlexAttention (eager on the CPU: forward only) and, for
-gradients, from torch autograd through an independent eager formulation (the modifiers called
-on broadcast index tensors); the oracle is also checked in float64 against torch's FlexAttention
-in float64. Eight patterns share five compiled variants (each variant is a Numba compile, so
+Expected values come from torch's own FlexAttention (eager on the CPU: forward, and gradients
+of captured tensors when q, k, v need none) and, for gradients of q, k, v, from torch autograd
+through an independent eager formulation (the modifiers called on broadcast index tensors); the
+oracle is also checked in float64 against torch's FlexAttention in float64, and its captured
+gradients against finite differences. Eight patterns share five compiled variants (each variant is a Numba compile, so
 patterns are paired: a mask with a score modifier), over one shape with GQA, and Sq ≠ Sk on two.
 """
 
@@ -161,31 +162,61 @@ def test_rows_without_keys_give_zero_and_minus_inf():
 
 
 @pytest.mark.parametrize(
-    "pattern,sq,sk",
-    [("causal+softcap", SQ, SK), ("window+alibi", SQ, SK), ("document+relative_bias", 200, 120)],
+    "pattern,sq,sk,trained",
+    [
+        ("causal+softcap", SQ, SK, None),
+        ("window+alibi", 120, 200, "slopes"),
+        ("document+relative_bias", 200, 120, "table"),
+    ],
 )
-def test_backward_matches_torch_autograd(pattern, sq, sk):
-    score_mod, mask_mod = _patterns(sq, sk)[0][pattern]
+def test_backward_matches_torch_autograd(pattern, sq, sk, trained):
+    """dq, dk, dv equal torch autograd's; with ``trained``, the captured tensor (learned ALiBi
+    slopes, a learned relative-bias table) requires grad too, and its gradient equals torch's
+    FlexAttention's (eager autograd in float64: on the CPU torch differentiates captured tensors
+    when q, k, v need no grad). The kernels compute in float32, the oracle in float64."""
+    patterns, captured = _patterns(sq, sk)
+    score_mod, mask_mod = patterns[pattern]
     q, k, v = _qkv(sq, sk, torch.float32, seed=1)
     grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(2))
     block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
+    make = {"table": lambda t: _relative_bias(t, sk), "slopes": _alibi, None: None}[trained]
+    values = captured.get(trained)  # its dtype as in _patterns: the compiled variant's
 
-    def grads(run, dtype):
+    def grads(backend, dtype, tensor=None):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        (run(*leaves) * grad_out.to(dtype)).sum().backward()
+        if tensor is None:
+            out = fastpe.flex_attention(*leaves, score_mod, block_mask, enable_gqa=True,
+                                        backend=backend)  # fmt: skip
+        else:
+            out = fastpe.flex_attention(*leaves, make(tensor), block_mask, enable_gqa=True,
+                                        backend=backend)  # fmt: skip
+        (out * grad_out.to(dtype)).sum().backward()
         return [x.grad for x in leaves]
 
-    want = grads(lambda *x: _eager(*x, score_mod, mask_mod), torch.float64)
+    want = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    (_eager(*want, score_mod, mask_mod) * grad_out.double()).sum().backward()
+    if trained is not None:
+        leaf = values.detach().double().requires_grad_()
+        theirs = torch_block_mask(mask_mod, B, None, sq, sk, device="cpu", BLOCK_SIZE=BLOCK)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = torch_flex(*(x.double() for x in (q, k, v)), make(leaf), theirs,
+                             enable_gqa=True)  # fmt: skip
+        (out * grad_out.double()).sum().backward()
+        want_captured = leaf.grad
+        assert want_captured.abs().max() > 0.1  # the gradient is not trivially zero
     for backend, dtype, tol in (("numba", torch.float32, 5e-5), ("numpy", torch.float64, 1e-10)):
-        got = grads(
-            lambda *x, backend=backend: fastpe.flex_attention(
-                *x, score_mod, block_mask, enable_gqa=True, backend=backend
-            ),
-            dtype,
-        )
+        tensor = None
+        if trained is not None:
+            tensor = values.detach().to(values.dtype if backend == "numba" else dtype)
+            tensor.requires_grad_()
+        got = grads(backend, dtype, tensor)
         for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
             assert g.dtype == dtype
-            _close(g, w, tol, f"{backend} {name}")
+            _close(g, w.grad, tol, f"{backend} {name}")
+        if tensor is not None:
+            assert tensor.grad.dtype == tensor.dtype and tensor.grad.shape == tensor.shape
+            _close(tensor.grad, want_captured, tol, f"{backend} d{trained}")
 
 
 def test_gradient_of_lse():
@@ -204,6 +235,55 @@ def test_gradient_of_lse():
 
     for got, want in zip(loss("numba"), loss("numpy"), strict=True):
         _close(got, want, 5e-5, "gradient through lse")
+
+
+def _relative_bias(table, sk):
+    """relative_bias of ``_patterns`` over the given table (with a float32 table, its variant)."""
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + sk]
+
+    return relative_bias
+
+
+def _alibi(slopes):
+    """alibi of ``_patterns`` over the given slopes (with float64 slopes, its variant)."""
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * torch.abs(q_idx - kv_idx)
+
+    return alibi
+
+
+def test_captured_gradients_pass_gradcheck():
+    """Finite differences in float64 (the oracle) on a tiny case: a relative-bias table, ALiBi
+    slopes, a per-head soft-cap scale and a 0-d temperature read by score_mod, the table also
+    read by mask_mod (whose reads have no gradient: the block structure is piecewise constant in
+    them)."""
+    sq, sk, hq = 5, 4, 2
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, s, 3, generator=g, dtype=torch.float64) for h, s in
+               ((hq, sq), (1, sk), (1, sk)))  # fmt: skip
+    table = torch.randn(hq, sq + sk, generator=g, dtype=torch.float64)
+    table[table.abs() < 0.05] = 0.5  # keep the mask's threshold (0) away from the values
+    slopes = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    caps = torch.tensor([1.5, 4.0], dtype=torch.float64)
+    temperature = torch.tensor(0.8, dtype=torch.float64)
+
+    def run(q, table, slopes, caps, temperature):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            biased = score * temperature + table[h, q_idx - kv_idx + sk]
+            biased = biased - slopes[h] * (q_idx - kv_idx)
+            return caps[h] * torch.tanh(biased / caps[h])
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (table[h, q_idx - kv_idx + sk] > 0) | (q_idx == kv_idx)
+
+        return fastpe.flex_attention(q, k, v, score_mod, enable_gqa=True, backend="numpy",
+                                     mask_mod=mask_mod)  # fmt: skip
+
+    inputs = [x.clone().requires_grad_() for x in (q, table, slopes, caps, temperature)]
+    assert torch.autograd.gradcheck(run, inputs)
 
 
 def test_builtins_written_as_modifiers_match_the_builtin_options():
@@ -328,13 +408,9 @@ def test_uncapturable_functions_get_clear_errors(func, message):
 
 def test_refusals():
     q, k, v = _qkv(SQ, SK, torch.float32)
-    patterns, captured = _patterns(SQ, SK)
+    patterns, _ = _patterns(SQ, SK)
     score_mod, mask_mod = patterns["document+relative_bias"]
     block_mask = fastpe.create_block_mask(mask_mod, B, None, SQ, SK, BLOCK_SIZE=BLOCK)
-    captured["table"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="captured by score_mod or mask_mod requires"):
-        fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
-    captured["table"].requires_grad_(False)
     small_table = torch.zeros(HQ, 10)  # distances reach 2·SK: indices out of range
 
     def short_bias(score, b, h, q_idx, kv_idx):  # relative_bias's variant, another table
