@@ -273,7 +273,7 @@ def _flex_forward_kernel(
     """kv_lists: ((full counts, full indices), (partial counts, partial indices)), int32
     [Bm, Hm, query blocks(, key blocks)]; strides: ((q b, h, s), (k …), (v …), (out …),
     (lse …), (count b, h, block), (index b, h, block, t)), unit last strides."""
-    pid_m, _, b, h, hk = program_ids(Hq, group)
+    pid_m, split, b, h, hk = program_ids(Hq, group)  # (one split: the grid's axis 2 is 1)
     qs, ks, vs, outs, ls, cs, ix = strides
     tiles = (q_block + BLOCK_M - 1) // BLOCK_M
     qb = pid_m // tiles
@@ -302,17 +302,17 @@ def _flex_forward_kernel(
                 k_tile = _load(k_base, cols, dcols, ks[2], col_ok, d_ok)
                 s = qk_scores(q_tile, k_tile, DOT_FP32)
                 if masked:
-                    z, keep, _, bad = partial_step(s, b, h, rows[:, None], cols[None, :], caps)
+                    z, keep, _grad, bad = partial_step(s, b, h, rows[:, None], cols[None, :], caps)
                     valid = row_ok[:, None] & col_ok[None, :] & keep
                 else:
-                    z, _, _, bad = full_step(s, b, h, rows[:, None], cols[None, :], caps)
+                    z, _keep, _grad, bad = full_step(s, b, h, rows[:, None], cols[None, :], caps)
                     valid = row_ok[:, None] & col_ok[None, :]
                 if CHECKS:
                     _flag(err_ptr, bad, row_ok, col_ok)
                 p, alpha, m_i, l_i = softmax_step(z, valid, m_i, l_i, LOG2E)
                 v_tile = _load(v_base, cols, vcols, vs[2], col_ok, dv_ok)
                 acc = acc * alpha[:, None] + pv_product(p, v_tile, DOT_FP32)
-    o, row_lse = epilogue(acc, m_i, l_i, 0.0, tl.zeros_like(rows), lse_ptr, h, 0, False, False)
+    o, row_lse = epilogue(acc, m_i, l_i, 0.0, tl.zeros_like(rows), lse_ptr, h, split, False, False)
     o_ptrs = out_ptr + b * outs[0] + h * outs[1] + rows[:, None] * outs[2] + vcols[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     tl.store(lse_ptr + b * ls[0] + h * ls[1] + rows * ls[2], row_lse, mask=row_ok)
@@ -326,10 +326,10 @@ def _tile_grads(
     """(P, dS) of one tile from q·kᵀ (q scaled) and dO·vᵀ: P = exp(z - lse) where visible,
     dS = P∘(dP - delta)∘∂z/∂s, by the partial step when MASKED, else by the full one."""
     if MASKED:
-        z, keep, grad, _ = partial_step(qk, b, h, rows[:, None], cols[None, :], caps)
+        z, keep, grad, _bad = partial_step(qk, b, h, rows[:, None], cols[None, :], caps)
         valid = valid & keep
     else:
-        z, _, grad, _ = full_step(qk, b, h, rows[:, None], cols[None, :], caps)
+        z, _keep, grad, _bad = full_step(qk, b, h, rows[:, None], cols[None, :], caps)
     valid = valid & (lse > float("-inf"))[:, None]  # rows that saw no key: P = 0
     ref = tl.where(lse > float("-inf"), lse, 0.0)
     p = tl.where(valid, tl.exp2((z - ref[:, None]) * LOG2E), 0.0)
@@ -414,7 +414,7 @@ def _flex_backward_kernel(
                     qk = _dot(q, tl.trans(k))
                     dp = _dot(do, tl.trans(v))
                     valid = row_ok[:, None] & col_ok[None, :]
-                    _, ds = _tile_grads(
+                    _p, ds = _tile_grads(
                         qk, dp, lse, delta, b, h, rows, cols, valid, caps,
                         full_step, partial_step, masked, HAS_GRAD,
                     )  # fmt: skip
