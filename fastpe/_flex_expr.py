@@ -143,7 +143,7 @@ def lift(value) -> Node:
     array, is_array = _array_of(value)
     if is_array:
         if array.ndim == 0:
-            return index(value, ())
+            return index(value, ()).node
         raise CaptureError(
             f"{_trace.where} uses a captured array of shape {tuple(array.shape)} whole: "
             "index it with the index arguments (e.g. doc_id[q_idx]) to get one value"

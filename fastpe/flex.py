@@ -1,10 +1,11 @@
 """``fastpe.flex_attention`` and ``fastpe.create_block_mask``: torch FlexAttention's API with the
-user's ``score_mod`` / ``mask_mod`` compiled into fastpe's CPU kernels (docs/flex-attention.md).
+user's ``score_mod`` / ``mask_mod`` compiled into fastpe's kernels (docs/flex-attention.md).
 
 Each call captures the modifiers (``_flex_expr.capture``: a trace on symbolic arguments, cheap),
 reads the captured tensors' current values, and runs the variant's kernels: the Numba module
 generated for the expressions' structure (``fastpe.kernels.numba.flex_attention``; compiled once
-and cached on disk), or the float64 oracle (``_flex_reference``) with ``backend="numpy"``.
+and cached on disk), the Triton steps generated from them (``_flex_triton``; CUDA tensors), or
+the float64 oracle (``_flex_reference``) with ``backend="numpy"``.
 """
 
 from __future__ import annotations
@@ -377,14 +378,15 @@ def flex_attention(
     backend=None,
 ):
     """Attention with a user-defined ``score_mod(score, b, h, q_idx, kv_idx)`` and a block mask
-    (``create_block_mask``): torch's ``flex_attention`` on fastpe's CPU kernels.
+    (``create_block_mask``): torch's ``flex_attention`` on fastpe's kernels.
 
-    query [B, Hq, Sq, D], key [B, Hkv, Sk, D], value [B, Hkv, Sk, Dv] (torch CPU tensors or
-    NumPy arrays; Hq ≠ Hkv needs ``enable_gqa=True``) -> out [B, Hq, Sq, Dv], and with
+    query [B, Hq, Sq, D], key [B, Hkv, Sk, D], value [B, Hkv, Sk, Dv] (torch tensors or NumPy
+    arrays; Hq ≠ Hkv needs ``enable_gqa=True``) -> out [B, Hq, Sq, Dv], and with
     ``return_lse=True`` (out, lse [B, Hq, Sq], natural log). ``scale`` defaults to 1/√D. A
     query that sees no key gives 0 and lse -inf. ``mask_mod=`` (fastpe's addition) takes a
     mask function directly, its block mask computed at every call; ``backend`` "numba"
-    (default) or "numpy" (the float64 oracle). docs/flex-attention.md lists what the
+    (the default on the CPU), "triton" (the default for CUDA tensors) or "numpy" (the float64
+    oracle). docs/flex-attention.md lists what the
     modifiers may use.
     """
     torch = _torch()

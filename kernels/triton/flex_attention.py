@@ -83,7 +83,7 @@ def _fx_float_mod(a, b):
 @triton.jit
 def _fx_float_pow(a, b):
     """a ** b in fp32, negative bases with integral exponents included (as torch.pow)."""
-    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
+    magnitude = tl.exp2(b * tl.log2(tl.where(a == 0, 1.0, tl.abs(a))))  # (0 below)
     odd = tl.abs(_fx_float_mod(b, 2.0)) == 1.0
     return tl.where(
         a < 0, tl.where(b == tl.floor(b), tl.where(odd, -magnitude, magnitude), float("nan")),
@@ -672,7 +672,8 @@ def flex_forward_triton(q, k, v, *, module, lists, caps, blocks, scale, checks):
     An index out of range raises IndexError under the interpreter; on a GPU (no host sync per
     call) the kernel reads the nearest element instead."""
     dtype = q.dtype
-    q, k, v = (_compute(x) for x in (q, k, v))
+    # (the kernel reads rows of unit column stride)
+    q, k, v = (_compute(x if x.stride(-1) == 1 else x.contiguous()) for x in (q, k, v))
     batch, hq, sq, _ = q.shape
     out = torch.zeros((batch, hq, sq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)

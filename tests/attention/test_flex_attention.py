@@ -450,3 +450,34 @@ def test_triton_reads_captured_tensors_at_every_call():
 
     with pytest.raises(IndexError):
         fastpe.flex_attention(q, k, v, short_bias, block_mask, enable_gqa=True, backend="triton")
+
+
+def test_triton_steps_compute_every_operation_as_the_oracle():
+    """The generated Triton steps against the float64 oracle on one small tile: Python's floor
+    forms of // and % on negative integers, powers, the float functions, casts, the bitwise
+    and logical operators, a 0-d captured tensor and a bool one."""
+    _triton_or_skip()
+    sq = sk = 16
+    q, k, v = _qkv(sq, sk, torch.float32, seed=6)
+    offset = torch.tensor(0.25)
+    allowed = torch.rand(B, sk, generator=torch.Generator().manual_seed(8)) > 0.3
+
+    def every_op(score, b, h, q_idx, kv_idx):
+        rel = q_idx - kv_idx
+        ints = (rel // 3) * 2 + rel % 5 - torch.where(rel > 0, rel**2, -rel) + (rel ^ h)
+        floats = (
+            score**2 * 0.1 + torch.sqrt(torch.abs(score)) - torch.sigmoid(score)
+            + (score // 0.7) * 0.1 + (score % 0.7) + torch.sign(score) * 0.2
+            + torch.clamp(score, -1.0, 1.0) + torch.exp2(-torch.abs(score)) + torch.sin(score)
+            + torch.log(1.0 + torch.exp(score)) - torch.relu(score) * offset
+        )  # fmt: skip
+        return floats + ints.float() * 0.01 + (score > 0).float() * 0.3
+
+    def mask(b, h, q_idx, kv_idx):
+        return (allowed[b, kv_idx] & ~((q_idx | kv_idx) % 7 == 3)) | (q_idx == kv_idx)
+
+    got = fastpe.flex_attention(q, k, v, every_op, mask_mod=mask, enable_gqa=True,
+                                backend="triton")  # fmt: skip
+    want = fastpe.flex_attention(q, k, v, every_op, mask_mod=mask, enable_gqa=True,
+                                 backend="numpy")  # fmt: skip
+    _close(got, want, 2e-5, "every operation")
