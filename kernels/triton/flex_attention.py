@@ -242,6 +242,15 @@ def _block_list(lists, masked: tl.constexpr, b, h, block, strides):
 
 
 @triton.jit
+def _tile_of(indices, index_stride, it, end, BLOCK: tl.constexpr, TILES: tl.constexpr, WIDTH):
+    """(positions, in range) of tile ``it`` of a block list: tile it % TILES of the listed
+    block it // TILES, cut at the block's end and at ``end``."""
+    start = tl.load(indices + (it // TILES) * index_stride) * BLOCK
+    positions = start + (it % TILES) * WIDTH + tl.arange(0, WIDTH)
+    return positions, positions < tl.minimum(start + BLOCK, end)
+
+
+@triton.jit
 def _flex_forward_kernel(
     q_ptr,
     k_ptr,
@@ -257,12 +266,12 @@ def _flex_forward_kernel(
     Sk,
     D,
     Dv,
-    q_block,
-    kv_block,
     strides,
     scale,
     full_step: tl.constexpr,
     partial_step: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
     CHECKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -275,10 +284,11 @@ def _flex_forward_kernel(
     (lse …), (count b, h, block), (index b, h, block, t)), unit last strides."""
     pid_m, split, b, h, hk = program_ids(Hq, group)  # (one split: the grid's axis 2 is 1)
     qs, ks, vs, outs, ls, cs, ix = strides
-    tiles = (q_block + BLOCK_M - 1) // BLOCK_M
-    qb = pid_m // tiles
-    rows = qb * q_block + (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.minimum(qb * q_block + q_block, Sq)
+    Q_TILES: tl.constexpr = (Q_BLOCK + BLOCK_M - 1) // BLOCK_M
+    KV_TILES: tl.constexpr = (KV_BLOCK + BLOCK_N - 1) // BLOCK_N
+    qb = pid_m // Q_TILES
+    rows = qb * Q_BLOCK + (pid_m % Q_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.minimum(qb * Q_BLOCK + Q_BLOCK, Sq)
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = dcols < D, vcols < Dv
@@ -293,25 +303,23 @@ def _flex_forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for masked in tl.static_range(2):  # the full key blocks, then the partial ones
         count, indices, index_stride = _block_list(kv_lists, masked, b, h, qb, (cs, ix))
-        for t in range(count):
-            start = tl.load(indices + t * index_stride) * kv_block
-            end = tl.minimum(start + kv_block, Sk)
-            for j0 in range(start, end, BLOCK_N):
-                cols = j0 + tl.arange(0, BLOCK_N)
-                col_ok = cols < end
-                k_tile = _load(k_base, cols, dcols, ks[2], col_ok, d_ok)
-                s = qk_scores(q_tile, k_tile, DOT_FP32)
-                if masked:
-                    z, keep, _grad, bad = partial_step(s, b, h, rows[:, None], cols[None, :], caps)
-                    valid = row_ok[:, None] & col_ok[None, :] & keep
-                else:
-                    z, _keep, _grad, bad = full_step(s, b, h, rows[:, None], cols[None, :], caps)
-                    valid = row_ok[:, None] & col_ok[None, :]
-                if CHECKS:
-                    _flag(err_ptr, bad, row_ok, col_ok)
-                p, alpha, m_i, l_i = softmax_step(z, valid, m_i, l_i, LOG2E)
-                v_tile = _load(v_base, cols, vcols, vs[2], col_ok, dv_ok)
-                acc = acc * alpha[:, None] + pv_product(p, v_tile, DOT_FP32)
+        # one loop over the tiles of the listed blocks (a flat loop: nested loops with
+        # run-time bounds make ptxas spill)
+        for it in range(count * KV_TILES):
+            cols, col_ok = _tile_of(indices, index_stride, it, Sk, KV_BLOCK, KV_TILES, BLOCK_N)
+            k_tile = _load(k_base, cols, dcols, ks[2], col_ok, d_ok)
+            s = qk_scores(q_tile, k_tile, DOT_FP32)
+            if masked:
+                z, keep, _grad, bad = partial_step(s, b, h, rows[:, None], cols[None, :], caps)
+                valid = row_ok[:, None] & col_ok[None, :] & keep
+            else:
+                z, _keep, _grad, bad = full_step(s, b, h, rows[:, None], cols[None, :], caps)
+                valid = row_ok[:, None] & col_ok[None, :]
+            if CHECKS:
+                _flag(err_ptr, bad, row_ok, col_ok)
+            p, alpha, m_i, l_i = softmax_step(z, valid, m_i, l_i, LOG2E)
+            v_tile = _load(v_base, cols, vcols, vs[2], col_ok, dv_ok)
+            acc = acc * alpha[:, None] + pv_product(p, v_tile, DOT_FP32)
     o, row_lse = epilogue(acc, m_i, l_i, 0.0, tl.zeros_like(rows), lse_ptr, h, split, False, False)
     o_ptrs = out_ptr + b * outs[0] + h * outs[1] + rows[:, None] * outs[2] + vcols[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -358,12 +366,12 @@ def _flex_backward_kernel(
     Sk,
     D,
     Dv,
-    q_block,
-    kv_block,
     strides,
     scale,
     full_step: tl.constexpr,
     partial_step: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
     HAS_GRAD: tl.constexpr,
     DQ: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -380,19 +388,20 @@ def _flex_backward_kernel(
     written by two programs."""
     pid = tl.program_id(0).to(tl.int64)
     group = Hq // Hkv
+    Q_TILES: tl.constexpr = (Q_BLOCK + BLOCK_M - 1) // BLOCK_M
+    KV_TILES: tl.constexpr = (KV_BLOCK + BLOCK_N - 1) // BLOCK_N
     cs, ix = strides
     dcols = tl.arange(0, BLOCK_D)
     vcols = tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = dcols < D, vcols < Dv
     if DQ:
-        tiles = (q_block + BLOCK_M - 1) // BLOCK_M
-        n_tiles = ((Sq + q_block - 1) // q_block) * tiles
+        n_tiles = ((Sq + Q_BLOCK - 1) // Q_BLOCK) * Q_TILES
         tile, bh = pid % n_tiles, pid // n_tiles
         b, h = bh // Hq, bh % Hq
         hk = h // group
-        qb = tile // tiles
-        rows = qb * q_block + (tile % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < tl.minimum(qb * q_block + q_block, Sq)
+        qb = tile // Q_TILES
+        rows = qb * Q_BLOCK + (tile % Q_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.minimum(qb * Q_BLOCK + Q_BLOCK, Sq)
         q_rows = (b * Hq + h) * Sq + rows
         q = _load(q_ptr, q_rows, dcols, D, row_ok, d_ok)
         q = _operand(q.to(tl.float32) * scale, v_ptr, DOT_FP32)
@@ -402,36 +411,31 @@ def _flex_backward_kernel(
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for masked in tl.static_range(2):
             count, indices, index_stride = _block_list(lists, masked, b, h, qb, (cs, ix))
-            for t in range(count):
-                start = tl.load(indices + t * index_stride) * kv_block
-                end = tl.minimum(start + kv_block, Sk)
-                for j0 in range(start, end, BLOCK_N):
-                    cols = j0 + tl.arange(0, BLOCK_N)
-                    col_ok = cols < end
-                    kv_rows = (b * Hkv + hk) * Sk + cols
-                    k = _operand(_load(k_ptr, kv_rows, dcols, D, col_ok, d_ok), v_ptr, DOT_FP32)
-                    v = _operand(_load(v_ptr, kv_rows, vcols, Dv, col_ok, dv_ok), v_ptr, DOT_FP32)
-                    qk = _dot(q, tl.trans(k))
-                    dp = _dot(do, tl.trans(v))
-                    valid = row_ok[:, None] & col_ok[None, :]
-                    _p, ds = _tile_grads(
-                        qk, dp, lse, delta, b, h, rows, cols, valid, caps,
-                        full_step, partial_step, masked, HAS_GRAD,
-                    )  # fmt: skip
-                    dq += _dot(ds.to(k.dtype), k)
+            for it in range(count * KV_TILES):
+                cols, col_ok = _tile_of(indices, index_stride, it, Sk, KV_BLOCK, KV_TILES, BLOCK_N)
+                kv_rows = (b * Hkv + hk) * Sk + cols
+                k = _operand(_load(k_ptr, kv_rows, dcols, D, col_ok, d_ok), v_ptr, DOT_FP32)
+                v = _operand(_load(v_ptr, kv_rows, vcols, Dv, col_ok, dv_ok), v_ptr, DOT_FP32)
+                qk = _dot(q, tl.trans(k))
+                dp = _dot(do, tl.trans(v))
+                valid = row_ok[:, None] & col_ok[None, :]
+                _p, ds = _tile_grads(
+                    qk, dp, lse, delta, b, h, rows, cols, valid, caps,
+                    full_step, partial_step, masked, HAS_GRAD,
+                )  # fmt: skip
+                dq += _dot(ds.to(k.dtype), k)
         tl.store(
             dq_ptr + q_rows[:, None] * D + dcols[None, :],
             dq * scale,
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        tiles = (kv_block + BLOCK_N - 1) // BLOCK_N
-        n_tiles = ((Sk + kv_block - 1) // kv_block) * tiles
+        n_tiles = ((Sk + KV_BLOCK - 1) // KV_BLOCK) * KV_TILES
         tile, bh = pid % n_tiles, pid // n_tiles
         b, hk = bh // Hkv, bh % Hkv
-        kb = tile // tiles
-        cols = kb * kv_block + (tile % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < tl.minimum(kb * kv_block + kv_block, Sk)
+        kb = tile // KV_TILES
+        cols = kb * KV_BLOCK + (tile % KV_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < tl.minimum(kb * KV_BLOCK + KV_BLOCK, Sk)
         kv_rows = (b * Hkv + hk) * Sk + cols
         k = _operand(_load(k_ptr, kv_rows, dcols, D, col_ok, d_ok), v_ptr, DOT_FP32)
         v = _operand(_load(v_ptr, kv_rows, vcols, Dv, col_ok, dv_ok), v_ptr, DOT_FP32)
@@ -441,28 +445,25 @@ def _flex_backward_kernel(
             h = hk * group + g
             for masked in tl.static_range(2):
                 count, indices, index_stride = _block_list(lists, masked, b, h, kb, (cs, ix))
-                for t in range(count):
-                    start = tl.load(indices + t * index_stride) * q_block
-                    end = tl.minimum(start + q_block, Sq)
-                    for i0 in range(start, end, BLOCK_M):
-                        rows = i0 + tl.arange(0, BLOCK_M)
-                        row_ok = rows < end
-                        q_rows = (b * Hq + h) * Sq + rows
-                        q = _load(q_ptr, q_rows, dcols, D, row_ok, d_ok)
-                        q = _operand(q.to(tl.float32) * scale, v_ptr, DOT_FP32)
-                        do = _load(do_ptr, q_rows, vcols, Dv, row_ok, dv_ok)
-                        do = _operand(do, v_ptr, DOT_FP32)
-                        lse = tl.load(lse_ptr + q_rows, mask=row_ok, other=float("-inf"))
-                        delta = tl.load(delta_ptr + q_rows, mask=row_ok, other=0.0)
-                        qk = _dot(q, tl.trans(k))
-                        dp = _dot(do, tl.trans(v))
-                        valid = row_ok[:, None] & col_ok[None, :]
-                        p, ds = _tile_grads(
-                            qk, dp, lse, delta, b, h, rows, cols, valid, caps,
-                            full_step, partial_step, masked, HAS_GRAD,
-                        )  # fmt: skip
-                        dv += _dot(tl.trans(p).to(do.dtype), do)
-                        dk += _dot(tl.trans(ds).to(q.dtype), q)
+                for it in range(count * Q_TILES):
+                    rows, row_ok = _tile_of(
+                        indices, index_stride, it, Sq, Q_BLOCK, Q_TILES, BLOCK_M
+                    )
+                    q_rows = (b * Hq + h) * Sq + rows
+                    q = _load(q_ptr, q_rows, dcols, D, row_ok, d_ok)
+                    q = _operand(q.to(tl.float32) * scale, v_ptr, DOT_FP32)
+                    do = _operand(_load(do_ptr, q_rows, vcols, Dv, row_ok, dv_ok), v_ptr, DOT_FP32)
+                    lse = tl.load(lse_ptr + q_rows, mask=row_ok, other=float("-inf"))
+                    delta = tl.load(delta_ptr + q_rows, mask=row_ok, other=0.0)
+                    qk = _dot(q, tl.trans(k))
+                    dp = _dot(do, tl.trans(v))
+                    valid = row_ok[:, None] & col_ok[None, :]
+                    p, ds = _tile_grads(
+                        qk, dp, lse, delta, b, h, rows, cols, valid, caps,
+                        full_step, partial_step, masked, HAS_GRAD,
+                    )  # fmt: skip
+                    dv += _dot(tl.trans(p).to(do.dtype), do)
+                    dk += _dot(tl.trans(ds).to(q.dtype), q)
         store_ok = col_ok[:, None]
         tl.store(dk_ptr + kv_rows[:, None] * D + dcols[None, :], dk, mask=store_ok & d_ok[None, :])
         tl.store(
@@ -569,8 +570,6 @@ def forward_launch_args(q, k, v, out, lse, err, *, module, lists, caps, blocks, 
         sk,
         d,
         dv,
-        blocks[0],
-        blocks[1],
         (
             q.stride()[:3],
             k.stride()[:3],
@@ -584,6 +583,8 @@ def forward_launch_args(q, k, v, out, lse, err, *, module, lists, caps, blocks, 
     constexprs = dict(
         full_step=module._full_step,
         partial_step=module._partial_step,
+        Q_BLOCK=blocks[0],
+        KV_BLOCK=blocks[1],
         CHECKS=checks,
         DOT_FP32=_dot_fp32(q.dtype),
         BLOCK_M=block_m,
@@ -624,14 +625,14 @@ def backward_launch_args(
         sk,
         d,
         dv,
-        blocks[0],
-        blocks[1],
         list_strides,
         float(scale),
     )
     constexprs = dict(
         full_step=module._full_step,
         partial_step=module._partial_step,
+        Q_BLOCK=blocks[0],
+        KV_BLOCK=blocks[1],
         HAS_GRAD=has_grad,
         DQ=dq,
         DOT_FP32=_dot_fp32(q.dtype),
