@@ -232,13 +232,21 @@ def _load(ptr, rows, cols, row_stride, row_ok, col_ok):
 
 
 @triton.jit
-def _block_list(lists, masked: tl.constexpr, b, h, block, strides):
-    """(count, pointer to the first index) of the visible blocks of one (batch, head, block) in
-    the full (masked 0) or partial (masked 1) list; B and H broadcast by stride 0."""
+def _block_list(
+    lists, masked: tl.constexpr, b, h, block, strides, end, BLOCK: tl.constexpr,
+    TILES: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """(tiles, pointer to the first index, index stride) of the visible blocks of one (batch,
+    head, block) in the full (masked 0) or partial (masked 1) list, B and H broadcast by stride
+    0: ``tiles`` counts TILES tiles of WIDTH per listed block of BLOCK positions, less those of
+    the last one past ``end`` (only the last block of a list, ascending, can reach it)."""
     count_ptr, index_ptr = lists[masked]
     cs, ix = strides
     count = tl.load(count_ptr + b * cs[0] + h * cs[1] + block * cs[2])
-    return count, index_ptr + b * ix[0] + h * ix[1] + block * ix[2], ix[3]
+    indices = index_ptr + b * ix[0] + h * ix[1] + block * ix[2]
+    last = tl.load(indices + tl.maximum(count - 1, 0) * ix[3]) * BLOCK
+    past = TILES - (tl.minimum(end - last, BLOCK) + WIDTH - 1) // WIDTH
+    return tl.where(count > 0, count * TILES - past, 0), indices, ix[3]
 
 
 @triton.jit
@@ -302,10 +310,12 @@ def _flex_forward_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     for masked in tl.static_range(2):  # the full key blocks, then the partial ones
-        count, indices, index_stride = _block_list(kv_lists, masked, b, h, qb, (cs, ix))
+        n_tiles, indices, index_stride = _block_list(
+            kv_lists, masked, b, h, qb, (cs, ix), Sk, KV_BLOCK, KV_TILES, BLOCK_N
+        )
         # one loop over the tiles of the listed blocks (a flat loop: nested loops with
         # run-time bounds make ptxas spill)
-        for it in range(count * KV_TILES):
+        for it in range(n_tiles):
             cols, col_ok = _tile_of(indices, index_stride, it, Sk, KV_BLOCK, KV_TILES, BLOCK_N)
             k_tile = _load(k_base, cols, dcols, ks[2], col_ok, d_ok)
             s = qk_scores(q_tile, k_tile, DOT_FP32)
@@ -386,7 +396,10 @@ def _flex_backward_kernel(
     fp32 [B, Hq, Sq], the gradients fp32 like q, k, v. lists: the kv lists (DQ) or the q lists
     as the forward's; strides: ((count b, h, block), (index b, h, block, t)). No element is
     written by two programs."""
-    pid = tl.program_id(0).to(tl.int64)
+    # (batch x heads on axis 0, the tile on axis 1, each its own program id: ptxas recomputes
+    # what derives from them after the loops rather than holding it in registers through them)
+    bh = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1).to(tl.int64)
     group = Hq // Hkv
     Q_TILES: tl.constexpr = (Q_BLOCK + BLOCK_M - 1) // BLOCK_M
     KV_TILES: tl.constexpr = (KV_BLOCK + BLOCK_N - 1) // BLOCK_N
@@ -395,8 +408,6 @@ def _flex_backward_kernel(
     vcols = tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = dcols < D, vcols < Dv
     if DQ:
-        n_tiles = ((Sq + Q_BLOCK - 1) // Q_BLOCK) * Q_TILES
-        tile, bh = pid % n_tiles, pid // n_tiles
         b, h = bh // Hq, bh % Hq
         hk = h // group
         qb = tile // Q_TILES
@@ -410,8 +421,10 @@ def _flex_backward_kernel(
         delta = tl.load(delta_ptr + q_rows, mask=row_ok, other=0.0)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for masked in tl.static_range(2):
-            count, indices, index_stride = _block_list(lists, masked, b, h, qb, (cs, ix))
-            for it in range(count * KV_TILES):
+            n_kv, indices, index_stride = _block_list(
+                lists, masked, b, h, qb, (cs, ix), Sk, KV_BLOCK, KV_TILES, BLOCK_N
+            )
+            for it in range(n_kv):
                 cols, col_ok = _tile_of(indices, index_stride, it, Sk, KV_BLOCK, KV_TILES, BLOCK_N)
                 kv_rows = (b * Hkv + hk) * Sk + cols
                 k = _operand(_load(k_ptr, kv_rows, dcols, D, col_ok, d_ok), v_ptr, DOT_FP32)
@@ -424,14 +437,14 @@ def _flex_backward_kernel(
                     full_step, partial_step, masked, HAS_GRAD,
                 )  # fmt: skip
                 dq += _dot(ds.to(k.dtype), k)
+        # (the offsets from the program id again, not q_rows: held through the loops, those
+        # would spill)
         tl.store(
-            dq_ptr + q_rows[:, None] * D + dcols[None, :],
+            dq_ptr + bh * Sq * D + rows[:, None] * D + dcols[None, :],
             dq * scale,
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        n_tiles = ((Sk + KV_BLOCK - 1) // KV_BLOCK) * KV_TILES
-        tile, bh = pid % n_tiles, pid // n_tiles
         b, hk = bh // Hkv, bh % Hkv
         kb = tile // KV_TILES
         cols = kb * KV_BLOCK + (tile % KV_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -444,8 +457,10 @@ def _flex_backward_kernel(
         for g in range(group):
             h = hk * group + g
             for masked in tl.static_range(2):
-                count, indices, index_stride = _block_list(lists, masked, b, h, kb, (cs, ix))
-                for it in range(count * Q_TILES):
+                n_q, indices, index_stride = _block_list(
+                    lists, masked, b, h, kb, (cs, ix), Sq, Q_BLOCK, Q_TILES, BLOCK_M
+                )
+                for it in range(n_q):
                     rows, row_ok = _tile_of(
                         indices, index_stride, it, Sq, Q_BLOCK, Q_TILES, BLOCK_M
                     )
@@ -465,10 +480,12 @@ def _flex_backward_kernel(
                     dv += _dot(tl.trans(p).to(do.dtype), do)
                     dk += _dot(tl.trans(ds).to(q.dtype), q)
         store_ok = col_ok[:, None]
-        tl.store(dk_ptr + kv_rows[:, None] * D + dcols[None, :], dk, mask=store_ok & d_ok[None, :])
-        tl.store(
-            dv_ptr + kv_rows[:, None] * Dv + vcols[None, :], dv, mask=store_ok & dv_ok[None, :]
-        )
+        # (the offsets from the program id again, not kv_rows: held through the loops, those
+        # would spill)
+        dk_ptrs = dk_ptr + bh * Sk * D + cols[:, None] * D + dcols[None, :]
+        tl.store(dk_ptrs, dk, mask=store_ok & d_ok[None, :])
+        dv_ptrs = dv_ptr + bh * Sk * Dv + cols[:, None] * Dv + vcols[None, :]
+        tl.store(dv_ptrs, dv, mask=store_ok & dv_ok[None, :])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -478,19 +495,19 @@ def _flex_backward_kernel(
 # flex_dkdv flex_dq` compiles for sm_80 and sm_90 without spills (bench/results/triton-aot.md);
 # change them only with a rerun of it. Under the interpreter: 16 x 16.
 _FORWARD_TILES = {
-    (False, 64): (64, 64, 4, 2),
+    (False, 64): (64, 32, 4, 2),
     (False, 128): (64, 32, 4, 2),
-    (False, 256): (32, 32, 4, 2),
+    (False, 256): (32, 32, 8, 2),
     (True, 64): (32, 16, 4, 2),
     (True, 128): (32, 16, 8, 2),
-    (True, 256): (32, 16, 8, 2),
+    (True, 256): (16, 16, 4, 2),
 }
 _BACKWARD_TILES = {
-    (False, 64): ((32, 64, 4), (64, 32, 4)),
-    (False, 128): ((16, 64, 4), (64, 16, 4)),
-    (False, 256): ((16, 32, 4), (32, 16, 4)),
-    (True, 64): ((16, 32, 4), (32, 16, 4)),
-    (True, 128): ((16, 32, 4), (32, 16, 4)),
+    (False, 64): ((32, 32, 4), (64, 32, 4)),
+    (False, 128): ((16, 32, 4), (64, 16, 8)),
+    (False, 256): ((16, 32, 4), (16, 16, 4)),
+    (True, 64): ((16, 16, 4), (16, 16, 4)),
+    (True, 128): ((16, 16, 4), (16, 16, 4)),
     (True, 256): ((16, 16, 4), (16, 16, 4)),
 }
 
@@ -645,10 +662,10 @@ def backward_launch_args(
     )
     if dq:
         n_tiles = triton.cdiv(sq, blocks[0]) * triton.cdiv(blocks[0], block_m)
-        grid = (n_tiles * batch * hq,)
+        grid = forward_grid(n_tiles, batch * hq, 1)[:2]
     else:
         n_tiles = triton.cdiv(sk, blocks[1]) * triton.cdiv(blocks[1], block_n)
-        grid = (n_tiles * batch * hkv,)
+        grid = forward_grid(n_tiles, batch * hkv, 1)[:2]
     return _flex_backward_kernel, grid, args, constexprs
 
 
