@@ -491,9 +491,10 @@ def _flex_backward_kernel(
 # --------------------------------------------------------------------------- launchers
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward by (fp32 dots, head dim class), and
-# the (dK/dV, dQ) tiles of the backward: from `fastpe triton-report --kernels flex_forward
-# flex_dkdv flex_dq` compiles for sm_80 and sm_90 without spills (bench/results/triton-aot.md);
-# change them only with a rerun of it. Under the interpreter: 16 x 16.
+# the (dK/dV, dQ) tiles of the backward, picked from `fastpe triton-report --full --kernels
+# flex_forward flex_dkdv flex_dq --targets 80 90` (bench/results/triton-aot-flex.md): no spill
+# on sm_80 and sm_90 with the report's two modifiers; change them only with a rerun of it.
+# Under the interpreter: 16 x 16.
 _FORWARD_TILES = {
     (False, 64): (64, 32, 4, 2),
     (False, 128): (64, 32, 4, 2),
