@@ -245,7 +245,7 @@ def _flex_modifiers(variant):
     return bias, document
 
 
-def _flex_launch(kernel, dtype, d, variant):
+def _flex_launch(kernel, dtype, d, variant, target):
     import torch
 
     from fastpe import _flex_expr, _flex_triton
@@ -272,7 +272,7 @@ def _flex_launch(kernel, dtype, d, variant):
     grads = (_meta((b, hq, s, d), torch.float32), *(_meta((b, hkv, s, d), torch.float32),) * 2)
     return fx.backward_launch_args(
         kernel == "flex_dq", q, kv, kv, q, rows, rows, grads, module=module, lists=lists,
-        blocks=(block, block), caps=caps, scale=0.125, has_grad=has_grad,
+        blocks=(block, block), caps=caps, scale=0.125, has_grad=has_grad, capability=target,
     )  # fmt: skip
 
 
@@ -291,7 +291,7 @@ def launch(kernel, dtype, d, variant, target=90):
     if kernel == "attention_paged":
         return _paged_launch(dtype, d, variant, target)
     if kernel.startswith("flex_"):
-        return _flex_launch(kernel, dtype, d, variant)
+        return _flex_launch(kernel, dtype, d, variant, target)
     if kernel == "merge":
         # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
         part = torch.float32 if variant == "split_kv" else getattr(torch, dtype)

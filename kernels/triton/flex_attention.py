@@ -511,6 +511,9 @@ _BACKWARD_TILES = {
     (True, 128): ((16, 16, 4), (32, 16, 8)),
     (True, 256): ((16, 16, 8), (16, 16, 4)),
 }
+# where sm_80 (and the other GPUs before sm_90) needs other tiles: fp32 dK/dV at head dim 256
+# spills 16 bytes there at 16 x 16 (8 warps), and 24-32 on sm_90 at 32 x 16
+_BACKWARD_TILES_BEFORE_SM90 = {(True, 256): ((32, 16, 8), (16, 16, 4))}
 
 
 def _dclass(d, dv):
@@ -529,11 +532,22 @@ def forward_tiles(dtype, d, dv):
     return _FORWARD_TILES[_dot_fp32(dtype), _dclass(d, dv)]
 
 
-def backward_tiles(dtype, d, dv):
-    """((BLOCK_M, BLOCK_N, num_warps) of the dK/dV pass, the same of the dQ pass)."""
+def backward_tiles(dtype, d, dv, capability=90):
+    """((BLOCK_M, BLOCK_N, num_warps) of the dK/dV pass, the same of the dQ pass) on a GPU of
+    compute ``capability`` (e.g. 80)."""
     if interpreted():
         return (16, 16, 4), (16, 16, 4)
-    return _BACKWARD_TILES[_dot_fp32(dtype), _dclass(d, dv)]
+    key = _dot_fp32(dtype), _dclass(d, dv)
+    if capability < 90 and key in _BACKWARD_TILES_BEFORE_SM90:
+        return _BACKWARD_TILES_BEFORE_SM90[key]
+    return _BACKWARD_TILES[key]
+
+
+def _capability(device):
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _list_args(lists):
@@ -617,14 +631,18 @@ def forward_launch_args(q, k, v, out, lse, err, *, module, lists, caps, blocks, 
 
 
 def backward_launch_args(
-    dq, q, k, v, do, lse, delta, grads, *, module, lists, blocks, caps, scale, has_grad
-):
+    dq, q, k, v, do, lse, delta, grads, *, module, lists, blocks, caps, scale, has_grad,
+    capability=None,
+):  # fmt: skip
     """(kernel, grid, args, constexprs) of the dQ pass (``dq``; ``lists`` the kv lists) or of
     the dK/dV pass (``lists`` the q lists); ``grads`` (dq, dk, dv) fp32; q, k, v, do
-    contiguous; the other arguments as ``forward_launch_args``."""
+    contiguous; ``capability`` (e.g. 80) defaults to q's GPU's (the AOT report passes it);
+    the other arguments as ``forward_launch_args``."""
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    dkdv_tiles, dq_tiles = backward_tiles(q.dtype, d, dv)
+    if capability is None:
+        capability = _capability(q.device)
+    dkdv_tiles, dq_tiles = backward_tiles(q.dtype, d, dv, capability)
     block_m, block_n, warps = dq_tiles if dq else dkdv_tiles
     block_lists, list_strides = _list_args(lists)
     args = (
