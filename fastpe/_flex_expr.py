@@ -889,3 +889,112 @@ def numba_statements(roots: dict):
         where = level[node]
         (cell if where in ("key", "cell") else lists["row"]).append(f"{target} = {names[node]}")
     return lists["none"], lists["key"], lists["row"], cell
+
+
+# --------------------------------------------------------------------------- Triton source
+
+# Triton source of each op of the generated score/mask step, operands as {0}, {1}, {2}, each
+# already of the kind the op needs. // and % are Python's floor forms (Triton's integer ones
+# round toward zero), ``_fx_float_*`` their float forms; ``_tanh`` is the dense kernels'
+# accurate fp32 tanh; the ``_fx_*`` helpers come from kernels/triton/flex_attention.py.
+_TT_FORMAT = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
+    "truediv": "({0} / {1})", "floordiv": "_fx_floordiv({0}, {1})", "mod": "_fx_mod({0}, {1})",
+    "pow": "_fx_pow({0}, {1})", "min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
+    "xor": "({0} ^ {1})", "neg": "(-{0})", "abs": "tl.abs({0})",
+    "where": "tl.where({0}, {1}, {2})",
+    "tanh": "_tanh({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})",
+    "log": "tl.log({0})", "log2": "tl.log2({0})", "sqrt": "tl.sqrt_rn({0})",
+    "rsqrt": "(1.0 / tl.sqrt_rn({0}))", "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))",
+    "sin": "tl.sin({0})", "cos": "tl.cos({0})", "sign": "_fx_sign({0})",
+    "relu": "tl.maximum({0}, 0.0)", "to_float": "{0}", "to_int": "{0}",
+    "to_bool": "({0} != 0)",
+}  # fmt: skip
+_TT_DTYPE = {"bool": "tl.int1", "int": "tl.int64", "float": "tl.float32"}
+_TT_FLOAT_OPERANDS = ("truediv", "tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt",
+                      "sigmoid", "sin", "cos", "relu")  # fmt: skip
+
+
+def _triton_const(value, kind):
+    """A constant of ``kind`` as a Triton scalar tensor (Python literals would be constexprs,
+    which lack ``.to`` and make ``tl.where`` of two constants a Python value)."""
+    if kind == "float":
+        value = float(value)
+        text = repr(value) if math.isfinite(value) else f'float("{value}")'
+    elif kind == "int":
+        text = repr(int(value))
+    else:
+        text = repr(bool(value))
+    return f"tl.full((), {text}, {_TT_DTYPE[kind]})"
+
+
+def triton_statements(roots: dict) -> list[str]:
+    """Triton statements computing the expressions in ``roots`` (name -> Node) over a tile:
+    ``score`` fp32 [rows, cols], ``b`` and ``h`` int scalars, ``q_idx`` int32 [rows, 1],
+    ``kv_idx`` int32 [1, cols]; values broadcast, so what depends on q_idx only is computed per
+    row and a captured value indexed by h alone is one load. Floats are fp32, integers int64,
+    bools int1. Captured array i is ``caps[i]`` = (pointer, shape, strides); an index out of
+    range sets ``bad`` (a bool tile) and reads the nearest element, never outside the array.
+    Each root's value is assigned to its name."""
+    names: dict[Node, str] = {}
+    lines = ["bad = tl.zeros((1, 1), tl.int1)"]
+
+    def operand(node, kind):
+        text = names[node]
+        if kind is None or node.kind == kind:
+            return text
+        return f"{text}.to({_TT_DTYPE[kind]})"
+
+    for number, node in enumerate(nodes_in_order(*roots.values())):
+        op, args = node.op, node.args
+        if op in ARGS:
+            names[node] = op
+            continue
+        if op == "cap":
+            names[node] = f"caps[{args[0]}]"
+            continue
+        if op == "const":
+            names[node] = _triton_const(args[0], node.kind)
+            continue
+        name = f"t{number}"
+        if op == "index":
+            array = names[args[0]]
+            offset = []
+            for axis, index_node in enumerate(args[1:]):
+                ix, extent = f"{name}_{axis}", f"{array}[1][{axis}]"
+                lines += [
+                    f"{ix} = {operand(index_node, 'int')}",
+                    f"{ix} = tl.where({ix} < 0, {ix} + {extent}, {ix})",
+                    f"bad = bad | ({ix} < 0) | ({ix} >= {extent})",
+                    f"{ix} = tl.minimum(tl.maximum({ix}, 0), {extent} - 1)",
+                ]
+                offset.append(f" + {ix} * {array}[2][{axis}]")
+            value = f"tl.load({array}[0]{''.join(offset)})"
+            lines.append(f"{name} = {value}.to({_TT_DTYPE[node.kind]})")
+        elif op == "not":
+            negated = f"({names[args[0]]} == 0)" if node.kind == "bool" else f"(~{names[args[0]]})"
+            lines.append(f"{name} = {negated}")
+        else:
+            if op in ("eq", "ne", "lt", "le", "gt", "ge"):
+                kind = _promote(args[0].kind, args[1].kind, "int")
+                operands = [operand(a, kind) for a in args]
+            elif op in ("and", "or", "xor"):
+                operands = [operand(a, node.kind) for a in args]
+            elif op == "where":
+                operands = [operand(args[0], "bool")] + [operand(a, node.kind) for a in args[1:]]
+            elif op in _TT_FLOAT_OPERANDS:
+                operands = [operand(a, "float") for a in args]
+            elif op in ("to_float", "to_int", "to_bool"):
+                operands = [operand(args[0], None if op == "to_bool" else node.kind)]
+            else:  # arithmetic, min, max, neg, abs, sign, pow: in the node's kind
+                operands = [operand(a, node.kind) for a in args]
+            form = _TT_FORMAT[op]
+            if op in ("floordiv", "mod", "pow") and node.kind == "float":
+                form = form.replace("_fx_", "_fx_float_")
+            lines.append(f"{name} = {form.format(*operands)}")
+        names[node] = name
+    for target, node in roots.items():
+        lines.append(f"{target} = {names[node]}")
+    return lines

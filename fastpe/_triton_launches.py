@@ -217,6 +217,65 @@ def _pe_launch(kernel, dtype, d, variant):
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+def _flex_modifiers(variant):
+    """(score_mod, mask_mod) of a flex_attention report variant, capturing meta tensors:
+    "causal_softcap" (a derivative in the backward, no captured tensor) and
+    "document_bias" (a document mask and a relative-bias table, both captured and indexed)."""
+    import torch
+
+    s = 1024
+    if variant == "causal_softcap":
+
+        def softcap(score, b, h, q_idx, kv_idx):
+            return 30.0 * torch.tanh(score / 30.0)
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        return softcap, causal
+    doc = _meta((s,), torch.int64)
+    table = _meta((16, 2 * s), torch.float32)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + s]
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return bias, document
+
+
+def _flex_launch(kernel, dtype, d, variant, target):
+    import torch
+
+    from fastpe import _flex_expr, _flex_triton
+    from fastpe.kernels.triton import flex_attention as fx
+
+    b, hq, hkv, s, block = 2, 16, 4, 1024, 128
+    score_mod, mask_mod = _flex_modifiers(variant)
+    captured = _flex_expr.capture(score_mod, "score_mod")
+    score, caps = captured.node, list(captured.arrays)
+    captured = _flex_expr.capture(mask_mod, "mask_mod")
+    mask = _flex_expr.renumber(captured, len(caps))
+    caps += captured.arrays
+    module, checks, has_grad = _flex_triton.variant(score, mask)
+    n = s // block
+    # a block mask made with B and H None (broadcast), as create_block_mask(fn, None, None, ...)
+    lists = tuple((_meta((1, 1, n), torch.int32), _meta((1, 1, n, n), torch.int32)) for _ in "fp")
+    q, kv = _meta((b, hq, s, d), dtype), _meta((b, hkv, s, d), dtype)
+    rows = _meta((b, hq, s), torch.float32)
+    if kernel == "flex_forward":
+        return fx.forward_launch_args(
+            q, kv, kv, q, rows, _meta((1,), torch.int32), module=module, lists=lists, caps=caps,
+            blocks=(block, block), scale=0.125, checks=checks,
+        )  # fmt: skip
+    grads = (_meta((b, hq, s, d), torch.float32), *(_meta((b, hkv, s, d), torch.float32),) * 2)
+    return fx.backward_launch_args(
+        kernel == "flex_dq", q, kv, kv, q, rows, rows, grads, module=module, lists=lists,
+        blocks=(block, block), caps=caps, scale=0.125, has_grad=has_grad, capability=target,
+    )  # fmt: skip
+
+
 def launch(kernel, dtype, d, variant, target=90):
     """(kernel, grid, args, constexprs) of one report case, from its launcher's launch_args,
     for compute capability ``target`` (the paged kernel's tiles depend on it). The attention
@@ -231,6 +290,8 @@ def launch(kernel, dtype, d, variant, target=90):
         return _backward_launch(kernel, dtype, d, variant)
     if kernel == "attention_paged":
         return _paged_launch(dtype, d, variant, target)
+    if kernel.startswith("flex_"):
+        return _flex_launch(kernel, dtype, d, variant, target)
     if kernel == "merge":
         # split-KV merges fp32 parts into fp32; merge_attention merges parts in the input dtype
         part = torch.float32 if variant == "split_kv" else getattr(torch, dtype)
@@ -292,4 +353,7 @@ KERNEL_VARIANTS = {
     "attention_dkdv": ("causal", "everything"),
     "attention_dq": ("causal", "everything"),
     "attention_paged": ("decode", "prefill", "everything"),
+    "flex_forward": ("causal_softcap", "document_bias"),
+    "flex_dkdv": ("causal_softcap", "document_bias"),
+    "flex_dq": ("causal_softcap", "document_bias"),
 }

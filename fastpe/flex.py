@@ -1,10 +1,11 @@
 """``fastpe.flex_attention`` and ``fastpe.create_block_mask``: torch FlexAttention's API with the
-user's ``score_mod`` / ``mask_mod`` compiled into fastpe's CPU kernels (docs/flex-attention.md).
+user's ``score_mod`` / ``mask_mod`` compiled into fastpe's kernels (docs/flex-attention.md).
 
 Each call captures the modifiers (``_flex_expr.capture``: a trace on symbolic arguments, cheap),
 reads the captured tensors' current values, and runs the variant's kernels: the Numba module
 generated for the expressions' structure (``fastpe.kernels.numba.flex_attention``; compiled once
-and cached on disk), or the float64 oracle (``_flex_reference``) with ``backend="numpy"``.
+and cached on disk), the Triton steps generated from them (``_flex_triton``; CUDA tensors), or
+the float64 oracle (``_flex_reference``) with ``backend="numpy"``.
 """
 
 from __future__ import annotations
@@ -165,9 +166,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=_D
     (None: the mask does not depend on it; broadcast), Q_LEN queries and KV_LEN keys, in blocks
     of BLOCK_SIZE (an int, or (query, key)). Computed once; pass it to every call (and layer)
     that uses this mask. ``device`` is accepted for torch's signature: fastpe's masks are CPU
-    data, and CUDA devices are refused (fastpe.flex_attention runs on the CPU)."""
-    if device is not None and "cuda" in str(device):
-        _refuse_cuda("create_block_mask")
+    data, uploaded to a call's device when it first uses them."""
     for name, value in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
         if not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be a non-negative int; got {value!r}")
@@ -184,12 +183,39 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=_D
 # --------------------------------------------------------------------------- the call
 
 
-def _refuse_cuda(what):
-    raise NotImplementedError(
-        f"fastpe.{what} runs on the CPU only for now (the NumPy oracle and the Numba kernels); "
-        "CUDA tensors are not supported yet: use torch.nn.attention.flex_attention on the GPU, "
-        "or move the tensors to the CPU"
-    )
+def _backend_for(query, backend):
+    """The backend of a call: "numba" (CPU default), "numpy" or "triton" (CUDA default; CPU
+    tensors under TRITON_INTERPRET=1), with a clear error where it cannot take the inputs."""
+    on_device = _arrays.is_tensor(query) and query.device.type != "cpu"
+    name = dispatch.requested_backend(backend) or ("triton" if on_device else "numba")
+    if name not in ("numba", "numpy", "triton"):
+        raise dispatch.BackendNotSupportedError(
+            f"backend {name!r} cannot run flex_attention: it runs on 'numba' (CPU kernels), "
+            "'triton' (GPU kernels) or 'numpy' (the float64 oracle)"
+        )
+    if name != "triton":
+        if on_device:
+            raise dispatch.BackendNotSupportedError(
+                f"backend {name!r} runs flex_attention on CPU tensors; these are on "
+                f"{query.device}: use backend='triton' (the default there) or move them to the CPU"
+            )
+        return name
+    from fastpe.backends import triton as triton_backend
+
+    why = triton_backend.unavailable_reason()
+    if why is None and not _arrays.is_tensor(query):
+        why = "it takes torch tensors, not NumPy arrays"
+    if why is None and query.device.type not in ("cuda", "cpu"):
+        why = f"it runs on CUDA tensors; these are on {query.device}"
+    if why is None and query.device.type == "cpu" and not triton_backend.interpreted():
+        why = "CPU tensors run under TRITON_INTERPRET=1 only: move the tensors to a GPU"
+    if why is None and query.dtype == _torch().float64:
+        why = "its kernels compute in float32: use backend='numba' or 'numpy' for float64"
+    if why is not None:
+        raise dispatch.BackendNotSupportedError(
+            f"backend 'triton' cannot run flex_attention here: {why}"
+        )
+    return name
 
 
 class _Call:
@@ -200,6 +226,17 @@ class _Call:
         self.score, self.mask, self.arrays = score, mask, arrays
         self.state, self.blocks, self.scale, self.backend = state, blocks, scale, backend
         self.grad_caps = tuple(grad_caps)
+
+    def forward_triton(self, q, k, v):
+        """(out in q's dtype, lse fp32) on the Triton kernels (torch tensors)."""
+        from fastpe import _flex_triton
+
+        return _flex_triton.forward(self, q, k, v)
+
+    def backward_triton(self, q, k, v, out, lse, grad_out, grad_lse):
+        from fastpe import _flex_triton
+
+        return _flex_triton.backward(self, q, k, v, out, lse, grad_out, grad_lse)
 
     def _oracle_args(self):
         return self.scale, self.score, self.mask, self.state, self.blocks, self.arrays
@@ -378,14 +415,15 @@ def flex_attention(
     backend=None,
 ):
     """Attention with a user-defined ``score_mod(score, b, h, q_idx, kv_idx)`` and a block mask
-    (``create_block_mask``): torch's ``flex_attention`` on fastpe's CPU kernels.
+    (``create_block_mask``): torch's ``flex_attention`` on fastpe's kernels.
 
-    query [B, Hq, Sq, D], key [B, Hkv, Sk, D], value [B, Hkv, Sk, Dv] (torch CPU tensors or
-    NumPy arrays; Hq ≠ Hkv needs ``enable_gqa=True``) -> out [B, Hq, Sq, Dv], and with
+    query [B, Hq, Sq, D], key [B, Hkv, Sk, D], value [B, Hkv, Sk, Dv] (torch tensors or NumPy
+    arrays; Hq ≠ Hkv needs ``enable_gqa=True``) -> out [B, Hq, Sq, Dv], and with
     ``return_lse=True`` (out, lse [B, Hq, Sq], natural log). ``scale`` defaults to 1/√D. A
     query that sees no key gives 0 and lse -inf. ``mask_mod=`` (fastpe's addition) takes a
     mask function directly, its block mask computed at every call; ``backend`` "numba"
-    (default) or "numpy" (the float64 oracle). docs/flex-attention.md lists what the
+    (the default on the CPU), "triton" (the default for CUDA tensors) or "numpy" (the float64
+    oracle). docs/flex-attention.md lists what the
     modifiers may use.
     """
     torch = _torch()
@@ -395,14 +433,7 @@ def flex_attention(
             query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
             mask_mod=mask_mod, backend=backend,
         )  # fmt: skip
-    if _arrays.is_tensor(query) and query.device.type != "cpu":
-        _refuse_cuda("flex_attention")
-    name = dispatch.requested_backend(backend) or "numba"
-    if name not in ("numba", "numpy"):
-        raise dispatch.BackendNotSupportedError(
-            f"backend {name!r} cannot run flex_attention: it runs on 'numba' (CPU kernels) or "
-            "'numpy' (the float64 oracle)"
-        )
+    name = _backend_for(query, backend)
     _check_qkv(query, key, value, enable_gqa)
     batch, hq, sq, d = query.shape
     sk = key.shape[2]
@@ -429,8 +460,15 @@ def flex_attention(
         captured = _flex_expr.capture(mask_func, "mask_mod")
         mask = _flex_expr.renumber(captured, len(arrays))
         arrays += captured.arrays
-    arrays_np = [_to_numpy(a, wide=name == "numpy") for a in arrays]
+    # (the Triton path reads the captured tensors on the device; on the host only to make a
+    # block mask from mask_mod=)
+    host = name != "triton" or (block_mask is None and mask is not None)
+    arrays_np = [_to_numpy(a, wide=name == "numpy") for a in arrays] if host else []
     state, blocks = _plan_state(block_mask, mask, arrays_np, batch, hq, sq, key.shape[2])
+    if name == "triton":
+        from fastpe import _flex_triton
+
+        arrays_np = _flex_triton.device_arrays(arrays, query.device)
     call = _Call(score, mask, arrays_np, state, blocks, scale, name, grad_caps)
     del sk
     if _arrays.is_tensor(query):
@@ -491,6 +529,8 @@ def _torch_call(call, query, key, value, captured):
 
 def _torch_forward(call, query, key, value):
     torch = _torch()
+    if call.backend == "triton":
+        return call.forward_triton(query, key, value)
     out, lse = call.forward(*(_to_numpy(x) for x in (query, key, value)))
     out = torch.from_numpy(out).to(query.dtype)
     lse = torch.from_numpy(lse)
@@ -522,6 +562,11 @@ def _flex_function():
         def backward(ctx, grad_out, grad_lse):
             query, key, value, out, lse = ctx.saved_tensors
             call = ctx.call
+            if call.backend == "triton":
+                grads = call.backward_triton(query, key, value, out, lse, grad_out, grad_lse)
+                results = [g.to(x.dtype) if x.requires_grad else None
+                           for g, x in zip(grads, (query, key, value), strict=True)]  # fmt: skip
+                return (*results, None)
             dtype = np.float64 if query.dtype == torch.float64 else np.float32
             grads, captured = call.backward(
                 *(_to_numpy(x) for x in (query, key, value)),

@@ -608,8 +608,9 @@ def cache_directory() -> str | None:
         return None
 
 
-# generated kernel modules (flex_attention's score/mask variants) live in this folder under
-# cache_directory(); Numba keeps the compiled code of each source folder in a folder of its own
+# generated kernel modules (flex_attention's score/mask variants, fastpe/_generated.py) live in
+# this folder under cache_directory(); Numba keeps the compiled code of each source folder in a
+# folder of its own
 VARIANTS_FOLDER = "flex_variants"
 _CACHE_SUFFIXES = (".nbi", ".nbc", ".lock")  # Numba's index and data files, and our locks
 
@@ -650,7 +651,7 @@ def _cache_entries(directory: str) -> tuple[list[pathlib.Path], list[pathlib.Pat
         directory, [path.stem for path in pathlib.Path(__file__).parent.glob("*.py")]
     )
     folder = pathlib.Path(directory, VARIANTS_FOLDER)
-    sources = sorted(folder.glob("flex_*.py")) if folder.is_dir() else []
+    sources = sorted(folder.glob("*.py")) if folder.is_dir() else []
     if sources:
         kernels += _entries(_compiled_folder_of(sources[0]), [path.stem for path in sources])
     return kernels, sources

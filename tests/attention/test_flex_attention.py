@@ -422,8 +422,10 @@ def test_refusals():
                                   backend=backend)  # fmt: skip
     with pytest.raises(ValueError, match="enable_gqa=True"):
         fastpe.flex_attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="CPU only"):
+    with pytest.raises(fastpe.BackendNotSupportedError, match="runs on CUDA tensors"):
         fastpe.flex_attention(*(x.to("meta") for x in (q, k, v)), enable_gqa=True)
+    with pytest.raises(fastpe.BackendNotSupportedError, match="not NumPy arrays"):
+        fastpe.flex_attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=True, backend="triton")
     small = fastpe.create_block_mask(mask_mod, B, None, 64, 64, BLOCK_SIZE=BLOCK)
     with pytest.raises(ValueError, match="block_mask covers 64 queries"):
         fastpe.flex_attention(q, k, v, block_mask=small, enable_gqa=True)
@@ -445,3 +447,113 @@ def test_torch_compile_runs_it_as_a_graph_break():
     loss(leaf).backward()
     torch.compile(loss)(compiled_leaf).backward()
     assert torch.allclose(compiled_leaf.grad, leaf.grad, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+TRITON_SHAPES = [
+    ("causal+softcap", 40, 40),
+    ("window+alibi", 40, 40),
+    ("document+relative_bias", 48, 40),
+    ("prefix_lm", 40, 40),
+    ("chunked_local", 40, 40),
+]
+
+
+def _triton_or_skip():
+    from fastpe.backends import triton as triton_backend
+
+    why = triton_backend.unavailable_reason()
+    if why:
+        pytest.skip(f"triton: {why}")
+
+
+@pytest.mark.parametrize("pattern,sq,sk", TRITON_SHAPES)
+def test_triton_matches_torch_flex_attention_and_the_oracle(pattern, sq, sk):
+    """The generated Triton kernels (interpreted on CPU tensors: tiny shapes, blocks of 16 so
+    that tiles are skipped, full, partial and cut short), forward against torch's FlexAttention
+    and backward against the float64 oracle, with GQA (and Sq ≠ Sk on one pattern)."""
+    _triton_or_skip()
+    patterns, _ = _patterns(sq, sk)
+    score_mod, mask_mod = patterns[pattern]
+    q, k, v = _qkv(sq, sk, torch.float32, seed=4)
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=16)
+    want_out, want_lse = _torch_reference(q, k, v, score_mod, mask_mod)
+    grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(5))
+
+    def run(backend, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = fastpe.flex_attention(*leaves, score_mod, block_mask, enable_gqa=True,
+                                         return_lse=True, backend=backend)  # fmt: skip
+        (out * grad_out.to(dtype)).sum().backward()
+        return out, lse, [x.grad for x in leaves]
+
+    out, lse, grads = run("triton", torch.float32)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    _close(out, want_out, 2e-5, "triton out")
+    _close(lse, want_lse, 2e-5, "triton lse")
+    _, _, want_grads = run("numpy", torch.float64)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
+        assert got.dtype == torch.float32
+        _close(got, want, 5e-5, f"triton {name}")
+
+
+def test_triton_reads_captured_tensors_at_every_call():
+    """A captured tensor changed between calls changes the result without a new variant (the
+    tensors are kernel arguments); an index out of range raises."""
+    _triton_or_skip()
+    from fastpe.kernels.triton import flex_attention as kernels
+
+    sq = sk = 40
+    patterns, captured = _patterns(sq, sk)
+    score_mod, mask_mod = patterns["document+relative_bias"]
+    q, k, v = _qkv(sq, sk, torch.float32)
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=16)
+    run = lambda backend: fastpe.flex_attention(q, k, v, score_mod, block_mask,  # noqa: E731
+                                                enable_gqa=True, backend=backend)  # fmt: skip
+    before = run("triton")
+    variants = len(kernels.compiled_variants)
+    captured["table"].mul_(-2.0)
+    captured["doc"][:20] = 1  # the block mask (blocks of 16) still covers the new mask
+    after = run("triton")
+    assert len(kernels.compiled_variants) == variants
+    _close(after, run("numpy"), 2e-5, "after the change")
+    assert (after - before).abs().max() > 0.1
+    small_table = torch.zeros(HQ, 10)
+
+    def short_bias(score, b, h, q_idx, kv_idx):  # relative_bias's variant, another table
+        return score + small_table[h, q_idx - kv_idx + sk]
+
+    with pytest.raises(IndexError):
+        fastpe.flex_attention(q, k, v, short_bias, block_mask, enable_gqa=True, backend="triton")
+
+
+def test_triton_steps_compute_every_operation_as_the_oracle():
+    """The generated Triton steps against the float64 oracle on one small tile: Python's floor
+    forms of // and % on negative integers, powers, the float functions, casts, the bitwise
+    and logical operators, a 0-d captured tensor and a bool one."""
+    _triton_or_skip()
+    sq = sk = 16
+    q, k, v = _qkv(sq, sk, torch.float32, seed=6)
+    offset = torch.tensor(0.25)
+    allowed = torch.rand(B, sk, generator=torch.Generator().manual_seed(8)) > 0.3
+
+    def every_op(score, b, h, q_idx, kv_idx):
+        rel = q_idx - kv_idx
+        ints = (rel // 3) * 2 + rel % 5 - torch.where(rel > 0, rel**2, -rel) + (rel ^ h)
+        floats = (
+            score**2 * 0.1 + torch.sqrt(torch.abs(score)) - torch.sigmoid(score)
+            + (score // 0.7) * 0.1 + (score % 0.7) + torch.sign(score) * 0.2
+            + torch.clamp(score, -1.0, 1.0) + torch.exp2(-torch.abs(score)) + torch.sin(score)
+            + torch.log(1.0 + torch.exp(score)) - torch.relu(score) * offset
+        )  # fmt: skip
+        return floats + ints.float() * 0.01 + (score > 0).float() * 0.3
+
+    def mask(b, h, q_idx, kv_idx):
+        return (allowed[b, kv_idx] & ~((q_idx | kv_idx) % 7 == 3)) | (q_idx == kv_idx)
+
+    got = fastpe.flex_attention(q, k, v, every_op, mask_mod=mask, enable_gqa=True,
+                                backend="triton")  # fmt: skip
+    want = fastpe.flex_attention(q, k, v, every_op, mask_mod=mask, enable_gqa=True,
+                                 backend="numpy")  # fmt: skip
+    _close(got, want, 2e-5, "every operation")
