@@ -56,7 +56,8 @@ from fastpe.kernels.numba._runtime import njit
 _STEP = """
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def {name}(s, dz_ds, {params}b, hk, group, i0, npos, j0, n, unit, caps, err):
+def {name}(s, dz_ds, {params}b, hk, group, i0, npos, j0, n, c0, unit, caps, err):
+    # keys j0 … j0 + n - 1 are the tile's columns c0 … c0 + n - 1
     IS_F32 = _is_f32(s)
     inv_unit = 1.0 / unit
     bad = False
@@ -71,7 +72,7 @@ def {name}(s, dz_ds, {params}b, hk, group, i0, npos, j0, n, unit, caps, err):
 {row}
         for c in range(n):
             kv_idx = j0 + c
-            score = s[r, c] * inv_unit
+            score = s[r, c0 + c] * inv_unit
 {cell}
 {store}
     if bad:
@@ -115,8 +116,9 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
         acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
             out, m, dv, block_n, sk % block_n
         )
-        # two consecutive full blocks of at most 128 keys go as one tile of twice the width:
-        # fewer, larger BLAS calls and online-softmax steps (the dense kernel's 256 keys)
+        # two consecutive visible blocks of at most 128 keys go as one tile of twice the width
+        # (each half with its own step: a full block's keys are not masked): fewer, larger
+        # BLAS calls and online-softmax steps (the dense kernel's 256 keys)
         pair = block_n == kv_block and 2 * block_n <= 256
         s_pair, p_pair = _pair_buffers(out, m, 2 * block_n if pair else 0)
         no_dz = np.empty((0, 0), dtype=out.dtype)
@@ -126,14 +128,15 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
             code = kv_list[bt, ht, qb, t]
             kb, partial = code >> 1, (code & 1) == 0
             span = 1
+            second_partial = False
             if (
                 pair
-                and not partial
                 and t + 1 < count
-                and kv_list[bt, ht, qb, t + 1] == code + 2
+                and kv_list[bt, ht, qb, t + 1] >> 1 == kb + 1
                 and (kb + 2) * kv_block <= sk
             ):
                 span = 2
+                second_partial = (kv_list[bt, ht, qb, t + 1] & 1) == 0
             t += span
             width = span * block_n
             for j0 in range(kb * kv_block, min((kb + span) * kv_block, sk), width):
@@ -148,10 +151,17 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                     _scores_small(qt, kt[:, None], 0, s, 0)
                 else:
                     np.dot(qt, kt.T, s)
+                # a pair of full blocks takes one full step over both halves
+                half = n if span == 1 or not (partial or second_partial) else block_n
                 if partial:
-                    _partial_step(s, no_dz, b, hk, group, i0, npos, j0, n, mods.unit, caps, err)
+                    _partial_step(s, no_dz, b, hk, group, i0, npos, j0, half, 0, mods.unit, caps, err)
                 elif HAS_SCORE_MOD:
-                    _full_step(s, no_dz, b, hk, group, i0, npos, j0, n, mods.unit, caps, err)
+                    _full_step(s, no_dz, b, hk, group, i0, npos, j0, half, 0, mods.unit, caps, err)
+                if half < n:
+                    if second_partial:
+                        _partial_step(s, no_dz, b, hk, group, i0, npos, j0 + half, half, half, mods.unit, caps, err)
+                    elif HAS_SCORE_MOD:
+                        _full_step(s, no_dz, b, hk, group, i0, npos, j0 + half, half, half, mods.unit, caps, err)
                 _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
                 if m <= SMALL_ROWS:
                     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
@@ -217,9 +227,9 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                         dz_dread = np.empty((n_reads, m, n), dtype=np.float64)
                         read_at = np.empty((n_reads, m, n), dtype=np.int64)
                         if partial:
-                            _partial_backward_step(s, dz_ds, dz_dread, read_at, b, hk, group, i0, npos, j0, n, 1.0, caps, err)
+                            _partial_backward_step(s, dz_ds, dz_dread, read_at, b, hk, group, i0, npos, j0, n, 0, 1.0, caps, err)
                         elif HAS_SCORE_MOD:
-                            _full_backward_step(s, dz_ds, dz_dread, read_at, b, hk, group, i0, npos, j0, n, 1.0, caps, err)
+                            _full_backward_step(s, dz_ds, dz_dread, read_at, b, hk, group, i0, npos, j0, n, 0, 1.0, caps, err)
                         for r in range(m):
                             shift = ref[r]
                             for c in range(n):
@@ -283,16 +293,16 @@ def _step_source(name, setup, keys, row, cell, *, score, keep, grad, reads, back
     if score:
         store.append("z = value * unit")
     else:
-        store.append("z = s[r, c]")
+        store.append("z = s[r, c0 + c]")
     if keep:
         store.append("z = z if keep else -np.inf")
-    store.append("s[r, c] = z")
+    store.append("s[r, c0 + c] = z")
     if grad:
-        store.append("dz_ds[r, c] = grad")
+        store.append("dz_ds[r, c0 + c] = grad")
     for e in range(reads):
         value = f"dread{e} if keep else 0.0" if keep else f"dread{e}"
-        store.append(f"dz_dread[{e}, r, c] = {value}")
-        store.append(f"read_at[{e}, r, c] = at{e}")
+        store.append(f"dz_dread[{e}, r, c0 + c] = {value}")
+        store.append(f"read_at[{e}, r, c0 + c] = at{e}")
     return _STEP.format(
         name=name,
         params="dz_dread, read_at, " if backward else "",
