@@ -174,8 +174,13 @@ def test_fork_while_other_threads_run_kernels(tmp_path, layer):
     run_script(
         """
         # warm up first: a fork while another thread is importing a module leaves that
-        # module's import lock held in the child (CPython's hazard, not Numba's)
+        # module's import lock held in the child (CPython's hazard, not Numba's); the small
+        # call compiles the serial twin the children run on where the pool cannot follow a
+        # fork (torch's OpenMP pool), which would otherwise compile in each child, slowly on
+        # the cores the serving threads keep busy
         assert attention_ok() and table_ok(29)
+        small = fastpe.attention(q[:, :, :1], k[:, :, :8], v[:, :, :8], backend="numba")
+        assert np.isfinite(small).all()
         stop = False
         def serve():
             while not stop:
