@@ -765,23 +765,28 @@ def _evaluate_node(node, values, env, arrays):
 
 # --------------------------------------------------------------------------- Numba source
 
+# The ops written alike in the generated Numba and Triton steps (operands as {0}, {1}, {2});
+# each target's table below adds the rest.
+_COMMON_FORMAT = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "truediv": "({0} / {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
+    "xor": "({0} ^ {1})", "neg": "(-{0})", "to_bool": "({0} != 0)",
+}  # fmt: skip
+
 # Python source of each op for the generated Numba tile step, operands as {0}, {1}, {2}.
 # ``_tanh`` / ``_exp`` / ``_sigmoid`` come from kernels/numba/_flex_math.py: vectorisable
 # float32-accurate forms when the tile is float32, libm when float64.
 _NB_FORMAT = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
-    "truediv": "({0} / {1})", "floordiv": "({0} // {1})", "mod": "({0} % {1})",
-    "pow": "({0} ** {1})", "min": "min({0}, {1})", "max": "max({0}, {1})",
-    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
-    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
-    "xor": "({0} ^ {1})", "neg": "(-{0})", "abs": "abs({0})",
+    **_COMMON_FORMAT,
+    "floordiv": "({0} // {1})", "mod": "({0} % {1})", "pow": "({0} ** {1})",
+    "min": "min({0}, {1})", "max": "max({0}, {1})", "abs": "abs({0})",
     "where": "({1} if {0} else {2})",
     "tanh": "_tanh({0}, IS_F32)", "exp": "_exp({0}, IS_F32)", "exp2": "_exp2f({0}, IS_F32)",
     "log": "math.log({0})", "log2": "math.log2({0})", "sqrt": "math.sqrt({0})",
     "rsqrt": "(1.0 / math.sqrt({0}))", "sigmoid": "_sigmoid({0}, IS_F32)",
     "sin": "math.sin({0})", "cos": "math.cos({0})", "sign": "_sign({0})",
     "relu": "max({0}, 0.0)", "to_float": "np.float64({0})", "to_int": "np.int64({0})",
-    "to_bool": "({0} != 0)",
 }  # fmt: skip
 
 
@@ -898,19 +903,15 @@ def numba_statements(roots: dict):
 # round toward zero), ``_fx_float_*`` their float forms; ``_tanh`` is the dense kernels'
 # accurate fp32 tanh; the ``_fx_*`` helpers come from kernels/triton/flex_attention.py.
 _TT_FORMAT = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
-    "truediv": "({0} / {1})", "floordiv": "_fx_floordiv({0}, {1})", "mod": "_fx_mod({0}, {1})",
-    "pow": "_fx_pow({0}, {1})", "min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})",
-    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
-    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
-    "xor": "({0} ^ {1})", "neg": "(-{0})", "abs": "tl.abs({0})",
+    **_COMMON_FORMAT,
+    "floordiv": "_fx_floordiv({0}, {1})", "mod": "_fx_mod({0}, {1})", "pow": "_fx_pow({0}, {1})",
+    "min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})", "abs": "tl.abs({0})",
     "where": "tl.where({0}, {1}, {2})",
     "tanh": "_tanh({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})",
     "log": "tl.log({0})", "log2": "tl.log2({0})", "sqrt": "tl.sqrt_rn({0})",
     "rsqrt": "(1.0 / tl.sqrt_rn({0}))", "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))",
     "sin": "tl.sin({0})", "cos": "tl.cos({0})", "sign": "_fx_sign({0})",
     "relu": "tl.maximum({0}, 0.0)", "to_float": "{0}", "to_int": "{0}",
-    "to_bool": "({0} != 0)",
 }  # fmt: skip
 _TT_DTYPE = {"bool": "tl.int1", "int": "tl.int64", "float": "tl.float32"}
 _TT_FLOAT_OPERANDS = ("truediv", "tanh", "exp", "exp2", "log", "log2", "sqrt", "rsqrt",
