@@ -204,6 +204,41 @@ def test_fork_while_other_threads_run_kernels(tmp_path, layer):
     )
 
 
+def test_fork_waits_for_a_thread_inside_the_blas_limit(tmp_path):
+    # OpenBLAS changes its thread count (and restarts its pool after a fork) under a lock of its
+    # own: a child forked while another thread set or restored the limit inherited that lock
+    # held and hung at its first BLAS limit (seen in test_fork_while_other_threads_run_kernels
+    # above). fork() now waits until no thread is inside single_threaded_blas: the child sees
+    # the block done and the original thread count back.
+    run_script(
+        """
+        from fastpe.kernels.numba import _runtime as runtime
+        original = blas_threads()
+        inside, done = threading.Event(), threading.Event()
+
+        def hold():
+            with runtime.single_threaded_blas():
+                inside.set()
+                time.sleep(0.5)
+                done.set()  # (inside the block: the fork may come as soon as it is left)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert inside.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            with runtime.single_threaded_blas():  # a limit of its own, set and restored
+                pass
+            os._exit(0 if done.is_set() and blas_threads() == original else 3)
+        assert wait_child(pid, 60) == 0
+        holder.join(30)
+        assert blas_threads() == original
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's wheels bundle libgomp")
 def test_kernels_share_torchs_openmp_pool(tmp_path):
     # Two pools on two cores fought: after each torch op its idle OpenMP threads spun on the

@@ -465,7 +465,6 @@ def _blas_controller():
 
 
 _blas_lock = threading.Lock()
-_blas_limiter = None  # the active limit, if any (a forked child restores it)
 
 
 @contextlib.contextmanager
@@ -477,35 +476,37 @@ def single_threaded_blas():
     overlapping limits one caller would save another's "1" as the original and restore it last,
     leaving every later matmul of the process single-threaded. threadpoolctl also lets only the
     thread that set an OpenBLAS limit change it again, so each limit is set and restored by the
-    same thread, inside the lock.
+    same thread, inside the lock. ``fork()`` takes the lock too (``_before_fork``).
     """
-    global _blas_limiter
     with _blas_lock:
-        limiter = _blas_controller().limit(limits=1, user_api="blas")
-        _blas_limiter = limiter
-        try:
-            with limiter:  # __exit__ restores and releases threadpoolctl's thread ownership
-                yield
-        finally:
-            _blas_limiter = None
+        with _blas_controller().limit(limits=1, user_api="blas"):
+            yield  # (__exit__ restores and releases threadpoolctl's thread ownership)
 
 
 def _before_fork():
+    """Waits until no thread is inside ``single_threaded_blas`` and no parallel region runs, and
+    keeps both so until the fork is done. OpenBLAS changes its thread count under a lock of its
+    own, and starts its pool again under it after a fork: a thread doing so while another forks
+    leaves that lock held forever in the child, whose first BLAS limit then hangs. The BLAS
+    lock comes first, as in ``single_threaded_blas`` (whose holder may be waiting to enter the
+    gate)."""
     global _fork_breaks_pool
+    _blas_lock.acquire()
     _gate.before_fork()
     _fork_breaks_pool = not _pool_survives_fork()
 
 
+def _after_fork_in_parent():
+    _gate.after_fork()
+    _blas_lock.release()
+
+
 def _after_fork_in_child():
-    """Locks held by another thread at fork() would stay held forever in the child."""
-    global _blas_lock, _blas_limiter, _serial_only
+    """The forking thread held both locks; the child's copies are its own."""
+    global _blas_lock, _serial_only
     _gate.after_fork()
     _serial_only = _serial_only or _fork_breaks_pool
     _blas_lock = threading.Lock()
-    if _blas_limiter is not None:  # another thread was inside single_threaded_blas
-        limiter, _blas_limiter = _blas_limiter, None
-        with contextlib.suppress(Exception):
-            limiter.restore_original_limits()
 
 
 # --------------------------------------------------------------------------- compile notice
@@ -686,5 +687,5 @@ def clear_cache() -> dict:
 
 
 os.register_at_fork(
-    before=_before_fork, after_in_parent=_gate.after_fork, after_in_child=_after_fork_in_child
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
 )
