@@ -960,7 +960,13 @@ def triton_statements(roots: dict) -> list[str]:
             names[node] = _triton_const(args[0], node.kind)
             continue
         name = f"t{number}"
-        if op == "index":
+        if op == "flat":  # (after its read, whose clamped indices it reuses)
+            read = args[0]
+            position = "tl.full((), 0, tl.int64)"
+            for axis in range(len(read.args) - 1):
+                position = f"({position}) * {names[read.args[0]]}[1][{axis}] + {names[read]}_{axis}"
+            lines.append(f"{name} = {position}")
+        elif op == "index":
             array = names[args[0]]
             offset = []
             for axis, index_node in enumerate(args[1:]):

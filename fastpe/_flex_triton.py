@@ -36,17 +36,29 @@ def variant_statements(score, mask):
     return full, partial, checks, grad != _flex_expr.ONE
 
 
-def variant(score, mask):
+def variant(score, mask, reads=()):
     """(module with ``_full_step`` and ``_partial_step``, checks, has_grad) of an expression
-    pair, generated and loaded once per process."""
-    key = (score, mask)
+    pair, generated and loaded once per process. With ``reads`` (captured-array reads of
+    ``score`` to differentiate: ``_flex_expr.gradient_leaves``) the module also has a
+    ``_reads_step``: a module of its own, for the backward of calls that train captured
+    tensors only."""
+    key = (score, mask, reads)
     found = _variants.get(key)
     if found is not None:
         return found
     from fastpe.kernels.triton import flex_attention as kernels
 
     full, partial, checks, has_grad = variant_statements(score, mask)
-    module = kernels.load_variant(kernels.module_source(full, partial))
+    reads_source = ""
+    if reads:
+        roots = {}
+        for e, read in enumerate(reads):
+            roots[f"dread{e}"] = _flex_expr.derivative(score, read)
+            roots[f"at{e}"] = _flex_expr.flat_index(read)
+        reads_source = kernels.reads_step_source(
+            _flex_expr.triton_statements(roots), [read.args[0].args[0] for read in reads]
+        )
+    module = kernels.load_variant(kernels.module_source(full, partial, reads_source))
     with _variants_lock:
         return _variants.setdefault(key, (module, checks, has_grad))
 
@@ -120,15 +132,28 @@ def forward(call, query, key, value):
 
 
 def backward(call, query, key, value, out, lse, grad_out, grad_lse):
-    """(dq, dk, dv) fp32 of a call."""
+    """((dq, dk, dv) fp32, [the fp32 gradient of each captured tensor numbered in
+    ``call.grad_caps``]) of a call."""
     from fastpe.kernels.triton.flex_attention import flex_backward_triton
 
-    module, _, has_grad = variant(call.score, call.mask)
+    reads = tuple(read for read, _ in _flex_expr.gradient_leaves(call.score, call.grad_caps))
+    module, _, has_grad = variant(call.score, call.mask, reads)
     kv_lists, q_lists = device_lists(call.state, query.device)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    return flex_backward_triton(
+    dcaps = None
+    if reads:  # one per captured tensor, as the steps number them (the untrained ones unused)
+        dcaps = [torch.zeros(max(a.numel(), 1), dtype=torch.float32, device=query.device)
+                 for a in call.arrays]  # fmt: skip
+    grads = flex_backward_triton(
         query, key, value, out, lse, grad_out, grad_lse, module=module, kv_lists=kv_lists,
         q_lists=q_lists, caps=call.arrays, blocks=call.blocks, scale=call.scale,
-        has_grad=has_grad,
+        has_grad=has_grad, dcaps=dcaps,
     )  # fmt: skip
+    captured = [
+        dcaps[number][: call.arrays[number].numel()].reshape(call.arrays[number].shape)
+        if dcaps is not None
+        else torch.zeros(call.arrays[number].shape, dtype=torch.float32, device=query.device)
+        for number in call.grad_caps
+    ]
+    return grads, captured

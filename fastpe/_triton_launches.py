@@ -220,7 +220,8 @@ def _pe_launch(kernel, dtype, d, variant):
 def _flex_modifiers(variant):
     """(score_mod, mask_mod) of a flex_attention report variant, capturing meta tensors:
     "causal_softcap" (a derivative in the backward, no captured tensor) and
-    "document_bias" (a document mask and a relative-bias table, both captured and indexed)."""
+    "document_bias" (a document mask and a relative-bias table, both captured and indexed;
+    "trained_bias": the table requires grad, so the dQ pass adds to its gradient)."""
     import torch
 
     s = 1024
@@ -258,7 +259,11 @@ def _flex_launch(kernel, dtype, d, variant, target):
     captured = _flex_expr.capture(mask_mod, "mask_mod")
     mask = _flex_expr.renumber(captured, len(caps))
     caps += captured.arrays
-    module, checks, has_grad = _flex_triton.variant(score, mask)
+    reads, dcaps = (), None
+    if variant == "trained_bias":
+        reads = tuple(read for read, _ in _flex_expr.gradient_leaves(score, (0,)))
+        dcaps = [_meta((c.numel(),), torch.float32) for c in caps]
+    module, checks, has_grad = _flex_triton.variant(score, mask, reads)
     n = s // block
     # a block mask made with B and H None (broadcast), as create_block_mask(fn, None, None, ...)
     lists = tuple((_meta((1, 1, n), torch.int32), _meta((1, 1, n, n), torch.int32)) for _ in "fp")
@@ -273,6 +278,7 @@ def _flex_launch(kernel, dtype, d, variant, target):
     return fx.backward_launch_args(
         kernel == "flex_dq", q, kv, kv, q, rows, rows, grads, module=module, lists=lists,
         blocks=(block, block), caps=caps, scale=0.125, has_grad=has_grad, capability=target,
+        dcaps=dcaps,
     )  # fmt: skip
 
 
@@ -355,5 +361,5 @@ KERNEL_VARIANTS = {
     "attention_paged": ("decode", "prefill", "everything"),
     "flex_forward": ("causal_softcap", "document_bias"),
     "flex_dkdv": ("causal_softcap", "document_bias"),
-    "flex_dq": ("causal_softcap", "document_bias"),
+    "flex_dq": ("causal_softcap", "document_bias", "trained_bias"),
 }

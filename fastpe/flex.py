@@ -454,7 +454,7 @@ def flex_attention(
     if score_mod is not None:
         captured = _flex_expr.capture(score_mod, "score_mod")
         score, arrays = captured.node, list(captured.arrays)
-    grad_caps = _captured_grads(arrays, name)
+    grad_caps = _captured_grads(arrays)
     mask_func = block_mask.mask_mod if block_mask is not None else mask_mod
     if mask_func is not None and not _is_noop(mask_func):
         captured = _flex_expr.capture(mask_func, "mask_mod")
@@ -495,25 +495,13 @@ def _is_noop(func) -> bool:
     return getattr(func, "__name__", "") == "noop_mask"
 
 
-_CAPTURED_GRAD_BACKENDS = ("numba", "numpy")
-
-
-def _captured_grads(arrays, backend) -> tuple:
+def _captured_grads(arrays) -> tuple:
     """The numbers of the tensors captured by score_mod that require grad (when autograd
-    records): the backward gives their gradients. The backends without that refuse them."""
+    records): the backward gives their gradients."""
     torch = _torch()
     if torch is None or not torch.is_grad_enabled():
         return ()
-    numbers = tuple(
-        i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor) and a.requires_grad
-    )
-    if numbers and backend not in _CAPTURED_GRAD_BACKENDS:
-        raise NotImplementedError(
-            f"a tensor captured by score_mod requires grad: fastpe.flex_attention on {backend!r} "
-            "gives gradients for query, key and value only; capture tensor.detach(), or run on "
-            "the CPU backends ('numba', 'numpy'), which train captured tensors"
-        )
-    return numbers
+    return tuple(i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor) and a.requires_grad)
 
 
 def _torch_call(call, query, key, value, captured):
@@ -563,26 +551,24 @@ def _flex_function():
             query, key, value, out, lse = ctx.saved_tensors
             call = ctx.call
             if call.backend == "triton":
-                grads = call.backward_triton(query, key, value, out, lse, grad_out, grad_lse)
-                results = [g.to(x.dtype) if x.requires_grad else None
-                           for g, x in zip(grads, (query, key, value), strict=True)]  # fmt: skip
-                return (*results, None)
-            dtype = np.float64 if query.dtype == torch.float64 else np.float32
-            grads, captured = call.backward(
-                *(_to_numpy(x) for x in (query, key, value)),
-                _to_numpy(out).astype(dtype),
-                _to_numpy(lse).astype(dtype),
-                np.zeros(out.shape, dtype) if grad_out is None else _to_numpy(grad_out),
-                None if grad_lse is None else _to_numpy(grad_lse).astype(dtype),
-            )
-            results = [
-                torch.from_numpy(np.ascontiguousarray(g)).to(x.dtype) if x.requires_grad else None
-                for g, x in zip(grads, (query, key, value), strict=True)
-            ]
-            results += [
-                torch.from_numpy(np.ascontiguousarray(g)).to(kind) if needed else None
-                for g, (kind, needed) in zip(captured, ctx.captured, strict=True)
-            ]
+                grads, captured = call.backward_triton(
+                    query, key, value, out, lse, grad_out, grad_lse
+                )
+            else:
+                dtype = np.float64 if query.dtype == torch.float64 else np.float32
+                grads, captured = call.backward(
+                    *(_to_numpy(x) for x in (query, key, value)),
+                    _to_numpy(out).astype(dtype),
+                    _to_numpy(lse).astype(dtype),
+                    np.zeros(out.shape, dtype) if grad_out is None else _to_numpy(grad_out),
+                    None if grad_lse is None else _to_numpy(grad_lse).astype(dtype),
+                )
+                grads = [torch.from_numpy(np.ascontiguousarray(g)) for g in grads]
+                captured = [torch.from_numpy(np.ascontiguousarray(g)) for g in captured]
+            results = [g.to(x.dtype) if x.requires_grad else None
+                       for g, x in zip(grads, (query, key, value), strict=True)]  # fmt: skip
+            results += [g.to(kind) if needed else None
+                        for g, (kind, needed) in zip(captured, ctx.captured, strict=True)]  # fmt: skip
             return (*results[:3], None, *results[3:])
 
     _function = FlexAttentionFunction

@@ -133,11 +133,38 @@ def step_source(name: str, statements: list[str]) -> str:
     return _STEP.format(name=name, body="\n".join("    " + line for line in statements))
 
 
-def module_source(full_statements: list[str], partial_statements: list[str]) -> str:
+_READS_STEP = """
+
+@triton.jit
+def _reads_step(score, b, h, q_idx, kv_idx, caps, dz, dcaps):
+{body}
+"""
+
+
+def reads_step_source(statements: list[str], read_arrays: list[int]) -> str:
+    """The backward's step for captured tensors that require grad: ``statements`` assign
+    ``dread<e>`` (∂value/∂read e) and ``at<e>`` (the C-order position read e takes in its
+    array, ``read_arrays[e]``); each score's dZ·dread is added to that array's gradient
+    ``dcaps[array]`` (fp32, flat) atomically, as scores of one tile may read one element. A
+    score whose dZ is 0 (masked, or a row that saw no key) adds nothing."""
+    lines = [*statements, "spread = tl.zeros_like(dz).to(tl.int64)"]
+    for e, array in enumerate(read_arrays):
+        lines.append(
+            f"tl.atomic_add(dcaps[{array}] + (at{e} + spread), dz * dread{e}, mask=dz != 0)"
+        )
+    return _READS_STEP.format(body="\n".join("    " + line for line in lines))
+
+
+def module_source(
+    full_statements: list[str], partial_statements: list[str], reads: str = ""
+) -> str:
+    """The variant's module; ``reads``: its ``reads_step_source`` (backward with captured
+    gradients only)."""
     return (
         _HEADER
         + step_source("_full_step", full_statements)
         + step_source("_partial_step", partial_statements)
+        + reads
     )
 
 
@@ -277,8 +304,9 @@ def _tile_grads(
     qk, dp, lse, delta, b, h, rows, cols, valid, caps, full_step: tl.constexpr,
     partial_step: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """(P, dS) of one tile from q·kᵀ (q scaled) and dO·vᵀ: P = exp(z - lse) where visible,
-    dS = P∘(dP - delta)∘∂z/∂s, by the partial step when MASKED, else by the full one."""
+    """(P, dZ, dS) of one tile from q·kᵀ (q scaled) and dO·vᵀ: P = exp(z - lse) where visible,
+    dZ = P∘(dP - delta) (the gradient of the modified scores z), dS = dZ∘∂z/∂s, by the
+    partial step when MASKED, else by the full one."""
     if MASKED:
         z, keep, grad, _bad = partial_step(qk, b, h, rows[:, None], cols[None, :], caps)
         valid = valid & keep
@@ -287,10 +315,9 @@ def _tile_grads(
     valid = valid & (lse > float("-inf"))[:, None]  # rows that saw no key: P = 0
     ref = tl.where(lse > float("-inf"), lse, 0.0)
     p = tl.where(valid, tl.exp2((z - ref[:, None]) * LOG2E), 0.0)
-    ds = p * (dp - delta[:, None])
-    if HAS_GRAD:
-        ds = ds * grad
-    return p, ds
+    dz = p * (dp - delta[:, None])
+    ds = dz * grad if HAS_GRAD else dz
+    return p, dz, ds
 
 
 @triton.jit
@@ -306,6 +333,7 @@ def _flex_backward_kernel(
     dv_ptr,
     lists,
     caps,
+    dcaps,
     Hq,
     Hkv,
     Sq,
@@ -316,9 +344,11 @@ def _flex_backward_kernel(
     scale,
     full_step: tl.constexpr,
     partial_step: tl.constexpr,
+    reads_step: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr,
     HAS_GRAD: tl.constexpr,
+    READS: tl.constexpr,
     DQ: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -330,8 +360,9 @@ def _flex_backward_kernel(
     heads of its group: GQA sums without atomics) or, when DQ, of the dQ pass (a block of
     queries of one batch x query head). q, k, v, dO contiguous in one dtype, lse and delta
     fp32 [B, Hq, Sq], the gradients fp32 like q, k, v. lists: the kv lists (DQ) or the q lists
-    as the forward's; strides: ((count b, h, block), (index b, h, block, t)). No element is
-    written by two programs."""
+    as the forward's; strides: ((count b, h, block), (index b, h, block, t)). No element of
+    dq, dk, dv is written by two programs. READS (the dQ pass only, where each score is met
+    once): ``reads_step`` adds the gradients of captured tensors to ``dcaps`` (atomics)."""
     # (batch x heads on axis 0, the tile on axis 1, each its own program id: ptxas recomputes
     # what derives from them after the loops rather than holding it in registers through them)
     bh = tl.program_id(0).to(tl.int64)
@@ -368,10 +399,12 @@ def _flex_backward_kernel(
                 qk = _dot(q, tl.trans(k))
                 dp = _dot(do, tl.trans(v))
                 valid = row_ok[:, None] & col_ok[None, :]
-                _p, ds = _tile_grads(
+                _p, dz, ds = _tile_grads(
                     qk, dp, lse, delta, b, h, rows, cols, valid, caps,
                     full_step, partial_step, masked, HAS_GRAD,
                 )  # fmt: skip
+                if READS:
+                    reads_step(qk, b, h, rows[:, None], cols[None, :], caps, dz, dcaps)
                 dq += _dot(ds.to(k.dtype), k)
         # (the offsets from the program id again, not q_rows: held through the loops, those
         # would spill)
@@ -409,7 +442,7 @@ def _flex_backward_kernel(
                     qk = _dot(q, tl.trans(k))
                     dp = _dot(do, tl.trans(v))
                     valid = row_ok[:, None] & col_ok[None, :]
-                    p, ds = _tile_grads(
+                    p, _dz, ds = _tile_grads(
                         qk, dp, lse, delta, b, h, rows, cols, valid, caps,
                         full_step, partial_step, masked, HAS_GRAD,
                     )  # fmt: skip
@@ -450,6 +483,9 @@ _BACKWARD_TILES = {
 # where sm_80 (and the other GPUs before sm_90) needs other tiles: fp32 dK/dV at head dim 256
 # spills 16 bytes there at 16 x 16 (8 warps), and 24-32 on sm_90 at 32 x 16
 _BACKWARD_TILES_BEFORE_SM90 = {(True, 256): ((32, 16, 8), (16, 16, 4))}
+# the dQ pass with a reads step (captured tensors that require grad) at head dim 128: the
+# tiles above spill on sm_80 (80 bytes in fp16/bf16, 8 in fp32); these spill on neither
+_DQ_TILES_WITH_READS = {(False, 128): (32, 16, 8), (True, 128): (32, 32, 8)}
 
 
 def _dclass(d, dv):
@@ -468,15 +504,18 @@ def forward_tiles(dtype, d, dv):
     return _FORWARD_TILES[_dot_fp32(dtype), _dclass(d, dv)]
 
 
-def backward_tiles(dtype, d, dv, capability=90):
+def backward_tiles(dtype, d, dv, capability=90, reads=False):
     """((BLOCK_M, BLOCK_N, num_warps) of the dK/dV pass, the same of the dQ pass) on a GPU of
-    compute ``capability`` (e.g. 80)."""
+    compute ``capability`` (e.g. 80); ``reads``: the dQ pass has a reads step."""
     if interpreted():
         return (16, 16, 4), (16, 16, 4)
     key = _dot_fp32(dtype), _dclass(d, dv)
+    dkdv, dq = _BACKWARD_TILES[key]
     if capability < 90 and key in _BACKWARD_TILES_BEFORE_SM90:
-        return _BACKWARD_TILES_BEFORE_SM90[key]
-    return _BACKWARD_TILES[key]
+        dkdv, dq = _BACKWARD_TILES_BEFORE_SM90[key]
+    if reads:
+        dq = _DQ_TILES_WITH_READS.get(key, dq)
+    return dkdv, dq
 
 
 def _capability(device):
@@ -568,17 +607,19 @@ def forward_launch_args(q, k, v, out, lse, err, *, module, lists, caps, blocks, 
 
 def backward_launch_args(
     dq, q, k, v, do, lse, delta, grads, *, module, lists, blocks, caps, scale, has_grad,
-    capability=None,
+    capability=None, dcaps=None,
 ):  # fmt: skip
     """(kernel, grid, args, constexprs) of the dQ pass (``dq``; ``lists`` the kv lists) or of
     the dK/dV pass (``lists`` the q lists); ``grads`` (dq, dk, dv) fp32; q, k, v, do
     contiguous; ``capability`` (e.g. 80) defaults to q's GPU's (the AOT report passes it);
-    the other arguments as ``forward_launch_args``."""
+    ``dcaps``: fp32 gradients, one per captured tensor (its number), where ``module`` has a
+    reads step; the other arguments as ``forward_launch_args``."""
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     if capability is None:
         capability = _capability(q.device)
-    dkdv_tiles, dq_tiles = backward_tiles(q.dtype, d, dv, capability)
+    reads = dq and dcaps is not None
+    dkdv_tiles, dq_tiles = backward_tiles(q.dtype, d, dv, capability, reads)
     block_m, block_n, warps = dq_tiles if dq else dkdv_tiles
     block_lists, list_strides = _list_args(lists)
     args = (
@@ -591,6 +632,7 @@ def backward_launch_args(
         *grads,
         block_lists,
         _caps_arg(caps, q.device),
+        tuple(dcaps) if reads else (torch.zeros(1, dtype=torch.float32, device=q.device),),
         hq,
         hkv,
         sq,
@@ -603,9 +645,11 @@ def backward_launch_args(
     constexprs = dict(
         full_step=module._full_step,
         partial_step=module._partial_step,
+        reads_step=module._reads_step if reads else module._full_step,  # (unused without)
         Q_BLOCK=blocks[0],
         KV_BLOCK=blocks[1],
         HAS_GRAD=has_grad,
+        READS=reads,
         DQ=dq,
         DOT_FP32=_dot_fp32(q.dtype),
         BLOCK_M=block_m,
@@ -663,10 +707,12 @@ def flex_forward_triton(q, k, v, *, module, lists, caps, blocks, scale, checks):
 
 def flex_backward_triton(
     q, k, v, out, lse, grad_out, grad_lse, *, module, kv_lists, q_lists, caps, blocks, scale,
-    has_grad,
+    has_grad, dcaps=None,
 ):  # fmt: skip
     """(dq, dk, dv) fp32 of one variant; ``kv_lists`` / ``q_lists`` the block mask's lists and
-    their transposes; ``has_grad``: score_mod's derivative is not 1."""
+    their transposes; ``has_grad``: score_mod's derivative is not 1; ``dcaps``: zeroed fp32
+    gradients of the captured tensors, one per captured tensor, the dQ pass adds to (where
+    ``module`` has a reads step)."""
     q, k, v, do, out = (_compute(x).contiguous() for x in (q, k, v, grad_out, out))
     do = do.to(q.dtype)
     batch, hq, sq, _ = q.shape
@@ -686,7 +732,7 @@ def flex_backward_triton(
         for is_dq, lists in ((False, q_lists), (True, kv_lists)):
             kernel, grid, args, constexprs = backward_launch_args(
                 is_dq, q, k, v, do, lse, delta, grads, module=module, lists=lists,
-                blocks=blocks, caps=caps, scale=scale, has_grad=has_grad,
+                blocks=blocks, caps=caps, scale=scale, has_grad=has_grad, dcaps=dcaps,
             )  # fmt: skip
             kernel[grid](*args, **constexprs)
     return grads

@@ -498,6 +498,42 @@ def test_triton_matches_torch_flex_attention_and_the_oracle(pattern, sq, sk):
         _close(got, want, 5e-5, f"triton {name}")
 
 
+@pytest.mark.parametrize(
+    "pattern,sq,sk,trained",
+    [("window+alibi", 40, 40, "slopes"), ("document+relative_bias", 48, 40, "table")],
+)
+def test_triton_trains_captured_tensors(pattern, sq, sk, trained):
+    """The gradient of a captured tensor that requires grad (learned ALiBi slopes: one element
+    per head, read by every score of it; a relative-bias table: one element per diagonal) from
+    the Triton backward's atomic adds equals the float64 oracle's (checked against torch's
+    FlexAttention and finite differences above), with q, k, v's gradients alongside, on a
+    float32 and a bfloat16 tensor."""
+    _triton_or_skip()
+    patterns, captured = _patterns(sq, sk)
+    _, mask_mod = patterns[pattern]
+    make = {"table": lambda t: _relative_bias(t, sk), "slopes": _alibi}[trained]
+    q, k, v = _qkv(sq, sk, torch.float32, seed=9)
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=16)
+    grad_out = torch.randn(B, HQ, sq, D, generator=torch.Generator().manual_seed(10))
+
+    def run(backend, dtype, tensor_dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        tensor = captured[trained].detach().to(tensor_dtype).requires_grad_()
+        out = fastpe.flex_attention(*leaves, make(tensor), block_mask, enable_gqa=True,
+                                    backend=backend)  # fmt: skip
+        (out * grad_out.to(dtype)).sum().backward()
+        return [x.grad for x in leaves], tensor.grad
+
+    want_grads, want_captured = run("numpy", torch.float64, torch.float64)
+    assert want_captured.abs().max() > 0.1  # the gradient is not trivially zero
+    for tensor_dtype, tol in ((torch.float32, 5e-5), (torch.bfloat16, 1e-2)):
+        grads, got_captured = run("triton", torch.float32, tensor_dtype)
+        assert got_captured.dtype == tensor_dtype
+        _close(got_captured, want_captured, tol, f"triton d{trained} ({tensor_dtype})")
+        for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads, strict=True):
+            _close(got, want, tol if tensor_dtype == torch.float32 else 2e-2, f"triton {name}")
+
+
 def test_triton_reads_captured_tensors_at_every_call():
     """A captured tensor changed between calls changes the result without a new variant (the
     tensors are kernel arguments); an index out of range raises."""
