@@ -14,6 +14,8 @@ median of ``--repeats`` processes is reported with every run's time. Cases:
   attention_kvcache) and then a bfloat16 attention; their sum is the row, each op a sub-row;
 - ``warm``: a new process's first attention call (as in ``attention``) after ``import fastpe``,
   with a cache filled beforehand by one process making that call;
+- ``backward``: training's first step on an empty cache: a float32 attention on torch tensors
+  that require grad (as in ``attention``), then its backward, each timed;
 - ``flex``: ``torch.compile(flex_attention)``'s first call on the same shape with a causal
   block mask, on an empty inductor cache: the compile-on-first-call cost of the nearest torch
   alternative, on the same machine in the same run.
@@ -36,7 +38,7 @@ import sys
 import tempfile
 import textwrap
 
-CASES = ("attention", "ops", "warm", "flex")
+CASES = ("attention", "ops", "warm", "backward", "flex")
 
 # each snippet prints one JSON object of {label: seconds} as its last line
 ATTENTION = """
@@ -79,6 +81,17 @@ for name, call in calls.items():
     call()
     times[name] = time.perf_counter() - t
 print(json.dumps(times))
+"""
+
+BACKWARD = """
+import time, torch, fastpe
+q, k, v = (torch.randn(1, 8, 256, 64, requires_grad=True) for _ in range(3))
+t = time.perf_counter()
+out = fastpe.attention(q, k, v, causal=True)
+forward = time.perf_counter() - t
+t = time.perf_counter()
+out.sum().backward()
+print(json.dumps({"forward": forward, "backward": time.perf_counter() - t}))
 """
 
 FLEX = """
@@ -130,6 +143,12 @@ def measure(case: str, repeats: int, say) -> dict[str, list[float]]:
                 run_child(ATTENTION, root)  # fills the cache
                 got = run_child(ATTENTION, root)
                 found = {"attention first call, new process, warm cache": got["first call"]}
+            elif case == "backward":
+                got = run_child(BACKWARD, root)
+                found = {
+                    "attention float32 backward first call, empty cache": got["backward"],
+                    "  its forward's first call": got["forward"],
+                }
             else:
                 got = run_child(FLEX, root)
                 found = {"torch.compile(flex_attention) first call, empty cache": got["first call"]}

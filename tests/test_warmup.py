@@ -57,6 +57,30 @@ print(json.dumps(_runtime.compiled_kernels))
 """
 
 
+def test_work_item_functions_get_a_signed_index():
+    # Numba types a parallel loop's index as int64 when it types the kernel and as uint64 where
+    # it outlines the loop body, so a function called with the bare index compiles twice: the
+    # attention backward's work item (its largest function) did, at every first backward call.
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "kernels" / "numba").glob("*.py")):
+        for loop in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(loop, ast.For)
+                and isinstance(loop.iter, ast.Call)
+                and getattr(loop.iter.func, "id", None) == "prange"
+                and isinstance(loop.target, ast.Name)
+            ):
+                continue
+            for call in (n for stmt in loop.body for n in ast.walk(stmt)):
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+                    passed = [*call.args, *(kw.value for kw in call.keywords)]
+                    if any(getattr(a, "id", None) == loop.target.id for a in passed):
+                        offenders.append(f"{path.name}:{call.lineno} {call.func.id}")
+    assert not offenders, f"pass np.int64(index) to these: {offenders}"
+
+
 def test_notice_once_per_compile_and_never_on_a_cache_hit(tmp_path):
     code = """
     import json, fastpe

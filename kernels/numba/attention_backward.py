@@ -172,7 +172,9 @@ def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, bl
 def _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n):
     batch, hkv, n_splits = k.shape[0], k.shape[1], grads.dq_part.shape[0]
     for item in prange(batch * hkv * n_splits):
-        _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
+        # (np.int64: the parallel loop's index is unsigned where Numba outlines the loop body,
+        # signed where it types the kernel, and each would compile the item once more)
+        _backward_item(q, k, v, grad_out, lse, delta, grads, np.int64(item), mods, block_m, block_n)
 
 
 def _widened(x):
