@@ -50,14 +50,14 @@ def _decode(sk: int, **options):
 
 
 def test_decode_steps_tune_once_per_doubling_of_the_length(benchmarked):
-    for sk in (4096, 4097, 4098):  # three decode steps: one tuning
+    for sk in (256, 257, 258):  # three decode steps: one tuning
         _decode(sk)
     assert len(benchmarked) == 2, benchmarked  # both configs, benchmarked once
-    _decode(8192)  # twice the length: tuned again
+    _decode(512)  # twice the length: tuned again
     assert len(benchmarked) == 4, benchmarked
     # a soft-cap prunes the configs differently (the widest tiles spill with it): its own
     # tuning, not the capless call's choice
-    _decode(8192, softcap=30.0)
+    _decode(512, softcap=30.0)
     assert len(benchmarked) == 6, benchmarked
 
 
