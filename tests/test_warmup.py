@@ -81,6 +81,39 @@ def test_work_item_functions_get_a_signed_index():
     assert not offenders, f"pass np.int64(index) to these: {offenders}"
 
 
+def test_arrays_the_kernels_only_read_go_in_read_only():
+    # Numba compiles a kernel again for a read-only array where it had a writable one: a table
+    # fastpe cached, a broadcast position row or a caller's read-only ids would each cost a
+    # compile. Every kernel signature compiled so far in this process has them read-only.
+    import numpy as np
+    from fastpe.kernels.numba import apply_rope, embed
+
+    import fastpe
+
+    x = np.ones((1, 2, 8, 16), np.float32)
+    cos, sin = fastpe.rope_table(64, 16, backend="numpy")
+    frozen = cos.copy()
+    frozen.flags.writeable = False
+    for table, positions in (
+        (cos, np.arange(8)[None]),
+        (frozen, np.broadcast_to(np.arange(8), (1, 8))),
+    ):
+        fastpe.apply_rope(x, table, sin, positions=positions, backend="numba")
+        fastpe.apply_rope((x, x), table, sin, positions=positions, backend="numba")
+        ids = np.arange(8)[None] if table is cos else np.broadcast_to(np.arange(8), (1, 8))
+        fastpe.embed(ids, np.ones((16, 32), np.float32), pe="sinusoidal", backend="numba")
+    kernels = {
+        "apply_rope": (apply_rope._apply_rope_kernel.serial, (1, 2, 3)),
+        "apply_rope pair": (apply_rope._apply_rope_pair, (6, 7, 8)),
+        "embed": (embed._embed_kernel.serial, (0, 1, 3, 5)),
+    }
+    for name, (kernel, read) in kernels.items():
+        assert kernel.overloads, name
+        for signature in kernel.overloads:
+            writable = [i for i in read if signature[i].mutable]
+            assert not writable, f"{name}: arguments {writable} writable in {signature}"
+
+
 def test_notice_once_per_compile_and_never_on_a_cache_hit(tmp_path):
     code = """
     import json, fastpe

@@ -30,7 +30,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from fastpe.kernels.numba._runtime import njit
+from fastpe.kernels.numba._runtime import njit, read_only
 
 LOG2E = 1.4426950408889634
 
@@ -234,16 +234,7 @@ class RowTile(NamedTuple):
 def _dummy(dtype, ndim):
     """The placeholder of an absent array argument: one per (dtype, ndim) per process, since
     the kernels read it only behind its ``has_*`` flag and never write it."""
-    return _read_only(np.zeros((1,) * ndim, dtype=dtype))
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    """A read-only view: Numba types read-only and writable arrays apart and compiles a kernel
-    for each, so every array of ``ScoreMods`` (which the kernels only read) goes in read-only,
-    whether the caller's was (a broadcast mask) or not — one compile instead of two."""
-    view = array.view()
-    view.flags.writeable = False
-    return view
+    return read_only(np.zeros((1,) * ndim, dtype=dtype))
 
 
 def _mask_argument(mask: np.ndarray) -> np.ndarray:
@@ -301,8 +292,8 @@ def score_mods(
         bias_offset = -first
     return ScoreMods(
         scale=dtype.type(options.scale),
-        query_shift=_read_only(query_shift),
-        key_len=_read_only(key_len),
+        query_shift=read_only(query_shift),
+        key_len=read_only(key_len),
         unit=unit,
         softcap=0.0 if softcap is None else float(softcap),
         win_left=win_left,
@@ -315,14 +306,14 @@ def score_mods(
         else _mask_placeholder(np.dtype(dtype)),
         mask_limit=_largest_float(dtype),
         has_alibi=alibi_slopes is not None,
-        alibi=_read_only(alibi),
+        alibi=read_only(alibi),
         has_bias=relative_bias is not None,
-        bias=_read_only(bias),
+        bias=read_only(bias),
         bias_offset=bias_offset,
         has_sinks=sinks is not None,
         sinks=_dummy(np.float64, 1)
         if sinks is None
-        else _read_only(np.ascontiguousarray(sinks, np.float64)),
+        else read_only(np.ascontiguousarray(sinks, np.float64)),
     )
 
 

@@ -455,6 +455,15 @@ def njit(**options):
     return decorate
 
 
+def read_only(array):
+    """A read-only view of a NumPy array. Numba types read-only and writable arrays apart and
+    compiles a kernel for each: every array a kernel only reads goes in read-only, whether the
+    caller's was (a broadcast mask, a cached table) or not — one compile instead of two."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 @functools.cache
 def _blas_controller():
     # Numba's np.dot calls scipy's BLAS: load it first so the controller can see it

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from fastpe.kernels.numba._half import _narrow, _widen
-from fastpe.kernels.numba._runtime import njit
+from fastpe.kernels.numba._runtime import njit, read_only
 from numba import prange, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
@@ -161,9 +161,9 @@ def apply_rope_numba(x, cos, sin, positions, *, interleaved, layout, out=None, i
     kernel = _apply_rope_kernel.serial if serial else _apply_rope_kernel
     kernel(
         as_bhsd(x),
-        cos,
-        sin,
-        np.ascontiguousarray(positions, dtype=np.int64),
+        read_only(cos),
+        read_only(sin),
+        read_only(np.ascontiguousarray(positions, dtype=np.int64)),
         None if inplace else as_bhsd(out),
         interleaved,
         not inplace and 2 * cos.shape[1] < x.shape[3],
@@ -207,9 +207,9 @@ def apply_rope_pair_numba(
         as_bhsd(x2),
         None if inplace else as_bhsd(out2),
         not inplace and rotary < x2.shape[3],
-        cos,
-        sin,
-        np.ascontiguousarray(positions, dtype=np.int64),
+        read_only(cos),
+        read_only(sin),
+        read_only(np.ascontiguousarray(positions, dtype=np.int64)),
         interleaved,
         inverse,
         _scratch(x1, cos.shape[1], 0, serial=True),

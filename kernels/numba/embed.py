@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from fastpe.kernels.numba._angles import gather_basis
 from fastpe.kernels.numba._half import _narrow, _widen
-from fastpe.kernels.numba._runtime import njit
+from fastpe.kernels.numba._runtime import njit, read_only
 from numba import prange, types
 from numba.extending import overload
 
@@ -152,16 +152,16 @@ def embed_numba(
     kernel = _embed_kernel.serial if serial else _embed_kernel
     chunks = 1 if serial else max(1, min(out.shape[0], 8 * numba.get_num_threads()))
     kernel(
-        flat_ids,
-        np.ascontiguousarray(weight),
+        read_only(flat_ids),
+        read_only(np.ascontiguousarray(weight)),
         np.dtype(compute).type(scale),
-        flat_pos,
+        read_only(flat_pos),
         kind,
-        table,
-        *basis,
+        read_only(table),
+        *(read_only(a) if isinstance(a, np.ndarray) else a for a in basis),
         has_types,
-        type_ids,
-        type_weight,
+        read_only(type_ids),
+        read_only(type_weight),
         out,
         np.empty((chunks, dim), dtype=compute),
     )
