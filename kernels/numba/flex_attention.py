@@ -153,12 +153,10 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                     np.dot(qt, kt.T, s)
                 # a pair of full blocks takes one full step over both halves
                 half = n if span == 1 or not (partial or second_partial) else block_n
-                # (column 0 as an int64 like the second half's: a literal 0 would compile each
-                # step once more, for Literal[int](0))
                 if partial:
-                    _partial_step(s, no_dz, b, hk, group, i0, npos, j0, half, np.int64(0), mods.unit, caps, err)
+                    _partial_step(s, no_dz, b, hk, group, i0, npos, j0, half, 0, mods.unit, caps, err)
                 elif HAS_SCORE_MOD:
-                    _full_step(s, no_dz, b, hk, group, i0, npos, j0, half, np.int64(0), mods.unit, caps, err)
+                    _full_step(s, no_dz, b, hk, group, i0, npos, j0, half, 0, mods.unit, caps, err)
                 if half < n:
                     if second_partial:
                         _partial_step(s, no_dz, b, hk, group, i0, npos, j0 + half, half, half, mods.unit, caps, err)
