@@ -239,6 +239,41 @@ def test_fork_waits_for_a_thread_inside_the_blas_limit(tmp_path):
     )
 
 
+def test_fork_waits_for_a_compile_in_another_thread(tmp_path):
+    # A server forking while another thread compiles a kernel (its first call): the child
+    # inherited Numba's compiler lock held and hung at its own first compile. fork() now waits
+    # until no thread compiles.
+    run_script(
+        """
+        import numba
+        from numba.core.compiler_lock import global_compiler_lock
+        from fastpe.kernels.numba import _runtime  # noqa: F401 (fastpe's fork hooks)
+        inside, done = threading.Event(), threading.Event()
+
+        def compile_slowly():  # holds the lock as Numba's compiler does while it compiles
+            with global_compiler_lock:
+                inside.set()
+                time.sleep(0.5)
+                done.set()
+
+        holder = threading.Thread(target=compile_slowly)
+        holder.start()
+        assert inside.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            @numba.njit
+            def plus_one(x):
+                return x + 1
+
+            os._exit(0 if done.is_set() and plus_one(1) == 2 else 3)
+        assert wait_child(pid, 30) == 0
+        holder.join(30)
+        print("ok")
+        """,
+        tmp_path,
+    )
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's wheels bundle libgomp")
 def test_kernels_share_torchs_openmp_pool(tmp_path):
     # Two pools on two cores fought: after each torch op its idle OpenMP threads spun on the

@@ -51,6 +51,7 @@ import numba
 from numba.core import config, event
 from numba.core import types as nbtypes
 from numba.core.caching import FunctionCache
+from numba.core.compiler_lock import global_compiler_lock
 
 # Numba's own default order; any other value was put there by the user (config file or code)
 _DEFAULT_PRIORITY = ["tbb", "omp", "workqueue"]
@@ -493,26 +494,30 @@ def single_threaded_blas():
 
 
 def _before_fork():
-    """Waits until no thread is inside ``single_threaded_blas`` and no parallel region runs, and
-    keeps both so until the fork is done. OpenBLAS changes its thread count under a lock of its
-    own, and starts its pool again under it after a fork: a thread doing so while another forks
-    leaves that lock held forever in the child, whose first BLAS limit then hangs. The BLAS
-    lock comes first, as in ``single_threaded_blas`` (whose holder may be waiting to enter the
-    gate)."""
+    """Waits until no thread is inside ``single_threaded_blas``, no parallel region runs and no
+    thread compiles, and keeps it so until the fork is done. OpenBLAS changes its thread count
+    under a lock of its own, and starts its pool again under it after a fork: a thread doing so
+    while another forks leaves that lock held forever in the child, whose first BLAS limit then
+    hangs; Numba's compiler lock held by a compiling thread would hang the child's first
+    compile the same way. The order is the one a kernel call takes them in: the BLAS lock,
+    the gate, then (compiling inside both) the compiler lock."""
     global _fork_breaks_pool
     _blas_lock.acquire()
     _gate.before_fork()
+    global_compiler_lock.acquire()
     _fork_breaks_pool = not _pool_survives_fork()
 
 
 def _after_fork_in_parent():
+    global_compiler_lock.release()
     _gate.after_fork()
     _blas_lock.release()
 
 
 def _after_fork_in_child():
-    """The forking thread held both locks; the child's copies are its own."""
+    """The forking thread held the locks; the child's copies are its own."""
     global _blas_lock, _serial_only
+    global_compiler_lock.release()  # (held by this thread, which the child's is)
     _gate.after_fork()
     _serial_only = _serial_only or _fork_breaks_pool
     _blas_lock = threading.Lock()
