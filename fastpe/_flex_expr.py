@@ -619,6 +619,22 @@ def gradient_leaves(root: Node, caps) -> list[tuple[Node, Node]]:
     return leaves
 
 
+def trained_reads(root: Node, caps) -> tuple[Node, ...]:
+    """The reads of ``gradient_leaves``: what a variant's backward differentiates (a key of its
+    generated module)."""
+    return tuple(read for read, _ in gradient_leaves(root, caps))
+
+
+def read_gradient_roots(root: Node, reads) -> dict[str, Node]:
+    """What a backward step computes for each of ``reads``: ``dread<e>``, ∂root/∂read e, and
+    ``at<e>``, the position of the element it reads (``flat_index``)."""
+    roots = {}
+    for e, read in enumerate(reads):
+        roots[f"dread{e}"] = derivative(root, read)
+        roots[f"at{e}"] = flat_index(read)
+    return roots
+
+
 def flat_index(read: Node) -> Node:
     """The C-order position of the element a captured-array read takes (as the kernel reads
     it: negative indices from the end, clamped into the array)."""

@@ -39,7 +39,7 @@ def variant_statements(score, mask):
 def variant(score, mask, reads=()):
     """(module with ``_full_step`` and ``_partial_step``, checks, has_grad) of an expression
     pair, generated and loaded once per process. With ``reads`` (captured-array reads of
-    ``score`` to differentiate: ``_flex_expr.gradient_leaves``) the module also has a
+    ``score`` to differentiate: ``_flex_expr.trained_reads``) the module also has a
     ``_reads_step``: a module of its own, for the backward of calls that train captured
     tensors only."""
     key = (score, mask, reads)
@@ -51,12 +51,9 @@ def variant(score, mask, reads=()):
     full, partial, checks, has_grad = variant_statements(score, mask)
     reads_source = ""
     if reads:
-        roots = {}
-        for e, read in enumerate(reads):
-            roots[f"dread{e}"] = _flex_expr.derivative(score, read)
-            roots[f"at{e}"] = _flex_expr.flat_index(read)
         reads_source = kernels.reads_step_source(
-            _flex_expr.triton_statements(roots), [read.args[0].args[0] for read in reads]
+            _flex_expr.triton_statements(_flex_expr.read_gradient_roots(score, reads)),
+            [read.args[0].args[0] for read in reads],
         )
     module = kernels.load_variant(kernels.module_source(full, partial, reads_source))
     with _variants_lock:
@@ -136,7 +133,7 @@ def backward(call, query, key, value, out, lse, grad_out, grad_lse):
     ``call.grad_caps``]) of a call."""
     from fastpe.kernels.triton.flex_attention import flex_backward_triton
 
-    reads = tuple(read for read, _ in _flex_expr.gradient_leaves(call.score, call.grad_caps))
+    reads = _flex_expr.trained_reads(call.score, call.grad_caps)
     module, _, has_grad = variant(call.score, call.mask, reads)
     kv_lists, q_lists = device_lists(call.state, query.device)
     if grad_out is None:

@@ -261,7 +261,7 @@ def _flex_launch(kernel, dtype, d, variant, target):
     caps += captured.arrays
     reads, dcaps = (), None
     if variant == "trained_bias":
-        reads = tuple(read for read, _ in _flex_expr.gradient_leaves(score, (0,)))
+        reads = _flex_expr.trained_reads(score, (0,))
         dcaps = [_meta((c.numel(),), torch.float32) for c in caps]
     module, checks, has_grad = _flex_triton.variant(score, mask, reads)
     n = s // block

@@ -269,9 +269,7 @@ class _Call:
                 q, k, v, grad_out, grad_lse, *self._oracle_args(), self.grad_caps
             )
             return (dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)), captured
-        reads = tuple(
-            read for read, _ in _flex_expr.gradient_leaves(self.score, self.grad_caps)
-        ) if self.grad_caps else ()  # fmt: skip
+        reads = _flex_expr.trained_reads(self.score, self.grad_caps) if self.grad_caps else ()
         kernels, module, _, plan, caps = self._kernel(k.shape[1], reads)
         q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
         sizes = [caps[number].size for number in self.grad_caps]
@@ -320,10 +318,7 @@ def _variant_steps(score, mask, reads=()):
     if score is not None:
         derivative = _flex_expr.derivative(score) or _flex_expr.const(0.0)
     has_derivative = derivative is not None and derivative != _flex_expr.ONE
-    read_roots = {}
-    for e, read in enumerate(reads):
-        read_roots[f"dread{e}"] = _flex_expr.derivative(score, read)
-        read_roots[f"at{e}"] = _flex_expr.flat_index(read)
+    read_roots = _flex_expr.read_gradient_roots(score, reads)
     steps = {}
     for prefix, grad in (("", None), ("backward_", derivative if has_derivative else None)):
         for kind, keep in (("full", None), ("partial", mask)):
