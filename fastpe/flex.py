@@ -256,7 +256,8 @@ class _Call:
             out, lse = _flex_reference.flex_attention(q, k, v, *self._oracle_args())
             return out.astype(dtype), lse.astype(dtype)
         kernels, module, plan, _, caps = self._kernel(k.shape[1])
-        q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
+        if q.dtype.kind == "f":  # half-precision bits go as they are: widened tile by tile
+            q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
         out, lse = kernels.flex_forward_numba(module, q, k, v, caps, plan, self.blocks, self.scale)
         return out, lse.astype(dtype, copy=False)
 
@@ -514,7 +515,12 @@ def _torch_forward(call, query, key, value):
     torch = _torch()
     if call.backend == "triton":
         return call.forward_triton(query, key, value)
-    out, lse = call.forward(*(_to_numpy(x) for x in (query, key, value)))
+    if call.backend == "numba" and query.dtype in (torch.bfloat16, torch.float16):
+        # the kernels widen half-precision bits tile by tile: no float32 copies of q, k, v
+        inputs = (_arrays.to_host_bits(x.cpu(), np.float32) for x in (query, key, value))
+    else:
+        inputs = (_to_numpy(x) for x in (query, key, value))
+    out, lse = call.forward(*inputs)
     out = torch.from_numpy(out).to(query.dtype)
     lse = torch.from_numpy(lse)
     if query.dtype in (torch.bfloat16, torch.float16):

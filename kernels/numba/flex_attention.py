@@ -46,10 +46,13 @@ from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _add_weighted_values_small,
     _finish_rows,
+    _is_half,
+    _load_tile,
     _row_buffers,
     _scores_small,
 )
 from fastpe.kernels.numba._flex_math import _exp, _exp2f, _is_f32, _sigmoid, _sign, _tanh
+from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit
 '''
 
@@ -112,7 +115,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
-                    qt[g * npos + r, c] = q[b, hk * group + g, i0 + r, c] * scale_units
+                    qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
         acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
             out, m, dv, block_n, sk % block_n
         )
@@ -121,6 +124,10 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
         # BLAS calls and online-softmax steps (the dense kernel's 256 keys)
         pair = block_n == kv_block and 2 * block_n <= 256
         s_pair, p_pair = _pair_buffers(out, m, 2 * block_n if pair else 0)
+        # widened k/v tiles for half inputs (empty, and unused, for float ones)
+        widest = 2 * block_n if pair else block_n
+        k_tile = np.empty((widest if _is_half(k) else 0, d), dtype=out.dtype)
+        v_tile = np.empty((widest if _is_half(v) else 0, dv), dtype=out.dtype)
         no_dz = np.empty((0, 0), dtype=out.dtype)
         count = kv_count[bt, ht, qb]
         t = 0
@@ -141,8 +148,8 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
             width = span * block_n
             for j0 in range(kb * kv_block, min((kb + span) * kv_block, sk), width):
                 n = min(width, sk - j0)
-                kt = k[b, hk, j0 : j0 + n]
-                vt = v[b, hk, j0 : j0 + n]
+                kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+                vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
                 if span == 2:
                     s, p = s_pair, p_pair
                 else:
@@ -394,12 +401,14 @@ def _raise_index_error(err):
 
 
 def flex_forward_numba(module, q, k, v, caps, plan, blocks, scale):
-    """out, lse of one variant's forward. q/k/v float32 or float64 (one dtype); ``plan`` the
-    forward lists of ``plan_tiles``; ``blocks`` (query block, key block) of the mask."""
+    """out, lse of one variant's forward. q/k/v float32 or float64, or half-precision bits
+    (``fastpe._arrays.to_host_bits``: widened tile by tile, out and lse float32), one dtype;
+    ``plan`` the forward lists of ``plan_tiles``; ``blocks`` (query block, key block) of the
+    mask."""
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    dtype = q.dtype
+    dtype = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
     out = np.zeros((batch, hq, sq, dv), dtype=dtype)
     lse = np.full((batch, hq, sq), -np.inf, dtype=dtype)
     if batch * hq * sq == 0 or sk == 0:

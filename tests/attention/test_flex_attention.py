@@ -150,6 +150,30 @@ def test_forward_matches_torch_flex_attention(pattern, sq, sk):
     _close(lse, want_lse, 1e-12, "oracle lse (float64)")
 
 
+@pytest.mark.parametrize("pattern,sq,sk", [("window+alibi", SQ, SK), ("causal+softcap", 96, SK)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_inputs_on_numba(pattern, sq, sk, dtype):
+    """bfloat16 / float16 q, k, v (read by the kernels as their bits, widened tile by tile, also
+    in the paired 128-key tiles of 64-key blocks) give exactly the float32 call on the widened
+    values, rounded to the input dtype, and are within half-precision error of the oracle."""
+    score_mod, mask_mod = _patterns(sq, sk)[0][pattern]
+    half = [x.to(getattr(torch, dtype)) for x in _qkv(sq, sk, torch.float32, seed=3)]
+    block_mask = fastpe.create_block_mask(mask_mod, B, None, sq, sk, BLOCK_SIZE=BLOCK)
+
+    def run(q, k, v, backend="numba"):
+        return fastpe.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                     return_lse=True, backend=backend)  # fmt: skip
+
+    out, lse = run(*half)
+    assert out.dtype == half[0].dtype and lse.dtype == torch.float32
+    widened_out, widened_lse = run(*(x.float() for x in half))
+    assert torch.equal(out, widened_out.to(out.dtype))
+    assert torch.equal(lse, widened_lse)
+    want_out, want_lse = run(*(x.double() for x in half), backend="numpy")
+    _close(out, want_out, 1e-2, f"{dtype} out")
+    _close(lse, want_lse, 1e-5, f"{dtype} lse")
+
+
 def test_rows_without_keys_give_zero_and_minus_inf():
     """Queries of the third document see no key when there are only 120 keys."""
     score_mod, mask_mod = _patterns(200, 120)[0]["document+relative_bias"]
