@@ -12,9 +12,12 @@ taken per round: median [min, max]. The first call of each function (compiles) i
 
 ``--first-call CASE`` instead times, in this process, the first call of one case (``flex``:
 flex_attention causal + soft-cap; ``flex-window``: flex_attention with a sliding-window mask;
-``builtin``: attention(causal=True, softcap=30)) in CPU and wall seconds: run it in a fresh
-process with an empty NUMBA_CACHE_DIR (``flex-window`` after ``flex`` on the same cache: a new
-variant once the shared steps are cached).
+``builtin``: attention(causal=True, softcap=30); ``torch`` and ``torch-window``:
+torch.compile(flex_attention) on the ``flex`` and ``flex-window`` patterns) in CPU and wall
+seconds: run it in a fresh process with an empty NUMBA_CACHE_DIR (``flex-window`` after ``flex``
+on the same cache: a new variant once the shared steps are cached), and for ``torch`` cases
+empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (``torch-window`` after ``torch``: a new
+variant once inductor's own first compile is done).
 """
 
 from __future__ import annotations
@@ -65,11 +68,17 @@ def _first_call(case, q, k, v):
 
     seq = q.shape[2]
     wall, used = time.perf_counter(), cpu()
-    if case in ("flex", "flex-window"):
-        pattern = "causal + softcap 30" if case == "flex" else "sliding window 1024"
+    if case != "builtin":
+        pattern = "sliding window 1024" if case.endswith("-window") else "causal + softcap 30"
         score_mod, mask_mod, _ = _patterns(seq)[pattern]
+    if case.startswith("flex"):
         block_mask = fastpe.create_block_mask(mask_mod, None, None, seq, seq)
         fastpe.flex_attention(q, k, v, score_mod, block_mask)
+    elif case.startswith("torch"):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu")
+        torch.compile(flex_attention)(q, k, v, score_mod, block_mask)
     else:
         fastpe.attention(q, k, v, causal=True, softcap=30.0)
     print(
@@ -85,7 +94,9 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--first-call", choices=["flex", "flex-window", "builtin"])
+    parser.add_argument(
+        "--first-call", choices=["flex", "flex-window", "builtin", "torch", "torch-window"]
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     dtype = getattr(torch, args.dtype)
