@@ -196,13 +196,29 @@ def min_max(x) -> tuple[int, int] | None:
     """(smallest, largest) element of an integer array as Python ints, None if empty. Reduced
     where the data lives (one pass for a tensor): no host copy, no NumPy round trip."""
     if is_tensor(x):
-        if x.numel() == 0:
+        count = x.numel()
+        if count == 0:
             return None
+        if count <= _FEW and x.device.type == "cpu":  # a decode step's positions or lengths
+            values = x.tolist()  # one conversion instead of a torch reduction
+            if x.dim() == 2:
+                values = [v for row in values for v in row]
+            elif x.dim() != 1:
+                values = x.reshape(-1).tolist()
+            return int(min(values)), int(max(values))
         low, high = sys.modules["torch"].aminmax(x)
         return int(low), int(high)
     if x.size == 0:
         return None
+    if x.size <= _FEW:
+        values = x.reshape(-1).tolist()
+        return int(min(values)), int(max(values))
     return int(x.min()), int(x.max())
+
+
+# arrays up to this many elements are reduced in Python: a torch or NumPy reduction costs
+# microseconds of dispatch, a visible part of a one-token call
+_FEW = 64
 
 
 def as_array(x):
@@ -335,11 +351,13 @@ def to_host_bits(x, dtype) -> np.ndarray:
     if name == "float8_e4m3fn":
         return x.detach().view(sys.modules["torch"].uint8).numpy()
     if is_tensor(x):
+        if x.requires_grad:
+            x = x.detach()
         if name == "bfloat16":
-            return x.detach().view(sys.modules["torch"].int16).numpy().view(np.uint16)
+            return x.view(sys.modules["torch"].int16).numpy().view(np.uint16)
         if name == "float16":
-            return x.detach().view(sys.modules["torch"].int16).numpy()
-        host = x.detach().numpy()  # a view; the common case of a one-token call
+            return x.view(sys.modules["torch"].int16).numpy()
+        host = x.numpy()  # a view; the common case of a one-token call
         return host if host.dtype == dtype else host.astype(dtype)
     return to_host(x, dtype)
 

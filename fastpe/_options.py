@@ -71,7 +71,7 @@ class Positions(NamedTuple):
             check_range(name, array, 0, MAX_POSITION)
         if limit is None or limit > MAX_POSITION:  # else implied by the row check
             check_position(name, array)  # the supported range: ValueError
-        if array.ndim == 2:
+        if array.ndim == 2 and tuple(array.shape) != (batch, seq):
             array = _arrays.broadcast_to(array, (batch, seq))
         return cls(array=array)
 

@@ -10,6 +10,7 @@ and every other half-precision input (masks, merge_attention), go through torch'
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import numpy as np
 
@@ -30,7 +31,8 @@ IS_ORACLE = False
 
 
 def unavailable_reason() -> str | None:
-    if importlib.util.find_spec("numba") is None:
+    # asked at every call's backend choice: once Numba is imported, it is there
+    if "numba" not in sys.modules and importlib.util.find_spec("numba") is None:
         return "numba is not installed (pip install numba)"
     return None
 
