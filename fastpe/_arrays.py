@@ -242,10 +242,11 @@ def to_float64(x) -> np.ndarray:
 
 def to_int64(x) -> np.ndarray:
     if is_tensor(x):
-        torch = sys.modules["torch"]
-        if x.dtype is torch.int64 and x.device.type == "cpu":
-            return x.numpy()  # a view; integer tensors never require grad
-        return x.detach().to(device="cpu", dtype=torch.int64).numpy()
+        if x.device.type == "cpu":
+            # a view when already int64 (integer tensors never require grad); a NumPy cast
+            # otherwise, which costs a small array far less than torch's
+            return np.asarray(x.numpy(), dtype=np.int64)
+        return x.detach().to(device="cpu", dtype=sys.modules["torch"].int64).numpy()
     return np.asarray(x, dtype=np.int64)
 
 

@@ -59,12 +59,15 @@ def _torch_graph(*arrays, device=None) -> bool:
     )
 
 
-def _route(record, args, options, backend, *, nested=()):
+def _route(record, args, options, backend, *, nested=(), graph=None):
     """One public call, its arguments said once: through the custom op ``torch_ops.call_<op>``
-    when ``_torch_graph`` asks for it, else validated into ``record`` and dispatched. Every
-    tensor among the arguments counts, and those in ``nested`` (tables inside option dicts); a
-    ``device`` option sends a table built under torch.compile to the op."""
-    if _torch_graph(*args, *options.values(), *nested, device=options.get("device")):
+    when ``_torch_graph`` asks for it (``graph``: its answer, when the caller already has it),
+    else validated into ``record`` and dispatched. Every tensor among the arguments counts, and
+    those in ``nested`` (tables inside option dicts); a ``device`` option sends a table built
+    under torch.compile to the op."""
+    if graph is None:
+        graph = _torch_graph(*args, *options.values(), *nested, device=options.get("device"))
+    if graph:
         from fastpe import torch_ops
 
         return getattr(torch_ops, f"call_{record.op}")(*args, **options, backend=backend)
@@ -530,21 +533,19 @@ def attention_kvcache(
     if plan is not None:
         options["plan"] = plan
     arrays = (q, k_cache, v_cache)
+    graph = _torch_graph(*arrays, *options.values())
     # autograd would record an op that writes its caches: torch's graph only under compile
-    if (
-        _torch_graph(*arrays, *options.values())
-        and not sys.modules["torch"].compiler.is_compiling()
-    ):
+    if graph and not sys.modules["torch"].compiler.is_compiling():
         raise NotImplementedError(
             "attention_kvcache has no autograd support (an inference op that writes its "
             "caches); call it under torch.no_grad() or with inputs that do not require grad"
         )
-    if plan is not None and _torch_graph(*arrays, *options.values()):
+    if graph and plan is not None:
         raise NotImplementedError(
             "attention_kvcache(plan=...) runs eagerly; under torch.compile pass cache_seqlens "
             "and block_table (or cache_batch_idx) instead of a plan"
         )
-    return _route(AttentionKVCacheInputs, arrays, options, backend)
+    return _route(AttentionKVCacheInputs, arrays, options, backend, graph=graph)
 
 
 def plan_kvcache(q, k_cache, k=None, *, cache_seqlens, block_table=None, cache_batch_idx=None):

@@ -61,6 +61,8 @@ def row_view(cache, per_block: int):
     a NumPy array or a tensor, as given): row ``block · per_block + offset`` is
     ``cache[block, offset]``."""
     blocks, width, heads, dim = cache.shape
+    if per_block == width and not _arrays.is_tensor(cache) and cache.flags.c_contiguous:
+        return cache.reshape(blocks * width, heads, dim)  # the common layout: a plain view
     strides = _arrays.strides(cache)
     row_stride = strides[0] if width == 1 else strides[1]
     rows = (blocks - 1) * per_block + width if blocks else 0

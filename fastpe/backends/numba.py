@@ -399,6 +399,8 @@ class _ServingArrays(_serving.ServingArrays):
             k_len=args.k_len,
             page_start=args.page_start,
             page_size=args.page_size,
+            max_q=args.max_q,
+            max_k=args.max_k,
             options=self.inp.options.launched(_arrays.to_float64),
             k_scale=args.k_scale,
             v_scale=args.v_scale,

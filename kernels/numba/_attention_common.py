@@ -317,12 +317,19 @@ def score_mods(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _every_sequence(batch: int, count: int) -> np.ndarray:
+    """int64 [batch] of ``count`` each, read-only: made once per shape, not at every call (a
+    decode step's launch costs about as much as its kernel)."""
+    return read_only(np.full(batch, count, dtype=np.int64))
+
+
 def dense_score_mods(dtype, unit, options, q, k, *, mask, key_lengths, relative_bias):
     """``score_mods`` of a dense launcher's call (``attention_numba``'s arguments, q [B, Hq, Sq,
     D] and k [B, Hkv, Sk, D]): sequence b has key_lengths[b] keys (None: Sk) and Sq queries."""
     batch, sq, sk = q.shape[0], q.shape[2], k.shape[2]
     key_len = (
-        np.full(batch, sk, dtype=np.int64)
+        _every_sequence(batch, sk)
         if key_lengths is None
         else np.ascontiguousarray(key_lengths, dtype=np.int64)
     )

@@ -650,13 +650,27 @@ def _attention_paged_numba(
 
 
 def attention_paged_numba(
-    q, k, v, *, q_start, q_len, k_len, page_start, page_size, options, k_scale=None, v_scale=None
+    q,
+    k,
+    v,
+    *,
+    q_start,
+    q_len,
+    k_len,
+    page_start,
+    page_size,
+    options,
+    k_scale=None,
+    v_scale=None,
+    max_q=None,
+    max_k=None,
 ):
     """Launch on NumPy arrays (float32, float64, or bfloat16 / float16 bits as uint16 / int16,
     computed in float32). Shapes as in the module docstring; q_start, q_len, k_len int64 [B],
     page_start int64 [B, pages] (entries past a sequence's last key page are never read);
     ``options`` the attention options record (``_attention_common``), its sequence b holding
-    q_len[b] queries and k_len[b] keys. Quantized caches: k/v float8_e4m3fn bits (uint8) or
+    q_len[b] queries and k_len[b] keys (``max_q``/``max_k``: their maxima, when the caller
+    has them). Quantized caches: k/v float8_e4m3fn bits (uint8) or
     int8, with float32 ``k_scale``/``v_scale`` [B or 1, R, Hkv] (key row r of sequence b, kv head
     h, is worth ``k[r, h] · k_scale[b, r, h]``; B of 1 serves every sequence). Returns (out [Tq,
     Hq, Dv] in the compute dtype, lse float32 [Hq, Tq])."""
@@ -667,8 +681,8 @@ def attention_paged_numba(
     q_len = np.ascontiguousarray(q_len, np.int64)
     k_len = np.ascontiguousarray(k_len, np.int64)
     batch = q_len.shape[0]
-    max_q = int(q_len.max(initial=0))
-    max_k = int(k_len.max(initial=0))
+    max_q = int(q_len.max(initial=0)) if max_q is None else max_q
+    max_k = int(k_len.max(initial=0)) if max_k is None else max_k
     if total_q * hq == 0 or max_k == 0:
         lse = np.full((hq, total_q), -np.inf, np.float32)
         if options.sinks is not None:
