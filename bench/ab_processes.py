@@ -55,7 +55,7 @@ def main() -> None:
             result = run(python, tree, args.script, args.extra)
             for name, ms in result.items():
                 times[side].setdefault(name, []).append(ms)
-            cells = ", ".join(f"{name} {ms:.2f}" for name, ms in result.items())
+            cells = ", ".join(f"{name} {ms:.3g}" for name, ms in result.items())
             print(f"[round {round_}] {side}: {cells} (ms)", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | before ms | after ms | before / after |")
@@ -65,7 +65,7 @@ def main() -> None:
             continue
         a, b = times["before"][name], times["after"][name]
         ratios = [x / y for x, y in zip(a, b, strict=True)]
-        cells = [f"{statistics.median(t):.2f} [{min(t):.2f}, {max(t):.2f}]" for t in (a, b)]
+        cells = [f"{statistics.median(t):.3g} [{min(t):.3g}, {max(t):.3g}]" for t in (a, b)]
         spread = f"{statistics.median(ratios):.2f}× [{min(ratios):.2f}, {max(ratios):.2f}]"
         print(f"| {name} | {cells[0]} | {cells[1]} | {spread} |")
 
