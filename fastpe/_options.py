@@ -527,13 +527,12 @@ class AttentionOptions(NamedTuple):
         array passed through the backend's ``convert``. Launchers read the fields they apply
         (``scale``, ``causal``, ``bottom_right``, ``window``, ``softcap``, ``sinks``,
         ``alibi_slopes``); fused RoPE and ``return_lse`` are the backends' concern."""
-        return self._replace(
-            **{
-                name: convert(getattr(self, name))
-                for name in self.ARRAYS
-                if getattr(self, name) is not None
-            }
-        )
+        converted = {
+            name: convert(getattr(self, name))
+            for name in self.ARRAYS
+            if getattr(self, name) is not None
+        }
+        return self._replace(**converted) if converted else self  # no copy of a plain call's
 
     def keywords(self) -> dict:
         """The launched fields as keyword arguments (the NumPy oracle's ``reference.attention``

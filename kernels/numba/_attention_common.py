@@ -318,6 +318,29 @@ def score_mods(
 
 
 @functools.lru_cache(maxsize=256)
+def _plain_score_mods(dtype, unit, scale, softcap, window, causal, bottom_right, batch, sq, sk):
+    """``score_mods`` of a dense call with none of the array modifiers (mask, key lengths,
+    relative bias, ALiBi, sinks), made once per distinct arguments: its arrays are read-only,
+    so calls share them."""
+    options = _ScalarOptions(scale, softcap, window, causal, bottom_right, None, None)
+    return score_mods(
+        dtype, unit, options, key_len=_every_sequence(batch, sk), q_len=sq, unbounded=sq + sk + 1
+    )
+
+
+class _ScalarOptions(NamedTuple):
+    """The fields of an options record that ``score_mods`` reads, for ``_plain_score_mods``."""
+
+    scale: float
+    softcap: float | None
+    window: tuple | None
+    causal: bool
+    bottom_right: bool
+    alibi_slopes: None
+    sinks: None
+
+
+@functools.lru_cache(maxsize=256)
 def _every_sequence(batch: int, count: int) -> np.ndarray:
     """int64 [batch] of ``count`` each, read-only: made once per shape, not at every call (a
     decode step's launch costs about as much as its kernel)."""
@@ -328,6 +351,19 @@ def dense_score_mods(dtype, unit, options, q, k, *, mask, key_lengths, relative_
     """``score_mods`` of a dense launcher's call (``attention_numba``'s arguments, q [B, Hq, Sq,
     D] and k [B, Hkv, Sk, D]): sequence b has key_lengths[b] keys (None: Sk) and Sq queries."""
     batch, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    if (
+        mask is None
+        and key_lengths is None
+        and relative_bias is None
+        and options.alibi_slopes is None
+        and options.sinks is None
+    ):
+        # no array among the modifiers: the record depends on scalars only (a decode step's
+        # call repeats them every layer and token)
+        return _plain_score_mods(
+            np.dtype(dtype), unit, options.scale, options.softcap, options.window,
+            options.causal, options.bottom_right, batch, sq, sk,
+        )  # fmt: skip
     key_len = (
         _every_sequence(batch, sk)
         if key_lengths is None
