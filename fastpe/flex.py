@@ -517,7 +517,7 @@ def _torch_forward(call, query, key, value):
         return call.forward_triton(query, key, value)
     if call.backend == "numba" and query.dtype in (torch.bfloat16, torch.float16):
         # the kernels widen half-precision bits tile by tile: no float32 copies of q, k, v
-        inputs = (_arrays.to_host_bits(x.cpu(), np.float32) for x in (query, key, value))
+        inputs = (_arrays.to_host_bits(x, np.float32) for x in (query, key, value))
     else:
         inputs = (_to_numpy(x) for x in (query, key, value))
     out, lse = call.forward(*inputs)
