@@ -688,3 +688,56 @@ def test_processes_compile_a_kernel_once_and_a_failed_compile_frees_it(tmp_path)
         tmp_path,
         env=env,
     )
+
+
+def test_parallel_kernels_optimise_their_loop_body_once(tmp_path):
+    # Numba wraps a prange loop's body in three libraries before the kernel links them, and
+    # each re-optimised and emitted the whole body; fastpe's kernels finalise those three as
+    # link-only (the kernel optimises and emits everything once). Other code's parallel
+    # functions in the same process keep Numba's own path; the kernel's cached machine code
+    # loads and runs in a new process.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    script = """
+        import numba
+        from numba.core import codegen
+        from fastpe.kernels.numba import _runtime
+
+        optimised = []  # the libraries that ran LLVM's module passes, in order
+        run = codegen.CPUCodeLibrary._optimize_final_module
+        def recording(self):
+            optimised.append(str(self.name))
+            run(self)
+        codegen.CPUCodeLibrary._optimize_final_module = recording
+
+        def intermediates(names):
+            return [n for n in names if n.startswith("__numba_parfor_gufunc")
+                    or n == "parallelgufuncwrapper" or "_GufuncWrapper" in n]
+
+        assert _runtime.PARFOR_LINK_ONLY
+        assert table_ok(300)
+        compiled = list(_runtime.compiled_kernels)
+        print("compiled", compiled)
+        if {loaded}:
+            assert compiled == [], compiled
+        else:
+            assert compiled == ["sinusoidal_table._sinusoidal_table_numba"], compiled
+            assert intermediates(optimised) == [], optimised
+            assert any("sinusoidal_table_numba" in n for n in optimised), optimised
+
+        optimised.clear()
+
+        @numba.njit(parallel=True)
+        def theirs(x):
+            out = np.empty_like(x)
+            for i in numba.prange(x.shape[0]):
+                out[i] = 2.0 * x[i]
+            return out
+
+        x = np.arange(1000.0)
+        assert np.array_equal(theirs(x), 2.0 * x)
+        assert len(intermediates(optimised)) == 3, optimised
+        print("ok")
+        """
+    for loaded in (False, True):  # compile into the empty cache, then load from it
+        run_script(script.format(loaded=loaded), tmp_path, env=env)

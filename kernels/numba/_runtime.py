@@ -30,6 +30,8 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
   cached, and that ``fastpe warmup`` compiles ahead — unless FASTPE_QUIET_COMPILE=1. Every
   compile of a fastpe kernel is also recorded in ``compiled_kernels`` (warmup and the tests count
   them).
+- LLVM passes: a parallel kernel's loop body is optimised and emitted once, in the kernel, not
+  again in each of the libraries Numba wraps it in (``_parfor_codegen``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from numba.core import config, event
 from numba.core import types as nbtypes
 from numba.core.caching import FunctionCache
 from numba.core.compiler_lock import global_compiler_lock
+
+from . import _parfor_codegen
 
 # Numba's own default order; any other value was put there by the user (config file or code)
 _DEFAULT_PRIORITY = ["tbb", "omp", "workqueue"]
@@ -605,6 +609,7 @@ def _notice(name: str, dtype: str, where: str | None) -> None:
 
 
 event.register("numba:compile", _CompileNotice())
+PARFOR_LINK_ONLY = _parfor_codegen.install(_KERNEL_PACKAGE)
 
 
 # --------------------------------------------------------------------------- the disk cache
