@@ -145,12 +145,20 @@ def _row_buffers(like, m, dv, block_n, tail):
     [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
     and shift of the current tile), P·V [m, Dv], and the S and P tiles at full width [m,
     block_n] and for the last partial key tile [m, tail] (separate arrays: Numba's parallel
-    array analysis forbids re-binding a name to a differently shaped array)."""
+    array analysis forbids re-binding a name to a differently shaped array).
+
+    Every buffer comes from ``np.empty`` of a 2-D shape (the row statistics are rows of one
+    array) and is filled by loops: each other allocation form (``np.zeros``, ``np.full``, a 1-D
+    shape) is one more Numba compile on a first call, about 0.2 s apiece."""
     dtype = like.dtype
-    acc = np.zeros((m, dv), dtype=dtype)
-    row_max = np.full(m, -np.inf, dtype=dtype)
-    row_sum = np.zeros(m, dtype=dtype)
-    work = np.empty((4, m), dtype=dtype)
+    acc = np.empty((m, dv), dtype=dtype)
+    stats = np.empty((6, m), dtype=dtype)
+    work, row_max, row_sum = stats[:4], stats[4], stats[5]
+    for r in range(m):
+        row_max[r] = -np.inf
+        row_sum[r] = 0.0
+        for c in range(dv):
+            acc[r, c] = 0.0
     pv = np.empty((m, dv), dtype=dtype)
     s_full = np.empty((m, block_n), dtype=dtype)
     p_full = np.empty((m, block_n), dtype=dtype)
