@@ -14,6 +14,7 @@ from fastpe.kernels.numba._attention_common import (
     _nearest_key_distance,
     _softmax_update,
 )
+from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
@@ -120,31 +121,27 @@ def _add_weighted_values_small(p, col, vt, hk, acc):
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
+def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
     """Keys j0 … j0 + n - 1 for one ``RowTile``: S = Q·Kᵀ, its modifiers, online-softmax update,
     O += P·V."""
     m, n = s.shape
     if m <= SMALL_ROWS:
         _scores_small(qt, kt[:, None], 0, s, 0)
     else:
-        np.dot(qt, kt.T, s)
+        gemm(s, qt, kt, False, True, 0.0)
     _modify_scores(s, mods, tile, j0, n, is_f32)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
     if m <= SMALL_ROWS:
         _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
     else:
-        np.dot(p, vt, pv)
-        for r in range(m):
-            for c in range(acc.shape[1]):
-                acc[r, c] += pv[r, c]
+        gemm(acc, p, vt, False, False, 1.0)
 
 
 @njit(cache=True)
 def _row_buffers(like, m, dv, block_n, tail):
     """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
     [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
-    and shift of the current tile), P·V [m, Dv], and the S and P tiles at full width [m,
-    block_n] and for the last partial key tile [m, tail] (separate arrays: Numba's parallel
+    and shift of the current tile), and the S and P tiles at full width [m, block_n] and for the last partial key tile [m, tail] (separate arrays: Numba's parallel
     array analysis forbids re-binding a name to a differently shaped array).
 
     Every buffer comes from ``np.empty`` of a 2-D shape (the row statistics are rows of one
@@ -159,12 +156,11 @@ def _row_buffers(like, m, dv, block_n, tail):
         row_sum[r] = 0.0
         for c in range(dv):
             acc[r, c] = 0.0
-    pv = np.empty((m, dv), dtype=dtype)
     s_full = np.empty((m, block_n), dtype=dtype)
     p_full = np.empty((m, block_n), dtype=dtype)
     s_tail = np.empty((m, tail), dtype=dtype)
     p_tail = np.empty((m, tail), dtype=dtype)
-    return acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail
+    return acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail
 
 
 @njit(cache=True)

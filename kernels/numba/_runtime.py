@@ -471,7 +471,7 @@ def read_only(array):
 
 @functools.cache
 def _blas_controller():
-    # Numba's np.dot calls scipy's BLAS: load it first so the controller can see it
+    # the kernels' products call scipy's BLAS (_blas.gemm): load it first so the controller sees it
     import scipy.linalg.cython_blas  # noqa: F401
     from threadpoolctl import ThreadpoolController
 

@@ -6,7 +6,7 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]
 One work item = (batch, kv head, block of query positions, slice of keys). The item packs the
 ``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
 read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ through BLAS
-(``np.dot`` into a preallocated tile), masks/biases on S, an online softmax with a
+(BLAS into a preallocated tile, ``_blas.gemm``), masks/biases on S, an online softmax with a
 vectorisable exp2, then O += P·V through BLAS. Scores are in log2 units (log2 e folded into the
 query scale), or in natural units when a float mask holds values too large to be multiplied by
 log2 e (transformers' finfo.min masks): every finite mask value stays a finite score. The causal
@@ -70,7 +70,7 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
         tail = (j_stop - j_begin) % block_n
-        acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
+        acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             part_out, m, dv, block_n, tail
         )
         # widened k/v tiles for half inputs (empty, and unused, for float ones)
@@ -82,7 +82,7 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
             kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
             vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
             s, p = (s_full, p_full) if full else (s_tail, p_tail)
-            _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, split == 0)
 

@@ -37,6 +37,7 @@ from fastpe.kernels.numba._attention_common import (
     dense_score_mods,
 )
 from fastpe.kernels.numba._attention_tiles import _load_tile, key_splits
+from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
 from numba import prange
@@ -50,7 +51,7 @@ def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mo
     m, n = qs.shape[0], kt.shape[0]
     npos, query_shift = tile.npos, mods.query_shift[tile.b]
     s = np.empty((m, n), dtype=qs.dtype)
-    np.dot(qs, kt.T, s)
+    gemm(s, qs, kt, False, True, 0.0)
     dz_ds = _modify_scores_for_backward(s, mods, tile, j0, n)
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
@@ -60,7 +61,7 @@ def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mo
             s[r, c] = _exp2((s[r, c] - shift) * to_log2)
     p = s
     dp = np.empty((m, n), dtype=qs.dtype)
-    np.dot(go, vt.T, dp)
+    gemm(dp, go, vt, False, True, 0.0)
     for r in range(m):
         dr = delta[r]
         for c in range(n):
@@ -73,9 +74,9 @@ def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mo
             for c in range(n):
                 dbias[g, base + c] += ds[r, c]
     _score_gradient(ds, dz_ds)
-    dv_acc += np.dot(p.T, go)
-    dk_acc += np.dot(ds.T, qs)
-    dq_acc += np.dot(ds, kt)
+    gemm(dv_acc, p, go, True, False, 1.0)
+    gemm(dk_acc, ds, qs, True, False, 1.0)
+    gemm(dq_acc, ds, kt, False, False, 1.0)
 
 
 class BackwardGrads(NamedTuple):

@@ -634,7 +634,7 @@ def _attention_paged_numba(
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
         tail = (j_stop - j_begin) % block_n
-        acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
+        acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             part_out, m, dv, block_n, tail
         )
         k_tile = np.empty((block_n, d), dtype=part_out.dtype)
@@ -644,7 +644,7 @@ def _attention_paged_numba(
             kt = _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile, scales[0])
             vt = _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile, scales[1])
             s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
-            _attend_tile(qt, kt, vt, s, p, pv, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 

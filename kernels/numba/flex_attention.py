@@ -42,6 +42,7 @@ import numpy as np
 from numba import get_thread_id, prange
 
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, _exp2, _softmax_update
+from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _add_weighted_values_small,
@@ -116,7 +117,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
             for r in range(npos):
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
-        acc, row_max, row_sum, work, pv, s_full, p_full, s_tail, p_tail = _row_buffers(
+        acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             out, m, dv, block_n, sk % block_n
         )
         # two consecutive visible blocks of at most 128 keys go as one tile of twice the width
@@ -157,7 +158,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                 if m <= SMALL_ROWS:
                     _scores_small(qt, kt[:, None], 0, s, 0)
                 else:
-                    np.dot(qt, kt.T, s)
+                    gemm(s, qt, kt, False, True, 0.0)
                 # a pair of full blocks takes one full step over both halves
                 half = n if span == 1 or not (partial or second_partial) else block_n
                 if partial:
@@ -173,10 +174,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                 if m <= SMALL_ROWS:
                     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
                 else:
-                    np.dot(p, vt, pv)
-                    for r in range(m):
-                        for c in range(dv):
-                            acc[r, c] += pv[r, c]
+                    gemm(acc, p, vt, False, False, 1.0)
         _finish_rows(acc, row_max, row_sum, out, lse, i0, RowTile(b, hk, group, i0, npos), mods, True)
 
 
@@ -229,7 +227,7 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                                 ref[row] = np.inf if lse_row == -np.inf else lse_row
                                 row_delta[row] = delta[b, h, i0 + r]
                         s = np.empty((m, n), dtype=dtype)
-                        np.dot(qs, kt.T, s)
+                        gemm(s, qs, kt, False, True, 0.0)
                         dz_ds = np.empty((m, n) if HAS_DERIVATIVE else (0, 0), dtype=dtype)
                         dz_dread = np.empty((n_reads, m, n), dtype=np.float64)
                         read_at = np.empty((n_reads, m, n), dtype=np.int64)
@@ -246,7 +244,7 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                                     s[r, c] = math.exp(s[r, c] - shift)
                         p = s
                         dp = np.empty((m, n), dtype=dtype)
-                        np.dot(gor, vt.T, dp)
+                        gemm(dp, gor, vt, False, True, 0.0)
                         for r in range(m):
                             dr = row_delta[r]
                             for c in range(n):
@@ -269,9 +267,10 @@ def _flex_backward(q, k, v, go, lse, delta, dq_part, dk, dv, plan, scale, block_
                             for r in range(m):
                                 for c in range(n):
                                     dp[r, c] *= dz_ds[r, c]
-                        dv_acc += np.dot(p.T, gor)
-                        dk_acc += np.dot(dp.T, qs)
-                        dq_tile = np.dot(dp, kt)
+                        gemm(dv_acc, p, gor, True, False, 1.0)
+                        gemm(dk_acc, dp, qs, True, False, 1.0)
+                        dq_tile = np.empty((m, d), dtype=dtype)
+                        gemm(dq_tile, dp, kt, False, False, 0.0)
                         for g in range(group):
                             for r in range(npos):
                                 for c in range(d):
