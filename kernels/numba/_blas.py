@@ -63,7 +63,6 @@ def gemm(typingctx, c, a, b, trans_a, trans_b, beta):
         cols = builder.select(tb, b_rows, b_cols)  # of op(b), = c's columns
         # BLAS is column-major: a row-major [r, s] array is its [s, r] transpose there, so
         # cᵀ = op(b)ᵀ · op(a)ᵀ, with b first; a flag set means "transpose" of that view
-        trans, no_trans = ir.Constant(_CHAR, ord("t")), ir.Constant(_CHAR, ord("n"))
         ll_dtype = context.get_value_type(dtype)
         one = cgutils.alloca_once_value(builder, ir.Constant(ll_dtype, 1.0))
         beta_slot = cgutils.alloca_once_value(
@@ -76,26 +75,42 @@ def gemm(typingctx, c, a, b, trans_a, trans_b, beta):
             + [_VOID_P, _VOID_P, intp, _VOID_P, intp, _VOID_P, _VOID_P, intp],
         )
         fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
-        status = builder.call(
-            fn,
-            (
-                ir.Constant(_CHAR, ord(kind)),
-                builder.select(tb, trans, no_trans),
-                builder.select(ta, trans, no_trans),
-                cols,
-                rows,
-                inner,
-                builder.bitcast(one, _VOID_P),
-                builder.bitcast(b_arr.data, _VOID_P),
-                b_cols,
-                builder.bitcast(a_arr.data, _VOID_P),
-                a_cols,
-                builder.bitcast(beta_slot, _VOID_P),
-                builder.bitcast(c_arr.data, _VOID_P),
-                c_cols,
-            ),
+        # BLAS takes no empty operand (a leading dimension of 0 is an illegal argument), as
+        # np.dot does not pass one: an empty c needs nothing, an empty inner dimension leaves
+        # beta · c
+        zero = ir.Constant(intp, 0)
+        no_output = builder.or_(
+            builder.icmp_signed("==", rows, zero), builder.icmp_signed("==", cols, zero)
         )
-        check_blas_return(context, builder, status)  # as np.dot: a failure aborts the process
+        no_inner = builder.icmp_signed("==", inner, zero)
+        with builder.if_else(builder.or_(no_output, no_inner), likely=False) as (empty, full):
+            with empty:
+                overwrite = builder.fcmp_ordered("==", beta_val, ir.Constant(beta_val.type, 0.0))
+                with builder.if_then(builder.and_(builder.not_(no_output), overwrite)):
+                    size = builder.mul(c_arr.nitems, c_arr.itemsize)
+                    cgutils.memset(builder, c_arr.data, size, 0)
+            with full:
+                trans, no_trans = ir.Constant(_CHAR, ord("t")), ir.Constant(_CHAR, ord("n"))
+                status = builder.call(
+                    fn,
+                    (
+                        ir.Constant(_CHAR, ord(kind)),
+                        builder.select(tb, trans, no_trans),
+                        builder.select(ta, trans, no_trans),
+                        cols,
+                        rows,
+                        inner,
+                        builder.bitcast(one, _VOID_P),
+                        builder.bitcast(b_arr.data, _VOID_P),
+                        b_cols,
+                        builder.bitcast(a_arr.data, _VOID_P),
+                        a_cols,
+                        builder.bitcast(beta_slot, _VOID_P),
+                        builder.bitcast(c_arr.data, _VOID_P),
+                        c_cols,
+                    ),
+                )
+                check_blas_return(context, builder, status)  # as np.dot: failure aborts
         return context.get_dummy_value()
 
     return types.none(c, a, b, trans_a, trans_b, beta), codegen

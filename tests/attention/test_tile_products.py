@@ -51,3 +51,14 @@ def test_gemm_takes_only_c_contiguous_tiles_of_one_dtype():
         )
     with pytest.raises(numba.core.errors.TypingError):
         _gemm(np.zeros((4, 4), np.float32), a, np.ones((3, 4), np.float64), False, False, 0.0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("m,k,n", [(5, 0, 3), (0, 4, 3), (5, 4, 0)])
+def test_gemm_with_an_empty_dimension(m, k, n, beta):
+    # BLAS takes no empty operand; an empty inner dimension leaves beta·c (zeros or c itself),
+    # an empty c is left alone
+    c0 = np.full((m, n), 7.0, np.float32)
+    c = c0.copy()
+    _gemm(c, np.ones((m, k), np.float32), np.ones((n, k), np.float32), False, True, beta)
+    np.testing.assert_array_equal(c, beta * c0)
