@@ -141,8 +141,9 @@ def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, 
 def _row_buffers(like, m, dv, block_n, tail):
     """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
     [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
-    and shift of the current tile), and the S and P tiles at full width [m, block_n] and for the last partial key tile [m, tail] (separate arrays: Numba's parallel
-    array analysis forbids re-binding a name to a differently shaped array).
+    and shift of the current tile), and the S and P tiles at full width [m, block_n] and for
+    the last partial key tile [m, tail] (separate arrays: Numba's parallel array analysis
+    forbids re-binding a name to a differently shaped array).
 
     Every buffer comes from ``np.empty`` of a 2-D shape (the row statistics are rows of one
     array) and is filled by loops: each other allocation form (``np.zeros``, ``np.full``, a 1-D

@@ -21,7 +21,8 @@ on a Numba whose code libraries lack the methods used here (then fastpe compiles
 
 from __future__ import annotations
 
-from numba.core import event
+from collections.abc import Callable
+
 from numba.core.registry import cpu_target
 
 # the names Numba gives the loop body's library (the body function's name), the chunk wrapper's
@@ -48,30 +49,10 @@ def _parfor_intermediate(name) -> bool:
     )
 
 
-class _OurCompiles(event.Listener):
-    """Whether the outermost compile running now is one of fastpe's kernels."""
-
-    def __init__(self, package: str):
-        self._package = package
-        self._depth = 0  # compiles run under Numba's global compiler lock: one thread at a time
-        self.active = False
-
-    def on_start(self, ev):
-        self._depth += 1
-        if self._depth == 1:
-            func = getattr(ev.data["dispatcher"], "py_func", None)
-            module = getattr(func, "__module__", "") or ""
-            self.active = module.startswith(self._package)
-
-    def on_end(self, ev):
-        self._depth -= 1
-        if self._depth == 0:
-            self.active = False
-
-
-def install(package: str) -> bool:
-    """Finalise the parfor intermediates of kernels from ``package`` as link-only; False where
-    this Numba does not have what it needs (nothing is changed then)."""
+def install(compiling_ours: Callable[[], bool]) -> bool:
+    """Finalise the parfor intermediates as link-only while ``compiling_ours()`` (the outermost
+    compile running is one of fastpe's kernels); False where this Numba does not have what it
+    needs (nothing is changed then)."""
     codegen = cpu_target.target_context.codegen()
     base = getattr(codegen, "_library_class", None)
     if (
@@ -82,14 +63,13 @@ def install(package: str) -> bool:
         return False
     if getattr(base, "_fastpe_link_only", False):  # installed already
         return True
-    ours = _OurCompiles(package)
 
     class LinkOnlyAwareLibrary(base):
         _fastpe_link_only = True
 
         def __init__(self, codegen, name):
             super().__init__(codegen, name)
-            self._link_only = ours.active and _parfor_intermediate(name)
+            self._link_only = compiling_ours() and _parfor_intermediate(name)
 
         def _optimize_final_module(self):
             if not self._link_only:  # a link-only module is optimised in the kernel
@@ -116,7 +96,6 @@ def install(package: str) -> bool:
         if codegen._engine.get_global_value_address(env_name):
             set_env(env_name, env)
 
-    event.register("numba:compile", ours)
     codegen._library_class = LinkOnlyAwareLibrary
     codegen.set_env = set_env_where_defined
     return True

@@ -562,6 +562,7 @@ class _CompileNotice(event.Listener):
     def __init__(self):
         self._depth = 0  # compiles run under Numba's global compiler lock: one thread at a time
         self._timer = None
+        self.compiling_ours = False  # the outermost compile running is a fastpe kernel's
 
     def on_start(self, ev):
         dispatcher = ev.data["dispatcher"]
@@ -569,6 +570,7 @@ class _CompileNotice(event.Listener):
         self._depth += 1
         if self._depth > 1 or not ours:
             return
+        self.compiling_ours = True
         name = kernel_name(dispatcher)
         compiled_kernels.append(name)
         if os.environ.get("FASTPE_QUIET_COMPILE", "") not in ("", "0"):
@@ -587,9 +589,11 @@ class _CompileNotice(event.Listener):
             if isinstance(cache, _KernelCache):
                 cache.release()
         self._depth -= 1
-        if self._depth == 0 and self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._depth == 0:
+            self.compiling_ours = False
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
 
 def _notice(name: str, dtype: str, where: str | None) -> None:
@@ -608,8 +612,9 @@ def _notice(name: str, dtype: str, where: str | None) -> None:
     )
 
 
-event.register("numba:compile", _CompileNotice())
-PARFOR_LINK_ONLY = _parfor_codegen.install(_KERNEL_PACKAGE)
+_compile_notice = _CompileNotice()
+event.register("numba:compile", _compile_notice)
+PARFOR_LINK_ONLY = _parfor_codegen.install(lambda: _compile_notice.compiling_ours)
 
 
 # --------------------------------------------------------------------------- the disk cache
