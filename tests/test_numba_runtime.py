@@ -741,3 +741,72 @@ def test_parallel_kernels_optimise_their_loop_body_once(tmp_path):
         """
     for loaded in (False, True):  # compile into the empty cache, then load from it
         run_script(script.format(loaded=loaded), tmp_path, env=env)
+
+
+def test_a_warm_process_loads_kernels_without_compiler_setup(tmp_path):
+    # Loading cached machine code skips what only compiling needs: Numba's context refresh
+    # (every registry it has) and scipy.linalg's package (only its cython_blas extension is
+    # loaded, for the kernels' products). The kernel still gives the oracle's values; a compile
+    # later in the process still sees every registry; scipy.linalg imported afterwards still
+    # exposes cython_blas as usual.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), FASTPE_QUIET_COMPILE="1")
+    script = tmp_path / "warm.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import numpy as np
+            import fastpe
+            from fastpe.kernels.numba import _runtime
+
+            rng = np.random.default_rng(3)
+            q, k, v = (rng.standard_normal((1, 4, 300, 32)).astype(np.float32) for _ in range(3))
+            expected = fastpe.attention(q, k, v, causal=True, backend="numpy")
+            got = fastpe.attention(q, k, v, causal=True, backend="numba")
+            assert np.allclose(got, expected, atol=1e-5, rtol=1e-5)
+            if sys.argv[1] == "fill":
+                print("ok")
+                sys.exit()
+
+            assert _runtime.compiled_kernels == [], _runtime.compiled_kernels
+            assert "scipy.linalg" not in sys.modules
+            assert "numba.np.arraymath" not in sys.modules  # refresh imports it
+
+            import numba
+
+            @numba.njit
+            def theirs(x):  # np.sort and np.median: registries the refresh installs
+                return np.median(np.sort(x))
+
+            assert theirs(np.array([3.0, 1.0, 2.0])) == 2.0
+            q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))  # a new compile
+            got64 = fastpe.attention(q64, k64, v64, causal=True, backend="numba")
+            expected64 = fastpe.attention(q64, k64, v64, causal=True, backend="numpy")
+            assert np.allclose(got64, expected64, atol=1e-12, rtol=1e-12)
+
+            import scipy.linalg.cython_blas
+
+            assert "sgemm" in scipy.linalg.cython_blas.__pyx_capi__
+            from scipy.linalg import cython_blas
+
+            assert cython_blas is sys.modules["scipy.linalg.cython_blas"]
+            a = np.arange(4.0).reshape(2, 2)
+            assert np.array_equal(scipy.linalg.blas.dgemm(1.0, a, a), a @ a)
+            print("ok")
+            """
+        )
+    )
+    for step in ("fill", "load"):
+        result = subprocess.run(
+            [sys.executable, str(script), step],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=TIMEOUT,
+            check=False,
+        )
+        assert result.returncode == 0 and "ok" in result.stdout.splitlines(), (
+            f"{step}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+        )

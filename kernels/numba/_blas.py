@@ -19,7 +19,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
-from numba.np.linalg import check_blas_return, ensure_blas, get_blas_kind
+
+from ._runtime import load_cython_blas
 
 _CHAR = ir.IntType(8)
 _VOID_P = ir.IntType(8).as_pointer()
@@ -44,7 +45,11 @@ def gemm(typingctx, c, a, b, trans_a, trans_b, beta):
         and isinstance(beta, types.Float)
     ):
         return None
-    ensure_blas()
+    # imported here, at typing: its module pulls in Numba's array implementations, which a
+    # process loading cached kernels never needs (tens of ms of its first call)
+    from numba.np.linalg import check_blas_return, get_blas_kind
+
+    load_cython_blas()  # what numba.np.linalg.ensure_blas checks, without scipy.linalg's package
     dtype = c.dtype
     kind = get_blas_kind(dtype, "gemm")
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import pathlib
@@ -54,6 +56,7 @@ from numba.core import config, event
 from numba.core import types as nbtypes
 from numba.core.caching import FunctionCache
 from numba.core.compiler_lock import global_compiler_lock
+from numba.core.runtime import rtsys
 
 from . import _parfor_codegen
 
@@ -375,16 +378,25 @@ class _KernelCache(FunctionCache):
         return (*super()._index_key(sig, codegen), _kernel_sources_digest())
 
     def load_overload(self, sig, target_context):
-        found = super().load_overload(sig, target_context)
+        found = self._load_cached(sig, target_context)
         if found is not None or self._held is not None or not self._enabled:
             return found
         self._held = _lock_file(os.path.join(self._cache_path, self._cache_file._index_name))
         if self._held is None:
             return None
-        found = super().load_overload(sig, target_context)  # saved while this process waited
+        found = self._load_cached(sig, target_context)  # saved while this process waited
         if found is not None:
             self.release()
         return found  # None: this process compiles it, under the lock
+
+    def _load_cached(self, sig, target_context):
+        # Numba's load_overload first refreshes the typing and target contexts: it imports and
+        # installs every registry Numba has (its np, cpython, typed and random
+        # implementations), a third of a warm process's first call. Loading machine code needs
+        # none of it, only the runtime its code links against; a compile refreshes them itself.
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
 
     def save_overload(self, sig, data):
         try:
@@ -472,10 +484,75 @@ def read_only(array):
 @functools.cache
 def _blas_controller():
     # the kernels' products call scipy's BLAS (_blas.gemm): load it first so the controller sees it
-    import scipy.linalg.cython_blas  # noqa: F401
+    load_cython_blas()
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController()
+
+
+_CYTHON_BLAS = "scipy.linalg.cython_blas"
+_cython_blas_lock = threading.Lock()
+
+
+def load_cython_blas() -> None:
+    """Imports SciPy's ``cython_blas``, the BLAS the kernels call through Numba's C helper
+    (which imports it by name at its first product).
+
+    Imported the usual way it runs ``scipy.linalg``'s package first: 0.2–0.3 s of imports
+    (f2py, numpy.testing, the array-API layer) that nothing here uses, a quarter of a warm
+    process's first kernel call. While ``scipy.linalg`` is not imported, the extension is loaded
+    alone, under its own name, and a finder on ``sys.meta_path`` makes a later import of
+    ``scipy.linalg`` expose it as its ``cython_blas`` attribute as usual. Anything unexpected
+    (another layout of SciPy) falls back to the usual import."""
+    with _cython_blas_lock:
+        if _CYTHON_BLAS in sys.modules:
+            return
+        if "scipy.linalg" not in sys.modules:
+            try:
+                _load_extension_alone(_CYTHON_BLAS)
+                return
+            except Exception:  # noqa: BLE001 - the usual import below says what is wrong
+                sys.modules.pop(_CYTHON_BLAS, None)
+        import scipy.linalg.cython_blas  # noqa: F401
+
+
+def _load_extension_alone(name: str) -> None:
+    import scipy
+
+    package, _, leaf = name.rpartition(".")
+    folder = os.path.join(os.path.dirname(scipy.__file__), *package.split(".")[1:])
+    spec = importlib.machinery.PathFinder.find_spec(name, [folder])
+    if spec is None or not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+        raise ImportError(f"{name} is not an extension module in {folder}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    sys.meta_path.insert(0, _AttachToPackage(package, leaf, module))
+
+
+class _AttachToPackage:
+    """A ``sys.meta_path`` finder that finds nothing itself: when ``package`` is imported, it
+    sets ``package.<leaf>`` to a submodule imported before it (the import system sets that
+    attribute only when it loads the submodule itself), then leaves ``sys.meta_path``."""
+
+    def __init__(self, package: str, leaf: str, module):
+        self.package, self.leaf, self.module = package, leaf, module
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.package:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_package = spec.loader.exec_module
+
+        def exec_module(module):
+            run_package(module)
+            setattr(module, self.leaf, self.module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 _blas_lock = threading.Lock()
