@@ -690,12 +690,13 @@ def test_processes_compile_a_kernel_once_and_a_failed_compile_frees_it(tmp_path)
     )
 
 
-def test_parallel_kernels_optimise_their_loop_body_once(tmp_path):
-    # Numba wraps a prange loop's body in three libraries before the kernel links them, and
-    # each re-optimised and emitted the whole body; fastpe's kernels finalise those three as
-    # link-only (the kernel optimises and emits everything once). Other code's parallel
-    # functions in the same process keep Numba's own path; the kernel's cached machine code
-    # loads and runs in a new process.
+def test_kernels_are_optimised_once_with_what_they_call_linked_in(tmp_path):
+    # Numba finalises every library in full: each helper a kernel calls and the three libraries
+    # it wraps a prange body in, each re-optimised and emitted before the kernel links them and
+    # does it again. fastpe's kernels finalise all of those as link-only: LLVM's module passes
+    # run once per kernel (and once for Numba's runtime library). Other code's functions in the
+    # same process keep Numba's own path; the kernels' cached machine code loads and runs in a
+    # new process.
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
     env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     script = """
@@ -714,33 +715,117 @@ def test_parallel_kernels_optimise_their_loop_body_once(tmp_path):
             return [n for n in names if n.startswith("__numba_parfor_gufunc")
                     or n == "parallelgufuncwrapper" or "_GufuncWrapper" in n]
 
-        assert _runtime.PARFOR_LINK_ONLY
+        assert _runtime.LINK_ONLY
         assert table_ok(300)
+        assert attention_ok()  # a parallel kernel calling a dozen helpers
         compiled = list(_runtime.compiled_kernels)
         print("compiled", compiled)
         if {loaded}:
             assert compiled == [], compiled
         else:
-            assert compiled == ["sinusoidal_table._sinusoidal_table_numba"], compiled
-            assert intermediates(optimised) == [], optimised
-            assert any("sinusoidal_table_numba" in n for n in optimised), optimised
+            assert compiled == [
+                "sinusoidal_table._sinusoidal_table_numba", "attention._attention_numba"
+            ], compiled
+            assert [n for n in optimised if n != "nrt"] == [
+                "_sinusoidal_table_numba", "_attention_numba"
+            ], optimised
 
         optimised.clear()
+
+        @numba.njit
+        def their_helper(x):
+            return 2.0 * x
 
         @numba.njit(parallel=True)
         def theirs(x):
             out = np.empty_like(x)
             for i in numba.prange(x.shape[0]):
-                out[i] = 2.0 * x[i]
+                out[i] = their_helper(x[i])
             return out
 
         x = np.arange(1000.0)
         assert np.array_equal(theirs(x), 2.0 * x)
         assert len(intermediates(optimised)) == 3, optimised
+        assert "their_helper" in optimised, optimised
         print("ok")
         """
     for loaded in (False, True):  # compile into the empty cache, then load from it
         run_script(script.format(loaded=loaded), tmp_path, env=env)
+
+
+TOY_KERNELS = """
+import sys
+from fastpe.kernels.numba import _runtime
+
+sys.modules["fastpe.kernels.numba.toy"] = sys.modules[__name__]  # as if in fastpe's kernel folder
+
+def helper(x):
+    return 2.0 * x
+
+def kernel(x):
+    return helper(x) + 1.0
+
+def other_kernel(x):
+    return helper(x) - 1.0
+
+for f in (helper, kernel, other_kernel):
+    f.__module__ = "fastpe.kernels.numba.toy"
+helper = _runtime.njit(cache=True)(helper)
+kernel = _runtime.njit(cache=True)(kernel)
+other_kernel = _runtime.njit(cache=True)(other_kernel)
+"""
+
+
+def test_a_helper_compiled_inside_a_kernel_still_runs_from_python(tmp_path):
+    # A helper compiled inside a kernel's compile is link-only: code for the kernel to link, a
+    # null entry point, and LLVM bitcode in the disk cache. Calling it from Python afterwards
+    # (with the signature the kernel used) compiles it in full instead of jumping to that
+    # address, in that process and in a new one whose cache holds the bitcode; a kernel compiled
+    # in a new process links the cached helper without compiling it.
+    (tmp_path / "toy_kernels.py").write_text(TOY_KERNELS)  # once: Numba's cache keys its stamp
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path))
+    script = """
+        from fastpe.kernels.numba import _runtime
+        from fastpe.kernels.numba._link_only_codegen import is_link_only
+        from toy_kernels import helper, kernel, other_kernel
+        from numba.core import event
+
+        compiles = []  # every compile, nested ones included
+
+        class Record(event.Listener):
+            def on_start(self, ev):
+                compiles.append(ev.data["dispatcher"].py_func.__name__)
+
+            def on_end(self, ev):
+                pass
+
+        event.register("numba:compile", Record())
+
+        if {phase} == 0:  # empty cache
+            assert kernel(3.0) == 7.0
+            (compiled,) = helper.overloads.values()
+            assert is_link_only(compiled.library) == _runtime.LINK_ONLY
+            assert helper(3.0) == 6.0
+            (compiled,) = helper.overloads.values()
+            assert not is_link_only(compiled.library)
+            assert kernel(5.0) == 11.0
+            expected = ["kernel", "helper", "helper"]
+        elif {phase} == 1:  # the helper's cache entry is its full compile: start again
+            import shutil
+            shutil.rmtree(os.environ["NUMBA_CACHE_DIR"])
+            assert kernel(3.0) == 7.0
+            expected = ["kernel", "helper"]
+        else:  # the cache holds the kernel and the helper's code to link
+            assert other_kernel(3.0) == 5.0  # links the cached helper
+            assert helper(3.0) == 6.0  # a Python call does not load the bitcode entry
+            assert kernel(3.0) == 7.0  # loaded
+            expected = ["other_kernel", "helper"]
+        assert compiles == expected, compiles
+        print("ok")
+        """
+    for phase in (0, 1, 2):
+        run_script(script.format(phase=phase), tmp_path, env=env)
 
 
 def test_a_warm_process_loads_kernels_without_compiler_setup(tmp_path):

@@ -30,8 +30,11 @@ threading layer is chosen before Numba launches its threads; ``import fastpe`` n
   cached, and that ``fastpe warmup`` compiles ahead — unless FASTPE_QUIET_COMPILE=1. Every
   compile of a fastpe kernel is also recorded in ``compiled_kernels`` (warmup and the tests count
   them).
-- LLVM passes: a parallel kernel's loop body is optimised and emitted once, in the kernel, not
-  again in each of the libraries Numba wraps it in (``_parfor_codegen``).
+- LLVM passes: a kernel is optimised and emitted once, with its helpers and its parallel loop
+  body linked in, not again in each of the libraries Numba makes for them
+  (``_link_only_codegen``); fastpe's dispatchers keep those link-only overloads away from Python
+  calls (``_KernelDispatcher``), and the disk cache keeps a helper's code to link, never loaded
+  for a Python call.
 """
 
 from __future__ import annotations
@@ -52,13 +55,15 @@ import warnings
 import weakref
 
 import numba
-from numba.core import config, event
+from numba.core import config, event, sigutils
 from numba.core import types as nbtypes
 from numba.core.caching import FunctionCache
 from numba.core.compiler_lock import global_compiler_lock
+from numba.core.registry import CPUDispatcher
 from numba.core.runtime import rtsys
 
-from . import _parfor_codegen
+from . import _link_only_codegen
+from ._link_only_codegen import is_link_only
 
 # Numba's own default order; any other value was put there by the user (config file or code)
 _DEFAULT_PRIORITY = ["tbb", "omp", "workqueue"]
@@ -396,7 +401,10 @@ class _KernelCache(FunctionCache):
         # none of it, only the runtime its code links against; a compile refreshes them itself.
         rtsys.initialize(target_context)
         with self._guard_against_spurious_io_errors():
-            return self._load_overload(sig, target_context)
+            found = self._load_overload(sig, target_context)
+        if found is not None and is_link_only(found.library) and not _compile_notice.depth:
+            return None  # code to link, saved by a kernel's compile: a Python call needs more
+        return found
 
     def save_overload(self, sig, data):
         try:
@@ -444,8 +452,34 @@ def _lock_file(index_path: str):
         delay = min(delay * 2, 0.25)
 
 
+class _KernelDispatcher(CPUDispatcher):
+    """Numba's dispatcher, for link-only overloads (``_link_only_codegen``): a helper compiled
+    inside a kernel's compile has code to link and no machine code, so its entry point is a null
+    address. Such an overload serves the compiles of the kernels that call the helper (their
+    typing finds it in ``overloads``) but stays out of the table Python calls are dispatched
+    through; a call from Python with that signature (the tests call helpers directly) drops it
+    and compiles the helper in full."""
+
+    def add_overload(self, cres):
+        if is_link_only(cres.library):
+            self.overloads[tuple(cres.signature.args)] = cres
+        else:
+            super().add_overload(cres)
+
+    def compile(self, sig):
+        with global_compiler_lock:  # (reentrant) no other thread's compile changes depth now
+            if _compile_notice.depth == 0:  # not inside a compile: a call from Python
+                args = tuple(sigutils.normalize_signature(sig)[0])
+                existing = self.overloads.get(args)
+                if existing is not None and is_link_only(existing.library):
+                    del self.overloads[args]
+            return super().compile(sig)
+
+
 def _dispatcher(func, options: dict, cache: bool):
     dispatcher = numba.njit(**options)(func)
+    if type(dispatcher) is CPUDispatcher:  # not under NUMBA_DISABLE_JIT
+        dispatcher.__class__ = _KernelDispatcher
     if cache and hasattr(dispatcher, "enable_caching"):  # not under NUMBA_DISABLE_JIT
         try:
             dispatcher._cache = _KernelCache(dispatcher.py_func)  # what enable_caching() sets
@@ -637,15 +671,15 @@ class _CompileNotice(event.Listener):
     ctypes, which releases the GIL, so the timer fires on time."""
 
     def __init__(self):
-        self._depth = 0  # compiles run under Numba's global compiler lock: one thread at a time
+        self.depth = 0  # compiles run under Numba's global compiler lock: one thread at a time
         self._timer = None
         self.compiling_ours = False  # the outermost compile running is a fastpe kernel's
 
     def on_start(self, ev):
         dispatcher = ev.data["dispatcher"]
         ours = getattr(dispatcher.py_func, "__module__", "").startswith(_KERNEL_PACKAGE)
-        self._depth += 1
-        if self._depth > 1 or not ours:
+        self.depth += 1
+        if self.depth > 1 or not ours:
             return
         self.compiling_ours = True
         name = kernel_name(dispatcher)
@@ -665,8 +699,8 @@ class _CompileNotice(event.Listener):
             cache = getattr(ev.data["dispatcher"], "_cache", None)
             if isinstance(cache, _KernelCache):
                 cache.release()
-        self._depth -= 1
-        if self._depth == 0:
+        self.depth -= 1
+        if self.depth == 0:
             self.compiling_ours = False
             if self._timer is not None:
                 self._timer.cancel()
@@ -691,7 +725,10 @@ def _notice(name: str, dtype: str, where: str | None) -> None:
 
 _compile_notice = _CompileNotice()
 event.register("numba:compile", _compile_notice)
-PARFOR_LINK_ONLY = _parfor_codegen.install(lambda: _compile_notice.compiling_ours)
+LINK_ONLY = _link_only_codegen.install(
+    compiling_ours=lambda: _compile_notice.compiling_ours,
+    compiling_nested=lambda: _compile_notice.depth > 1,
+)
 
 
 # --------------------------------------------------------------------------- the disk cache
