@@ -13,15 +13,16 @@ own machine code ever runs. Two kinds of library are finalised that way for noth
 
 While one of fastpe's kernels compiles, both kinds are finalised as link-only: their functions
 keep Numba's per-function optimisation and are linked into the kernel, which optimises and
-emits the whole once (docs/first-calls.md has the time it saves). Nothing asks them
-for machine code except Numba's bookkeeping, which builds an entry point for each: its address
-is 0 (Numba's answer for an undefined symbol). fastpe's dispatchers keep such an overload out
+emits the whole once (docs/first-calls.md has the time it saves). They also go without the
+wrappers Numba builds around every function for calls from Python and through C function
+pointers. Numba's bookkeeping still asks each for the address of its Python entry point: it is
+0 (Numba's answer for an undefined symbol), and fastpe's dispatchers keep such an overload out
 of the table that Python calls go through (``_runtime._KernelDispatcher``). The disk cache
 keeps a helper's code to link (LLVM bitcode) instead of machine code, so that a kernel compiled
 later, in another process, links the helper without typing it again; a Python call never loads
-such an entry. The environment pointer a link-only function's code reads (in error paths)
-is set once the kernel that holds its code is in the JIT engine, as Numba sets a cached
-kernel's when loading it.
+such an entry. The environment pointer a link-only function's code reads (in error paths) is
+set once the kernel that holds its code is in the JIT engine, as Numba sets a cached kernel's
+when loading it.
 
 Other programs' Numba compiles in the same process are left as they are, and so is everything
 on a Numba whose code libraries lack the methods used here (then fastpe compiles as before).
@@ -33,6 +34,7 @@ import weakref
 from collections.abc import Callable
 
 from llvmlite import binding as llvm
+from numba.core import lowering
 from numba.core.registry import cpu_target
 
 # the names Numba gives the loop body's library (the body function's name), the chunk wrapper's
@@ -41,6 +43,7 @@ _BODY_PREFIX = "__numba_parfor_gufunc"
 _CHUNK_WRAPPER_PREFIX = "<numba.np.ufunc.wrappers._GufuncWrapper"
 _POOL_WRAPPER_NAME = "parallelgufuncwrapper"
 
+_WRAPPERS = ("create_cpython_wrapper", "create_cfunc_wrapper")  # Lower's entry-point builders
 _LINK_ONLY_KIND = "fastpe-link-only"  # a cache entry holding a link-only library's code to link
 
 _NEEDED = (
@@ -79,6 +82,7 @@ def install(compiling_ours: Callable[[], bool], compiling_nested: Callable[[], b
         base is None
         or not all(hasattr(base, name) for name in _NEEDED)
         or not hasattr(codegen, "set_env")
+        or not all(hasattr(lowering.Lower, name) for name in _WRAPPERS)
     ):
         return False
     if getattr(base, "_fastpe_link_only", False):  # installed already
@@ -145,4 +149,18 @@ def install(compiling_ours: Callable[[], bool], compiling_nested: Callable[[], b
 
     codegen._library_class = LinkOnlyAwareLibrary
     codegen.set_env = set_env_when_defined
+    for name in _WRAPPERS:
+        setattr(lowering.Lower, name, _not_for_link_only(getattr(lowering.Lower, name)))
     return True
+
+
+def _not_for_link_only(make_wrapper):
+    """``make_wrapper`` (a Lower method building an entry point for calls from Python or through
+    a C function pointer), skipped for a link-only library: it would never run, and building,
+    optimising and parsing it was a tenth of a helper's compile."""
+
+    def unless_link_only(lower, *args, **kwargs):
+        if not is_link_only(lower.library):
+            make_wrapper(lower, *args, **kwargs)
+
+    return unless_link_only
