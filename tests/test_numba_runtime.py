@@ -861,14 +861,14 @@ def test_a_warm_process_loads_kernels_without_compiler_setup(tmp_path):
             import numba
 
             @numba.njit
-            def theirs(x):  # np.sort and np.median: registries the refresh installs
-                return np.median(np.sort(x))
+            def theirs(x):  # np.sum and array arithmetic: registries the refresh installs
+                return np.sum(2.0 * x)
 
-            assert theirs(np.array([3.0, 1.0, 2.0])) == 2.0
-            q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))  # a new compile
-            got64 = fastpe.attention(q64, k64, v64, causal=True, backend="numba")
-            expected64 = fastpe.attention(q64, k64, v64, causal=True, backend="numpy")
-            assert np.allclose(got64, expected64, atol=1e-12, rtol=1e-12)
+            assert theirs(np.array([3.0, 1.0, 2.0])) == 12.0
+            table = fastpe.sinusoidal_table(300, 16, backend="numba")  # a new fastpe compile
+            assert _runtime.compiled_kernels == ["sinusoidal_table._sinusoidal_table_numba"]
+            expected_table = fastpe.sinusoidal_table(300, 16, backend="numpy")
+            assert np.allclose(table, expected_table, atol=1e-6, rtol=0)
 
             import scipy.linalg.cython_blas
 
