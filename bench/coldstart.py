@@ -106,17 +106,22 @@ print(json.dumps({"first call": time.perf_counter() - t}))
 """
 
 
-def run_child(code: str, cache_root: str) -> dict:
-    """Run ``code`` in a new process with every compile cache under ``cache_root``."""
+def child_env(cache_root: str) -> dict:
+    """This environment with every compile cache under ``cache_root``, compile notices off."""
     env = dict(os.environ)
     for name in ("NUMBA_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         env[name] = os.path.join(cache_root, name.lower())
     env["FASTPE_QUIET_COMPILE"] = "1"  # the notice would only clutter the table
+    return env
+
+
+def run_child(code: str, cache_root: str) -> dict:
+    """Run ``code`` in a new process with every compile cache under ``cache_root``."""
     result = subprocess.run(
         [sys.executable, "-c", "import json\n" + textwrap.dedent(code)],
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(cache_root),
         check=False,
     )
     if result.returncode != 0:

@@ -1,4 +1,4 @@
-"""One first call in a fresh child process, printed for ``bench/ab_processes.py``.
+"""One first call in fresh child processes, printed for ``bench/ab_processes.py``.
 
     python bench/first_call.py cold    # first float32 attention call, empty cache
     python bench/first_call.py warm    # the same call from a warm cache (filled once per checkout)
@@ -6,15 +6,15 @@
                                        # built-in attention(causal, softcap), in one empty cache
 
 Each prints ``  NAME median T ms`` lines (one measurement each: ``ab_processes.py`` runs it once
-per round, alternating two checkouts). ``warm`` keeps its cache under the temporary directory,
-named after the checkout, so that two checkouts never share one; ``bench/coldstart.py`` gives
-medians of these first calls on one checkout.
+per round, alternating two checkouts). The calls and cache settings are ``bench/coldstart.py``'s,
+which gives medians of these first calls on one checkout. ``warm`` keeps its cache under the
+temporary directory, named after the checkout, so that two checkouts never share one.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -22,54 +22,39 @@ import sys
 import tempfile
 from pathlib import Path
 
-ATTENTION = """
-import json, time
-import numpy as np, fastpe
-rng = np.random.default_rng(0)
-q, k, v = (rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3))
-t = time.perf_counter()
-fastpe.attention(q, k, v, causal=True)
-print(json.dumps(time.perf_counter() - t))
-"""
-
-
-def child(code: str, cache: str) -> str:
-    env = {**os.environ, "NUMBA_CACHE_DIR": cache, "FASTPE_QUIET_COMPILE": "1"}
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
-    ).stdout
+from coldstart import ATTENTION, child_env, run_child
 
 
 def main() -> None:
-    mode = sys.argv[1] if len(sys.argv) > 1 else "cold"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("cold", "warm", "flex"), help="%(choices)s")
+    mode = parser.parse_args().mode
     if mode == "cold":
-        with tempfile.TemporaryDirectory() as cache:
-            seconds = json.loads(child(ATTENTION, cache).splitlines()[-1])
+        with tempfile.TemporaryDirectory() as root:
+            seconds = run_child(ATTENTION, root)["first call"]
         print(f"  cold first attention median {1000 * seconds:.1f} ms")
     elif mode == "warm":
         import fastpe  # which checkout this interpreter maps fastpe to
 
         tree = hashlib.sha1(str(Path(fastpe.__file__).parent).encode()).hexdigest()[:8]
-        cache = os.path.join(tempfile.gettempdir(), f"fastpe-first-call-{tree}")
-        if not os.path.isdir(cache):
-            child(ATTENTION, cache)
-        seconds = json.loads(child(ATTENTION, cache).splitlines()[-1])
+        root = os.path.join(tempfile.gettempdir(), f"fastpe-first-call-{tree}")
+        if not os.path.isdir(child_env(root)["NUMBA_CACHE_DIR"]):
+            run_child(ATTENTION, root)  # fills the cache
+        seconds = run_child(ATTENTION, root)["first call"]
         print(f"  warm first attention median {1000 * seconds:.1f} ms")
-    elif mode == "flex":
+    else:
         script = str(Path(__file__).with_name("flex_attention.py"))
-        with tempfile.TemporaryDirectory() as cache:
+        with tempfile.TemporaryDirectory() as root:
             for case in ("flex", "flex-window", "builtin"):
                 out = subprocess.run(
                     [sys.executable, script, "--seq", "1024", "--first-call", case],
-                    env={**os.environ, "NUMBA_CACHE_DIR": cache, "FASTPE_QUIET_COMPILE": "1"},
+                    env=child_env(root),
                     check=True,
                     capture_output=True,
                     text=True,
                 ).stdout
                 wall = float(re.search(r"wall ([\d.]+) s", out).group(1))
                 print(f"  {case} median {1000 * wall:.0f} ms")
-    else:
-        sys.exit(f"unknown mode {mode!r}: cold, warm or flex")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     python bench/ab_processes.py --before VENV_BEFORE/bin/python:CHECKOUT_BEFORE \\
         --after .venv/bin/python:. --script $PWD/bench/kernel_speed.py --rounds 6
 
-Prints ``  NAME median T ms`` over 15 calls per case (after one untimed call), for
-``ab_processes.py`` to alternate between two checkouts. The kernel cache lives under the
+Prints ``  NAME median T ms`` over 15 calls per case (after one untimed call; the cases take
+turns, ``_interleaved.rounds``), for ``ab_processes.py`` to alternate between two checkouts. The kernel cache lives under the
 temporary directory, named after the checkout, so the first round compiles and the later ones
 load; torch runs on 2 threads.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import fastpe
@@ -24,6 +23,7 @@ os.environ["NUMBA_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"fastpe-spe
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _interleaved import rounds  # noqa: E402
 
 
 def main() -> None:
@@ -57,15 +57,9 @@ def main() -> None:
         "fwd+bwd 512": forward_backward,
         "apply_rope 1024": lambda: fastpe.apply_rope(x, cos, sin),
     }
-    for call in cases.values():
-        call()
-    for name, call in cases.items():
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        print(f"  {name} median {np.median(times) * 1e3:.3f} ms", flush=True)
+    times = rounds(cases, n_rounds=15, calls=1)  # each case once per round, in turn
+    for name, seconds in times.items():
+        print(f"  {name} median {np.median(seconds) * 1e3:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

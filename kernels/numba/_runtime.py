@@ -402,7 +402,7 @@ class _KernelCache(FunctionCache):
         rtsys.initialize(target_context)
         with self._guard_against_spurious_io_errors():
             found = self._load_overload(sig, target_context)
-        if found is not None and is_link_only(found.library) and not _compile_notice.depth:
+        if found is not None and is_link_only(found.library) and _compile_notice.idle:
             return None  # code to link, saved by a kernel's compile: a Python call needs more
         return found
 
@@ -468,7 +468,7 @@ class _KernelDispatcher(CPUDispatcher):
 
     def compile(self, sig):
         with global_compiler_lock:  # (reentrant) no other thread's compile changes depth now
-            if _compile_notice.depth == 0:  # not inside a compile: a call from Python
+            if _compile_notice.idle:  # not inside a compile: a call from Python
                 args = tuple(sigutils.normalize_signature(sig)[0])
                 existing = self.overloads.get(args)
                 if existing is not None and is_link_only(existing.library):
@@ -674,6 +674,11 @@ class _CompileNotice(event.Listener):
         self.depth = 0  # compiles run under Numba's global compiler lock: one thread at a time
         self._timer = None
         self.compiling_ours = False  # the outermost compile running is a fastpe kernel's
+
+    @property
+    def idle(self) -> bool:
+        """No compile is running (read under the compiler lock: in this thread, none)."""
+        return self.depth == 0
 
     def on_start(self, ev):
         dispatcher = ev.data["dispatcher"]

@@ -7,11 +7,12 @@ One work item = (batch, kv head, block of query positions, slice of keys). The i
 ``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
 read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ through BLAS
 (``_blas.gemm``, into a preallocated tile), masks/biases on S, an online softmax with a
-vectorisable exp2, then O += P·V, BLAS adding into the accumulator. Scores are in log2 units (log2 e folded into the
-query scale), or in natural units when a float mask holds values too large to be multiplied by
-log2 e (transformers' finfo.min masks): every finite mask value stays a finite score. The causal
-rule is the window's right edge at 0: key tiles outside a block's window (above the causal
-diagonal, or before a sliding window) are never visited; only tiles crossing an edge are masked.
+vectorisable exp2, then O += P·V, BLAS adding into the accumulator. Scores are in log2 units
+(log2 e folded into the query scale), or in natural units when a float mask holds values too
+large to be multiplied by log2 e (transformers' finfo.min masks): every finite mask value
+stays a finite score. The causal rule is the window's right edge at 0: key tiles outside a
+block's window (above the causal diagonal, or before a sliding window) are never visited; only
+tiles crossing an edge are masked.
 When B·Hkv·(query blocks) leaves cores idle (decoding), keys are split across items and the
 partial results are merged with the log-sum-exp rule of ``merge_attention``; an attention sink
 joins the first split's result only, so that it counts once.
