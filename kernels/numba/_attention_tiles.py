@@ -16,6 +16,7 @@ from fastpe.kernels.numba._attention_common import (
 )
 from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._panels import panel_product
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
 from numba.extending import overload
@@ -137,6 +138,20 @@ def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, 
         gemm(acc, p, vt, False, False, 1.0)
 
 
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_panels(
+    qt, k_panels, v_panels, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
+):
+    """``_attend_tile`` on keys and values packed in panels (``_panels``): k_panels holds
+    Kᵀ of keys j0 … j0 + n - 1 from its first column (j0 a multiple of the panel width),
+    v_panels their values."""
+    n = s.shape[1]
+    panel_product(s, qt, k_panels, False)
+    _modify_scores(s, mods, tile, j0, n, is_f32)
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+    panel_product(acc, p, v_panels, True)
+
+
 @njit(cache=True)
 def _row_buffers(like, m, dv, block_n, tail):
     """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
@@ -164,15 +179,21 @@ def _row_buffers(like, m, dv, block_n, tail):
     return acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail
 
 
+# the dense kernel's key tiles start at multiples of this: the panel width of float32 keys
+KEY_ALIGN = 16
+
+
 @njit(cache=True)
-def _split_key_range(mods, tile, block_n, split, n_splits):
+def _split_key_range(mods, tile, block_n, split, n_splits, key_align):
     """[j_begin, j_stop): split ``split`` of ``n_splits`` of the keys that the queries of a
     ``RowTile`` can see (below its sequence's length and within their windows), cut in whole
-    key tiles of ``block_n``."""
+    key tiles of ``block_n`` from a multiple of ``key_align``: the keys this adds before a
+    window are masked as in any tile crossing the window's edge (the dense kernel aligns its
+    tiles on whole panels of packed keys; a paged cache may hold no page for them)."""
     b, _, _, i0, npos = tile
     first_pos, length = i0 + mods.query_shift[b], mods.key_len[b]
     win_left, win_right = mods.win_left, mods.win_right
-    j_lo = max(first_pos - win_left, 0)
+    j_lo = max(first_pos - win_left, 0) // key_align * key_align
     j_end = max(min(length, first_pos + npos + win_right), j_lo)
     tiles = (j_end - j_lo + block_n - 1) // block_n
     per_split = (tiles + n_splits - 1) // n_splits

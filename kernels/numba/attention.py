@@ -24,13 +24,13 @@ The score modifiers travel as one ``ScoreMods`` record and the score math lives 
 
 from __future__ import annotations
 
-import contextlib
-
 import numba
 import numpy as np
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, dense_score_mods
 from fastpe.kernels.numba._attention_tiles import (
+    KEY_ALIGN,
     SMALL_ROWS,
+    _attend_panels,
     _attend_tile,
     _finish_rows,
     _is_half,
@@ -41,15 +41,32 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from fastpe.kernels.numba._panels import pack_key_panels, pack_value_panels, panel_width
+from fastpe.kernels.numba._runtime import njit
 from numba import prange
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32):
     batch, hq, sq, d = q.shape
-    hkv, dv = k.shape[1], v.shape[3]
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
+    # Row tiles wider than SMALL_ROWS multiply K and V packed in panels, once per call for
+    # every query block of a kv head (empty when no tile is that wide: decoding reads K and V
+    # once, in place)
+    width = panel_width(part_out)
+    packed = group * block_m > SMALL_ROWS
+    k_panels = np.empty(
+        (batch, hkv, (sk + width - 1) // width if packed else 0, d, width), part_out.dtype
+    )
+    v_panels = np.empty(
+        (batch, hkv, (dv + width - 1) // width if packed else 0, sk, width), part_out.dtype
+    )
+    if packed:
+        for head in prange(batch * hkv):
+            b, hk = head // hkv, head % hkv
+            pack_key_panels(k, b, hk, k_panels[b, hk])
+            pack_value_panels(v, b, hk, v_panels[b, hk])
     n_mblocks = (sq + block_m - 1) // block_m
     for item in prange(batch * hkv * n_mblocks * n_splits):
         split = item % n_splits
@@ -62,7 +79,7 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
         npos = min(block_m, sq - i0)
         m = group * npos
         tile = RowTile(b, hk, group, i0, npos)
-        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, KEY_ALIGN)
 
         qt = np.empty((m, d), dtype=part_out.dtype)
         scale_units = part_out.dtype.type(mods.scale * mods.unit)
@@ -74,16 +91,23 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             part_out, m, dv, block_n, tail
         )
-        # widened k/v tiles for half inputs (empty, and unused, for float ones)
-        k_tile = np.empty((block_n if _is_half(k) else 0, d), dtype=part_out.dtype)
-        v_tile = np.empty((block_n if _is_half(v) else 0, dv), dtype=part_out.dtype)
+        few_rows = m <= SMALL_ROWS  # read K and V in place (widened tile by tile if half)
+        k_tile = np.empty((block_n if few_rows and _is_half(k) else 0, d), part_out.dtype)
+        v_tile = np.empty((block_n if few_rows and _is_half(v) else 0, dv), part_out.dtype)
         for j0 in range(j_begin, j_stop, block_n):
             full = j_stop - j0 >= block_n
             n = block_n if full else tail
-            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
-            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
             s, p = (s_full, p_full) if full else (s_tail, p_tail)
-            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            if few_rows:
+                kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+                vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
+                _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            else:
+                kp = k_panels[b, hk, j0 // width : (j0 + n + width - 1) // width]
+                vp = v_panels[b, hk, :, j0 : j0 + n]
+                _attend_panels(
+                    qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
+                )
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, split == 0)
 
@@ -103,7 +127,8 @@ def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
     """
     block_m = max(1, min(sq, max(128 // group, 16)))
     block_n = 256
-    return block_m, min(block_n, max(sk, 1))
+    # a multiple of KEY_ALIGN, so that every key tile starts on a panel of packed keys
+    return block_m, min(block_n, -(-max(sk, 1) // KEY_ALIGN) * KEY_ALIGN)
 
 
 def _largest_finite_magnitude(mask):
@@ -164,13 +189,8 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     # exp(part_lse - lse), and an lse of size ~40 rounded to float32 is alone a relative 1e-6
     # error of that weight (as large as torch's whole float32 error on a decode step)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
-    # rows of a tile: the query heads of a kv head times the positions of a query block; tiles
-    # of at most SMALL_ROWS rows never call BLAS, so they need no limit on its threads
-    uses_blas = group * block_m > SMALL_ROWS
-    # Numba's threads already fill the cores: a threaded BLAS inside them would oversubscribe
-    with single_threaded_blas() if uses_blas else contextlib.nullcontext():
-        kernel = _attention_numba.serial if serial else _attention_numba
-        kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
+    kernel = _attention_numba.serial if serial else _attention_numba
+    kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

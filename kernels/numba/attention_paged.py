@@ -557,7 +557,7 @@ def _attention_paged_direct_numba(
         split = work_item % n_splits
         # the tile of kv head 0: its sequence and queries, which every kv head shares here
         tile, row0 = _item_span(rows, work_item // n_splits, 0, group, block_m)
-        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
         npos = tile.npos
         m = group * npos
         qt = np.empty((hkv, m, d), dtype=part_out.dtype)
@@ -624,7 +624,7 @@ def _attention_paged_numba(
         rest = work_item // n_splits
         hk = rest % hkv
         tile, row0 = _item_span(rows, rest // hkv, hk, group, block_m)
-        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits)
+        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
         b, npos = tile.b, tile.npos
         m = group * npos
         qt = np.empty((m, d), dtype=part_out.dtype)

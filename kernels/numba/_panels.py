@@ -1,0 +1,241 @@
+"""Tile matrix products on keys and values packed once per call: ``panel_product(c, a, panels,
+accumulate)`` computes ``c = a · B`` (or ``c += a · B``) where B [k, n] is held as column panels
+of ``PANEL`` columns, ``panels[p, t, :] = B[t, p·PANEL : (p + 1)·PANEL]`` (zero past n).
+
+The dense forward kernel packs K transposed (``panels[p, e, c]`` = key p·PANEL + c, dimension e:
+S = Q·Kᵀ) and V as it is (``panels[p, j, c]`` = key j, value dimension p·PANEL + c: O += P·V)
+once per call, and every query block of every head of a group reads them in place. BLAS instead
+packs both operands on every call — once per query block and key tile, a quarter of its time
+on these tile shapes — and packs each key tile again for every query block that reads it.
+
+The product is a register-blocked loop written in LLVM IR: a block of up to six rows of c by
+one panel (two vectors) stays in registers while the loop runs over K_BLOCK values of k, each
+step loading one panel row and broadcasting one element of each row of a; then the block is
+added to c. The attention kernels' speed with it: bench/results/cpu-2core-avx2-panel-products.txt.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ._half import _widen
+
+# elements of a panel: two 256-bit vectors of float32 (16) or of float64 (8)
+_LANES = {types.float32: 8, types.float64: 4}
+# rows of c held in registers at once: blocks of 6 (12 accumulator vectors of the 16 that AVX2
+# has), then one each of 4, 2 and 1 for the rest
+_ROW_BLOCKS = (6, 4, 2, 1)
+# terms summed in registers before they are added to c
+K_BLOCK = 32
+
+
+def panel_width(array):
+    """Columns per panel for ``array``'s dtype (a compile-time constant): 16 float32, 8 float64."""
+
+
+@overload(panel_width, inline="always")
+def _panel_width_impl(array):
+    width = 2 * _LANES[array.dtype]
+    return lambda array: width
+
+
+def _broadcast(builder, vec, x):
+    i32 = ir.IntType(32)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
+    mask = ir.Constant(ir.VectorType(i32, vec.count), [0] * vec.count)
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), mask)
+
+
+def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
+    """The inner loop of one register block: the sums over t in t_begin … t_end - 1 of
+    a[r, t] · panel[t, h·lanes:], as [r][h] vectors (zeros for an empty range)."""
+    flags = ("contract",)  # fused multiply-add; no other fast-math: NaN and inf stay exact
+    zeros = ir.Constant(vec, [0.0] * vec.count)
+    entry = builder.block
+    loop = builder.append_basic_block("panel_k")
+    done = builder.append_basic_block("panel_k_done")
+    builder.cbranch(builder.icmp_signed("<", t_begin, t_end), loop, done)
+    builder.position_at_end(loop)
+    t = builder.phi(intp)
+    t.add_incoming(t_begin, entry)
+    sums = [[builder.phi(vec) for _ in range(2)] for _ in a_rows]
+    for row in sums:
+        for phi in row:
+            phi.add_incoming(zeros, entry)
+    base = panel_row(t)
+    lanes = ir.Constant(intp, vec.count)
+    halves = [
+        builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+        for ptr in (base, builder.gep(base, [lanes]))
+    ]
+    new = []
+    for row, a_row in zip(sums, a_rows, strict=True):
+        x = _broadcast(builder, vec, builder.load(builder.gep(a_row, [t])))
+        new.append(
+            [builder.fadd(part, builder.fmul(x, half, flags=flags), flags=flags)
+             for part, half in zip(row, halves, strict=True)]
+        )  # fmt: skip
+    t_next = builder.add(t, ir.Constant(intp, 1))
+    loop_end = builder.block
+    t.add_incoming(t_next, loop_end)
+    for row, row_new in zip(sums, new, strict=True):
+        for phi, value in zip(row, row_new, strict=True):
+            phi.add_incoming(value, loop_end)
+    builder.cbranch(builder.icmp_signed("<", t_next, t_end), loop, done)
+    builder.position_at_end(done)
+    result = []
+    for row_new in new:
+        row = []
+        for value in row_new:
+            phi = builder.phi(vec)
+            phi.add_incoming(zeros, entry)
+            phi.add_incoming(value, loop_end)
+            row.append(phi)
+        result.append(row)
+    return result
+
+
+@intrinsic
+def panel_product(typingctx, c, a, panels, accumulate):
+    """c [m, n] = a [m, k] · B (accumulate false) or c += a · B (true), B [k, n] given as
+    ``panels`` [>= ceil(n / PANEL), k, PANEL]. One float dtype throughout; c and a 2-D and
+    panels 3-D, each with unit stride along its last axis (any other strides): the kernels
+    pass the arrays they allocated and packed, and nothing here checks the shapes."""
+    arrays = (c, a, panels)
+    if not all(isinstance(x, types.Array) for x in arrays):
+        return None
+    if len({x.dtype for x in arrays}) != 1 or c.dtype not in _LANES:
+        return None
+    if (c.ndim, a.ndim, panels.ndim) != (2, 2, 3) or not isinstance(accumulate, types.Boolean):
+        return None
+    lanes = _LANES[c.dtype]
+    width = 2 * lanes
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        element = context.get_value_type(signature.args[0].dtype)
+        vec = ir.VectorType(element, lanes)
+        c_arr, a_arr, p_arr = (
+            context.make_array(ty)(context, builder, value)
+            for ty, value in zip(signature.args[:3], args[:3], strict=True)
+        )
+        add_to_c = args[3]
+        const = lambda value: ir.Constant(intp, value)  # noqa: E731
+        itemsize = const(context.get_abi_sizeof(element))
+        m, n = cgutils.unpack_tuple(builder, c_arr.shape, 2)
+        k_count = cgutils.unpack_tuple(builder, a_arr.shape, 2)[1]
+        c_step = builder.sdiv(cgutils.unpack_tuple(builder, c_arr.strides, 2)[0], itemsize)
+        a_step = builder.sdiv(cgutils.unpack_tuple(builder, a_arr.strides, 2)[0], itemsize)
+        p_strides = cgutils.unpack_tuple(builder, p_arr.strides, 3)
+        panel_step, row_step = (builder.sdiv(s, itemsize) for s in p_strides[:2])
+
+        def block(first_row, rows, panel, whole):
+            """Rows first_row … + rows of c against one panel; ``whole``: all its columns
+            lie in c (else only those below n are read and written)."""
+            row_index = [builder.add(first_row, const(r)) for r in range(rows)]
+            a_rows = [builder.gep(a_arr.data, [builder.mul(r, a_step)]) for r in row_index]
+            col0 = builder.mul(panel, const(width))
+            c_rows = [
+                builder.gep(c_arr.data, [builder.add(builder.mul(r, c_step), col0)])
+                for r in row_index
+            ]
+            base = builder.gep(p_arr.data, [builder.mul(panel, panel_step)])
+            columns = builder.sub(n, col0)  # columns of this panel inside c
+            halves = [(h, const(h * lanes)) for h in range(2)]
+            # the sum over k in blocks of K_BLOCK terms, each summed from zero in registers
+            # and then added to c (as BLAS does): one running sum over all of k, or over k
+            # and the earlier tiles, doubled the rounding error of float32 attention
+            panel_row = lambda t: builder.gep(base, [builder.mul(t, row_step)])  # noqa: E731
+            k_blocks = builder.sdiv(builder.add(k_count, const(K_BLOCK - 1)), const(K_BLOCK))
+            k_blocks = builder.select(
+                builder.icmp_signed(">", k_blocks, const(0)), k_blocks, const(1)
+            )  # an empty k still writes c (zeros) when not accumulating
+            flags = ("contract",)
+            with cgutils.for_range(builder, k_blocks) as k_loop:
+                t_begin = builder.mul(k_loop.index, const(K_BLOCK))
+                t_end = builder.add(t_begin, const(K_BLOCK))
+                t_end = builder.select(builder.icmp_signed("<", t_end, k_count), t_end, k_count)
+                sums = _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end)
+                add = builder.or_(add_to_c, builder.icmp_signed(">", k_loop.index, const(0)))
+                for c_row, row in zip(c_rows, sums, strict=True):
+                    for (h, offset), value in zip(halves, row, strict=True):
+                        if whole:
+                            ptr = builder.bitcast(builder.gep(c_row, [offset]), vec.as_pointer())
+                            total = builder.fadd(builder.load(ptr, align=4), value, flags=flags)
+                            builder.store(builder.select(add, total, value), ptr, align=4)
+                            continue
+                        for lane in range(lanes):  # element by element, never past c's row
+                            col = const(h * lanes + lane)
+                            with builder.if_then(builder.icmp_signed("<", col, columns)):
+                                ptr = builder.gep(c_row, [col])
+                                x = builder.extract_element(
+                                    value, ir.Constant(ir.IntType(32), lane)
+                                )
+                                total = builder.fadd(builder.load(ptr), x, flags=flags)
+                                builder.store(builder.select(add, total, x), ptr)
+
+        def every_row(panel, whole):
+            most = _ROW_BLOCKS[0]
+            blocks = builder.sdiv(m, const(most))
+            with cgutils.for_range(builder, blocks) as loop:
+                block(builder.mul(loop.index, const(most)), most, panel, whole)
+            done = builder.mul(blocks, const(most))
+            for rows in _ROW_BLOCKS[1:]:  # the rest: at most one block of each
+                fits = builder.icmp_signed("<=", builder.add(done, const(rows)), m)
+                with builder.if_then(fits):
+                    block(done, rows, panel, whole)
+                done = builder.select(fits, builder.add(done, const(rows)), done)
+
+        whole_panels = builder.sdiv(n, const(width))
+        with cgutils.for_range(builder, whole_panels) as loop:
+            every_row(loop.index, True)
+        with builder.if_then(builder.icmp_signed("<", builder.mul(whole_panels, const(width)), n)):
+            every_row(whole_panels, False)
+        return context.get_dummy_value()
+
+    return types.none(c, a, panels, accumulate), codegen
+
+
+def pack_key_panels(k, b, hk, panels):
+    """panels[p, e, c] = key p·W + c of head hk of sequence b, dimension e (widened; zeros past
+    the last key): Kᵀ in panels of W = ``panel_width`` keys, the right operand of Q·Kᵀ."""
+
+
+@overload(pack_key_panels, inline="always")
+def _pack_key_panels_impl(k, b, hk, panels):
+    def pack(k, b, hk, panels):
+        keys, d = k.shape[2], k.shape[3]
+        width = panels.shape[2]
+        for p in range(panels.shape[0]):
+            for c in range(width):
+                j = p * width + c
+                if j < keys:
+                    for e in range(d):
+                        panels[p, e, c] = _widen(k[b, hk, j, e])
+                else:
+                    for e in range(d):
+                        panels[p, e, c] = 0.0
+
+    return pack
+
+
+def pack_value_panels(v, b, hk, panels):
+    """panels[p, j, c] = dimension p·W + c of value j of head hk of sequence b (widened; zeros
+    past the last dimension): V in panels of W columns, the right operand of P·V."""
+
+
+@overload(pack_value_panels, inline="always")
+def _pack_value_panels_impl(v, b, hk, panels):
+    def pack(v, b, hk, panels):
+        keys, dv = v.shape[2], v.shape[3]
+        width = panels.shape[2]
+        for p in range(panels.shape[0]):
+            for j in range(keys):
+                for c in range(width):
+                    e = p * width + c
+                    panels[p, j, c] = _widen(v[b, hk, j, e]) if e < dv else 0.0
+
+    return pack
