@@ -38,6 +38,9 @@ def main() -> None:
     q1, k_cache, v_cache = randn(8, 1, 32, 128), randn(8, 4096, 8, 128), randn(8, 4096, 8, 128)
     lengths = torch.full((8,), 4000, dtype=torch.int32)
     qg, kg, vg = (randn(1, 8, 512, 64).requires_grad_() for _ in range(3))
+    # packed prefill: three sequences of 512, 384 and 128 tokens, 8 heads of 64
+    packed = [randn(1024, 8, 64) for _ in range(3)]
+    cu_seqlens = torch.tensor([0, 512, 896, 1024], dtype=torch.int32)
     x = randn(1, 32, 1024, 128)
     cos, sin = (torch.from_numpy(t) for t in fastpe.rope_table(1024, 128))
 
@@ -53,6 +56,9 @@ def main() -> None:
         "attention bf16 causal": lambda: fastpe.attention(qb, kb, vb, causal=True),
         "kvcache decode B8 Sk4096": lambda: fastpe.attention_kvcache(
             q1, k_cache, v_cache, cache_seqlens=lengths, causal=True
+        ),
+        "varlen prefill 512+384+128": lambda: fastpe.attention_varlen(
+            *packed, cu_seqlens, cu_seqlens, max_seqlen_q=512, max_seqlen_k=512, causal=True
         ),
         "fwd+bwd 512": forward_backward,
         "apply_rope 1024": lambda: fastpe.apply_rope(x, cos, sin),

@@ -14,7 +14,6 @@ from fastpe.kernels.numba._attention_common import (
     _nearest_key_distance,
     _softmax_update,
 )
-from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._panels import panel_product
 from fastpe.kernels.numba._runtime import njit
@@ -23,8 +22,9 @@ from numba.extending import overload
 
 
 # Half-precision q/k/v travel as their bits (bfloat16 as uint16, float16 as int16: Numba has
-# neither type) and are widened to float32 as they are read, one query block and one key tile at
-# a time, into the scratch tiles BLAS multiplies: the full tensors are never converted.
+# neither type) and are widened to float32 as they are read: one query block and one key tile at
+# a time into scratch tiles, or into the panels of packed keys and values (``_panels``); the
+# tensors are never converted whole.
 def _load_tile(src, scratch):
     """A [n, d] tile of k or v as the compute dtype: ``src`` itself for float arrays, else
     widened into ``scratch[:n]``."""
@@ -56,9 +56,9 @@ def _load_tile_impl(src, scratch):
 
 
 # Row tiles up to this many rows (decoding: the query heads of one kv head at one position)
-# multiply by plain loops instead of BLAS: OpenBLAS packs the whole K / V tile on every call,
-# which for a few rows costs several times the multiply itself (measured 12 µs against 2-2.5 µs
-# per 4 x 256 x 128 product); from about 32 rows BLAS is faster.
+# multiply by plain loops on K and V as they are; wider ones by panel products (``_panels``).
+# Packing K and V into panels reads and writes them once more, which the products of a few rows
+# do not repay: decoding is bound by reading K and V once.
 SMALL_ROWS = 16
 
 
@@ -123,28 +123,21 @@ def _add_weighted_values_small(p, col, vt, hk, acc):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
-    """Keys j0 … j0 + n - 1 for one ``RowTile``: S = Q·Kᵀ, its modifiers, online-softmax update,
-    O += P·V."""
-    m, n = s.shape
-    if m <= SMALL_ROWS:
-        _scores_small(qt, kt[:, None], 0, s, 0)
-    else:
-        gemm(s, qt, kt, False, True, 0.0)
+    """Keys j0 … j0 + n - 1 for a ``RowTile`` of at most SMALL_ROWS rows, K and V as rows
+    (kt, vt [n, D]): S = Q·Kᵀ, its modifiers, online-softmax update, O += P·V."""
+    n = s.shape[1]
+    _scores_small(qt, kt[:, None], 0, s, 0)
     _modify_scores(s, mods, tile, j0, n, is_f32)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
-    if m <= SMALL_ROWS:
-        _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
-    else:
-        gemm(acc, p, vt, False, False, 1.0)
+    _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
 
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_panels(
     qt, k_panels, v_panels, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
 ):
-    """``_attend_tile`` on keys and values packed in panels (``_panels``): k_panels holds
-    Kᵀ of keys j0 … j0 + n - 1 from its first column (j0 a multiple of the panel width),
-    v_panels their values."""
+    """``_attend_tile`` for wider tiles, on keys and values in panels (``_panels``): k_panels
+    holds Kᵀ of keys j0 … j0 + n - 1 from its first column, v_panels their values."""
     n = s.shape[1]
     panel_product(s, qt, k_panels, False)
     _modify_scores(s, mods, tile, j0, n, is_f32)

@@ -5,9 +5,10 @@ Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]
 
 One work item = (batch, kv head, block of query positions, slice of keys). The item packs the
 ``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
-read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ through BLAS
-(``_blas.gemm``, into a preallocated tile), masks/biases on S, an online softmax with a
-vectorisable exp2, then O += P·V, BLAS adding into the accumulator. Scores are in log2 units
+read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ, masks/biases
+on S, an online softmax with a vectorisable exp2, then O += P·V. Wide row tiles multiply by
+panel products (``_panels``) on K and V packed once per call; narrow ones (decoding) by loops
+on K and V in place. Scores are in log2 units
 (log2 e folded into the query scale), or in natural units when a float mask holds values too
 large to be multiplied by log2 e (transformers' finfo.min masks): every finite mask value
 stays a finite score. The causal rule is the window's right edge at 0: key tiles outside a

@@ -24,8 +24,10 @@ sequence's length and unused block-table entries are never touched):
   read; float16 ones, and rows that are not C-contiguous, copied once per run: ``_loop_rows``),
   in runs of at most RUN_ROWS rows of one page, every head of a run before the next, with the
   next run prefetched, int8 scales with it (the hardware cannot guess where the next page lies);
-- larger tiles, one item per kv head: the key tiles are gathered (widened) into a scratch tile
-  and run through the forward kernel's tile step (``_attend_tile``: Q·Kᵀ and P·V by BLAS).
+- larger tiles, one item per kv head: each key tile is gathered (widened) into scratch panels
+  and run through the forward kernel's tile step (``_attend_panels``: Q·Kᵀ and P·V by panel
+  products), or as rows through the few-row step (``_attend_tile``) for a row tile that ends up
+  narrow (a sequence's last query block).
 
 Both share the score modifiers (``ScoreMods``, ``_modify_scores``), online softmax and final
 normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``).
@@ -33,7 +35,6 @@ normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import numba
@@ -49,6 +50,7 @@ from fastpe.kernels.numba._attention_common import (
 from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _add_weighted_values_small,
+    _attend_panels,
     _attend_tile,
     _finish_rows,
     _merge_splits_numba,
@@ -58,7 +60,8 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import E4M3_UNIT, _e4m3_finite_to_units, _widen
-from fastpe.kernels.numba._runtime import njit, single_threaded_blas
+from fastpe.kernels.numba._panels import panel_width
+from fastpe.kernels.numba._runtime import njit
 from fastpe.kernels.numba.attention import SERIAL_WORK
 from llvmlite import ir
 from numba import prange, types
@@ -130,6 +133,48 @@ def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst, scale):
                 target[c] = _widen(source[c]) * factor
         r += run
     return dst[:n]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _gather_key_panels(src, hk, b, j0, n, page_start, page_size, panels, scale):
+    """``_gather_keys`` into Kᵀ panels (``_panels``): panels[p, e, c] = element e of key
+    j0 + p·W + c, for the n keys from j0."""
+    width, d = panels.shape[2], src.shape[2]
+    r = 0
+    while r < n:
+        j = j0 + r
+        page = j // page_size
+        row = page_start[b, page] + j - page * page_size
+        run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        for t in range(run):
+            source = src[row + t, hk]
+            factor = panels.dtype.type(_scale_of(scale, b, row + t, hk))
+            panel, col = (r + t) // width, (r + t) % width
+            for e in range(d):
+                panels[panel, e, col] = _widen(source[e]) * factor
+        r += run
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _gather_value_panels(src, hk, b, j0, n, page_start, page_size, panels, scale):
+    """``_gather_keys`` into V panels (``_panels``): panels[p, r, c] = element p·W + c of value
+    j0 + r (zeros past the last element), for the n values from j0."""
+    width, dv = panels.shape[2], src.shape[2]
+    r = 0
+    while r < n:
+        j = j0 + r
+        page = j // page_size
+        row = page_start[b, page] + j - page * page_size
+        run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        for t in range(run):
+            source = src[row + t, hk]
+            factor = panels.dtype.type(_scale_of(scale, b, row + t, hk))
+            for panel in range(panels.shape[0]):
+                for col in range(width):
+                    e = panel * width + col
+                    value = _widen(source[e]) * factor if e < dv else 0.0
+                    panels[panel, r + t, col] = value
+        r += run
 
 
 def _prefetch_codegen(element_index):
@@ -637,14 +682,33 @@ def _attention_paged_numba(
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             part_out, m, dv, block_n, tail
         )
-        k_tile = np.empty((block_n, d), dtype=part_out.dtype)
-        v_tile = np.empty((block_n, dv), dtype=part_out.dtype)
+        # keys and values gathered (widened) per tile: as panels for the panel products of a
+        # wide row tile, as rows for the few-row loops of a narrow one (a sequence's last
+        # query block)
+        few_rows = m <= SMALL_ROWS
+        width = panel_width(part_out)
+        key_panels = (block_n + width - 1) // width
+        k_panels = np.empty((0 if few_rows else key_panels, d, width), part_out.dtype)
+        v_panels = np.empty(
+            (0 if few_rows else (dv + width - 1) // width, block_n, width), part_out.dtype
+        )
+        k_tile = np.empty((block_n if few_rows else 0, d), dtype=part_out.dtype)
+        v_tile = np.empty((block_n if few_rows else 0, dv), dtype=part_out.dtype)
+        pages, page_size = rows.page_start, rows.page_size
         for j0 in range(j_begin, j_stop, block_n):
             n = min(block_n, j_stop - j0)
-            kt = _gather_keys(k, hk, b, j0, n, rows.page_start, rows.page_size, k_tile, scales[0])
-            vt = _gather_keys(v, hk, b, j0, n, rows.page_start, rows.page_size, v_tile, scales[1])
             s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
-            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            if few_rows:
+                kt = _gather_keys(k, hk, b, j0, n, pages, page_size, k_tile, scales[0])
+                vt = _gather_keys(v, hk, b, j0, n, pages, page_size, v_tile, scales[1])
+                _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            else:
+                _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
+                _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
+                vp = v_panels[:, :n]
+                _attend_panels(
+                    qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
+                )
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
@@ -695,7 +759,7 @@ def attention_paged_numba(
     item_i0 = (
         np.arange(item_seq.shape[0]) - np.repeat(np.cumsum(blocks) - blocks, blocks)
     ) * block_m
-    # thin row tiles (decoding: at most SMALL_ROWS rows, multiplied by loops, never BLAS) read
+    # thin row tiles (decoding: at most SMALL_ROWS rows, multiplied by loops) read
     # k and v in place and take every kv head in one item, so that each cache row is read once
     # and in order; a call too small to be worth waking the pool runs whole on the calling
     # thread (the contiguous kernel's rule); else keys are split when the items cannot keep
@@ -724,21 +788,20 @@ def attention_paged_numba(
     kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
     if serial:
         kernel = kernel.serial
-    with contextlib.nullcontext() if direct else single_threaded_blas():
-        kernel(
-            q,
-            k,
-            v,
-            part_out,
-            part_lse,
-            rows,
-            mods,
-            block_m,
-            block_n,
-            n_splits,
-            dtype == np.float32,
-            (k_scale, v_scale),
-        )
+    kernel(
+        q,
+        k,
+        v,
+        part_out,
+        part_lse,
+        rows,
+        mods,
+        block_m,
+        block_n,
+        n_splits,
+        dtype == np.float32,
+        (k_scale, v_scale),
+    )
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]
     else:
