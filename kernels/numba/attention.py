@@ -122,9 +122,10 @@ SERIAL_WORK = 1 << 23
 def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
     """Query positions per tile (times `group` heads -> rows) and keys per tile.
 
-    128 rows x 256 keys (measured best on AVX-512 with OpenBLAS among 32-128 rows x 128-512
-    keys, D 64 and 128) keeps the Q, S/P and accumulator tiles in L2 while each BLAS call does
-    enough work to run near peak.
+    128 rows x 256 keys keeps the Q, S/P and accumulator tiles in L2 while each tile product
+    does enough work to run near peak (best with BLAS's products among 32-128 rows x 128-512
+    keys, D 64 and 128; with the panel products no size among 64-256 rows x 128-512 keys was
+    faster beyond the noise of a 2-core AVX2 machine).
     """
     block_m = max(1, min(sq, max(128 // group, 16)))
     block_n = 256
