@@ -43,7 +43,7 @@ SETTINGS = {
 }
 
 
-def measure(calls: int, cases: list[str]) -> dict:
+def measure(calls: int, cases: list[str], dtype: str = "float32") -> dict:
     """One process's ratios: {case: SDPA median / fastpe median}, and the threading layer."""
     import time
 
@@ -58,8 +58,10 @@ def measure(calls: int, cases: list[str]) -> dict:
     ratios = {}
     for name in cases:
         b, hq, hkv, sq, sk, d, causal = CASES[name]
-        q = torch.randn(b, hq, sq, d)
-        k, v = torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
+        dt = getattr(torch, dtype)
+        q = torch.randn(b, hq, sq, d).to(dt)
+        k, v = torch.randn(b, hkv, sk, d).to(dt), torch.randn(b, hkv, sk, d).to(dt)
+        tol = 1e-4 if dt == torch.float32 else 2e-2
 
         def ours(q=q, k=k, v=v, causal=causal):
             return fastpe.attention(q, k, v, causal=causal)
@@ -67,7 +69,7 @@ def measure(calls: int, cases: list[str]) -> dict:
         def sdpa(q=q, k=k, v=v, causal=causal):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
-        torch.testing.assert_close(ours(), sdpa(), atol=1e-4, rtol=1e-4)  # also compiles
+        torch.testing.assert_close(ours(), sdpa(), atol=tol, rtol=tol)  # also compiles
         times = {ours: [], sdpa: []}
         for _ in range(calls):
             for fn in (ours, sdpa):
@@ -87,10 +89,11 @@ def main() -> None:
         "--settings", nargs="+", choices=list(SETTINGS), default=["default", "tbb", "passive"]
     )
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.calls, args.cases)))
+        print(json.dumps(measure(args.calls, args.cases, args.dtype)))
         return
     print(f"command: python {' '.join(sys.argv)}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
@@ -101,8 +104,8 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for name in args.settings:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", "--calls", str(args.calls), "--cases"]
-                + args.cases,
+                [sys.executable, __file__, "--child", "--calls", str(args.calls)]
+                + ["--dtype", args.dtype, "--cases", *args.cases],
                 env={**base, **SETTINGS[name]},
                 capture_output=True,
                 text=True,

@@ -132,6 +132,11 @@ def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, 
     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
 
 
+# Q·Kᵀ sums over the head dim in parts of this many terms (``panel_product``): float32 scores
+# in one part had twice SDPA's error at head dim 128
+SCORE_SUM_TERMS = 32
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_panels(
     qt, k_panels, v_panels, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
@@ -139,10 +144,10 @@ def _attend_panels(
     """``_attend_tile`` for wider tiles, on keys and values in panels (``_panels``): k_panels
     holds Kᵀ of keys j0 … j0 + n - 1 from its first column, v_panels their values."""
     n = s.shape[1]
-    panel_product(s, qt, k_panels, False)
+    panel_product(s, qt, k_panels, False, SCORE_SUM_TERMS)
     _modify_scores(s, mods, tile, j0, n, is_f32)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
-    panel_product(acc, p, v_panels, True)
+    panel_product(acc, p, v_panels, True, n)  # the tile's weighted sum joins acc at once
 
 
 @njit(cache=True)

@@ -9,9 +9,9 @@ packs both operands on every call — once per query block and key tile, a quart
 on these tile shapes — and packs each key tile again for every query block that reads it.
 
 The product is a register-blocked loop written in LLVM IR: a block of up to six rows of c by
-one panel (two vectors) stays in registers while the loop runs over K_BLOCK values of k, each
-step loading one panel row and broadcasting one element of each row of a; then the block is
-added to c. The attention kernels' speed with it: bench/results/cpu-2core-avx2-panel-products.txt.
+one panel (two vectors) stays in registers while the loop runs over k (or a part of it: see
+``sum_terms``), each step loading one panel row and broadcasting one element of each row of a;
+then the block is stored or added to c. The attention kernels' speed with it: bench/results/cpu-2core-avx2-panel-products.txt.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ _LANES = {types.float32: 8, types.float64: 4}
 # rows of c held in registers at once: blocks of 6 (12 accumulator vectors of the 16 that AVX2
 # has), then one each of 4, 2 and 1 for the rest
 _ROW_BLOCKS = (6, 4, 2, 1)
-# terms summed in registers before they are added to c
-K_BLOCK = 32
 
 
 def panel_width(array):
@@ -99,17 +97,25 @@ def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
 
 
 @intrinsic
-def panel_product(typingctx, c, a, panels, accumulate):
+def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
     """c [m, n] = a [m, k] · B (accumulate false) or c += a · B (true), B [k, n] given as
     ``panels`` [>= ceil(n / PANEL), k, PANEL]. One float dtype throughout; c and a 2-D and
     panels 3-D, each with unit stride along its last axis (any other strides): the kernels
-    pass the arrays they allocated and packed, and nothing here checks the shapes."""
+    pass the arrays they allocated and packed, and nothing here checks the shapes.
+
+    ``sum_terms``: the sums over k are taken in parts of this many terms, each summed in
+    registers from zero and then added to c. The float32 rounding error of one running sum
+    grows with its length: attention's Q·Kᵀ over a head dim of 128 in one part had twice
+    SDPA's error, in parts of 32 less than SDPA's, at a few percent of the product's time.
+    Every sum starts from zero (also when accumulating: c's earlier total joins once)."""
     arrays = (c, a, panels)
     if not all(isinstance(x, types.Array) for x in arrays):
         return None
     if len({x.dtype for x in arrays}) != 1 or c.dtype not in _LANES:
         return None
     if (c.ndim, a.ndim, panels.ndim) != (2, 2, 3) or not isinstance(accumulate, types.Boolean):
+        return None
+    if not isinstance(sum_terms, types.Integer):
         return None
     lanes = _LANES[c.dtype]
     width = 2 * lanes
@@ -123,6 +129,10 @@ def panel_product(typingctx, c, a, panels, accumulate):
             for ty, value in zip(signature.args[:3], args[:3], strict=True)
         )
         add_to_c = args[3]
+        part = context.cast(builder, args[4], signature.args[4], types.intp)
+        part = builder.select(  # at least one term per part
+            builder.icmp_signed(">", part, ir.Constant(intp, 0)), part, ir.Constant(intp, 1)
+        )
         const = lambda value: ir.Constant(intp, value)  # noqa: E731
         itemsize = const(context.get_abi_sizeof(element))
         m, n = cgutils.unpack_tuple(builder, c_arr.shape, 2)
@@ -145,18 +155,15 @@ def panel_product(typingctx, c, a, panels, accumulate):
             base = builder.gep(p_arr.data, [builder.mul(panel, panel_step)])
             columns = builder.sub(n, col0)  # columns of this panel inside c
             halves = [(h, const(h * lanes)) for h in range(2)]
-            # the sum over k in blocks of K_BLOCK terms, each summed from zero in registers
-            # and then added to c (as BLAS does): one running sum over all of k, or over k
-            # and the earlier tiles, doubled the rounding error of float32 attention
             panel_row = lambda t: builder.gep(base, [builder.mul(t, row_step)])  # noqa: E731
-            k_blocks = builder.sdiv(builder.add(k_count, const(K_BLOCK - 1)), const(K_BLOCK))
-            k_blocks = builder.select(
-                builder.icmp_signed(">", k_blocks, const(0)), k_blocks, const(1)
+            k_parts = builder.sdiv(builder.add(k_count, builder.sub(part, const(1))), part)
+            k_parts = builder.select(
+                builder.icmp_signed(">", k_parts, const(0)), k_parts, const(1)
             )  # an empty k still writes c (zeros) when not accumulating
             flags = ("contract",)
-            with cgutils.for_range(builder, k_blocks) as k_loop:
-                t_begin = builder.mul(k_loop.index, const(K_BLOCK))
-                t_end = builder.add(t_begin, const(K_BLOCK))
+            with cgutils.for_range(builder, k_parts) as k_loop:
+                t_begin = builder.mul(k_loop.index, part)
+                t_end = builder.add(t_begin, part)
                 t_end = builder.select(builder.icmp_signed("<", t_end, k_count), t_end, k_count)
                 sums = _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end)
                 add = builder.or_(add_to_c, builder.icmp_signed(">", k_loop.index, const(0)))
@@ -196,7 +203,7 @@ def panel_product(typingctx, c, a, panels, accumulate):
             every_row(whole_panels, False)
         return context.get_dummy_value()
 
-    return types.none(c, a, panels, accumulate), codegen
+    return types.none(c, a, panels, accumulate, sum_terms), codegen
 
 
 def pack_key_panels(k, b, hk, panels):

@@ -73,7 +73,7 @@ def test_gemm_with_an_empty_dimension(m, k, n, beta):
 
 
 @numba.njit
-def _panel_products(q, k, v, p, s, acc, accumulate):
+def _panel_products(q, k, v, p, s, acc, accumulate, sum_terms):
     """s = q·k[0, 0]ᵀ and acc (+)= p·v[0, 0] through packed panels, as the dense kernel does."""
     width = panel_width(s)
     keys, d, dv = k.shape[2], k.shape[3], v.shape[3]
@@ -81,24 +81,26 @@ def _panel_products(q, k, v, p, s, acc, accumulate):
     v_panels = np.full(((dv + width - 1) // width, keys, width), np.nan, s.dtype)
     pack_key_panels(k, 0, 0, k_panels)
     pack_value_panels(v, 0, 0, v_panels)
-    panel_product(s, q, k_panels, False)
-    panel_product(acc, p, v_panels, accumulate)
+    panel_product(s, q, k_panels, False, sum_terms)
+    panel_product(acc, p, v_panels, accumulate, sum_terms)
     return k_panels, v_panels
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("sum_terms", [1, 5, 32, 1 << 30])
 @pytest.mark.parametrize(
     "m,keys,d,dv",
     [
         (128, 256, 64, 64),  # the kernel's usual tile
         (13, 37, 5, 23),  # rows past every register block (6 + 4 + 2 + 1), partial panels
         (1, 1, 1, 1),
+        (3, 4, 0, 5),  # an empty head dim: scores of zero
         (7, 16, 16, 8),  # whole float32 panels, half of one for the values
         (6, 40, 3, 33),
     ],
 )
-def test_panel_product_matches_numpy(dtype, accumulate, m, keys, d, dv):
+def test_panel_product_matches_numpy(dtype, accumulate, sum_terms, m, keys, d, dv):
     rng = np.random.default_rng(5)
     q = rng.standard_normal((m, d)).astype(dtype)
     k = rng.standard_normal((1, 1, keys, d)).astype(dtype)
@@ -108,7 +110,7 @@ def test_panel_product_matches_numpy(dtype, accumulate, m, keys, d, dv):
     acc0 = rng.standard_normal((m, dv)).astype(dtype)
     acc = acc0.copy()
     inputs = [x.copy() for x in (q, k, v, p)]
-    k_panels, v_panels = _panel_products(q, k, v, p, s, acc, accumulate)
+    k_panels, v_panels = _panel_products(q, k, v, p, s, acc, accumulate, sum_terms)
     as64 = lambda x: x.astype(np.float64)  # noqa: E731
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(s, as64(q) @ as64(k[0, 0]).T, rtol=tol, atol=tol * d)
@@ -121,7 +123,7 @@ def test_panel_product_matches_numpy(dtype, accumulate, m, keys, d, dv):
     padded_keys = np.zeros((k_panels.shape[0] * width, d), dtype)
     padded_keys[:keys] = k[0, 0]
     np.testing.assert_array_equal(
-        k_panels, padded_keys.reshape(-1, width, d).transpose(0, 2, 1)
+        k_panels, padded_keys.reshape(k_panels.shape[0], width, d).transpose(0, 2, 1)
     )
     padded_values = np.zeros((keys, v_panels.shape[0] * width), dtype)
     padded_values[:, :dv] = v[0, 0]
@@ -149,4 +151,4 @@ def test_panel_product_reads_strided_operands_and_writes_only_its_tile():
 
 @numba.njit
 def _strided_product(big_c, a, panels):
-    panel_product(big_c[2:7, 5:26], a[2:7, 3:23], panels[1:3, 10:30], False)
+    panel_product(big_c[2:7, 5:26], a[2:7, 3:23], panels[1:3, 10:30], False, 7)
