@@ -239,10 +239,19 @@ def _pack_value_panels_impl(v, b, hk, panels):
     def pack(v, b, hk, panels):
         keys, dv = v.shape[2], v.shape[3]
         width = panels.shape[2]
-        for p in range(panels.shape[0]):
-            for j in range(keys):
+        whole = dv // width
+        # row by row, whole panels without a bounds test in the loop (which kept it scalar:
+        # 8x slower than packing K)
+        for j in range(keys):
+            row = v[b, hk, j]
+            for p in range(whole):
+                target = panels[p, j]
                 for c in range(width):
-                    e = p * width + c
-                    panels[p, j, c] = _widen(v[b, hk, j, e]) if e < dv else 0.0
+                    target[c] = _widen(row[p * width + c])
+            if whole < panels.shape[0]:
+                target = panels[whole, j]
+                for c in range(width):
+                    e = whole * width + c
+                    target[c] = _widen(row[e]) if e < dv else 0.0
 
     return pack

@@ -166,14 +166,19 @@ def _gather_value_panels(src, hk, b, j0, n, page_start, page_size, panels, scale
         page = j // page_size
         row = page_start[b, page] + j - page * page_size
         run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        whole = dv // width
         for t in range(run):
             source = src[row + t, hk]
             factor = panels.dtype.type(_scale_of(scale, b, row + t, hk))
-            for panel in range(panels.shape[0]):
+            for panel in range(whole):  # no bounds test in the loop: it kept it scalar
+                target = panels[panel, r + t]
                 for col in range(width):
-                    e = panel * width + col
-                    value = _widen(source[e]) * factor if e < dv else 0.0
-                    panels[panel, r + t, col] = value
+                    target[col] = _widen(source[panel * width + col]) * factor
+            if whole < panels.shape[0]:
+                target = panels[whole, r + t]
+                for col in range(width):
+                    e = whole * width + col
+                    target[col] = _widen(source[e]) * factor if e < dv else 0.0
         r += run
 
 
