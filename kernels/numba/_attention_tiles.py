@@ -124,8 +124,9 @@ def _add_weighted_values_small(p, col, vt, hk, acc):
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
     """Keys j0 … j0 + n - 1 for a ``RowTile`` of at most SMALL_ROWS rows, K and V as rows
-    (kt, vt [n, D]): S = Q·Kᵀ, its modifiers, online-softmax update, O += P·V."""
-    n = s.shape[1]
+    (kt, vt [n, D]): S = Q·Kᵀ, its modifiers, online-softmax update, O += P·V (s, p and acc
+    may be wider than n and Dv: ``_row_buffers``)."""
+    n = kt.shape[0]
     _scores_small(qt, kt[:, None], 0, s, 0)
     _modify_scores(s, mods, tile, j0, n, is_f32)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
@@ -142,16 +143,18 @@ def _attend_panels(
     qt, k_panels, v_panels, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
 ):
     """``_attend_tile`` for wider tiles, on keys and values in panels (``_panels``): k_panels
-    holds Kᵀ of keys j0 … j0 + n - 1 from its first column, v_panels their values."""
-    n = s.shape[1]
+    holds Kᵀ of keys j0 … j0 + n - 1 from its first column (and whatever follows, up to s's
+    padded width), v_panels [*, n, W] their values."""
+    n = v_panels.shape[1]
     panel_product(s, qt, k_panels, False, SCORE_SUM_TERMS)
     _modify_scores(s, mods, tile, j0, n, is_f32)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
-    panel_product(acc, p, v_panels, True, n)  # the tile's weighted sum joins acc at once
+    # the tile's weighted sum joins acc at once
+    panel_product(acc, p[:, :n], v_panels, True, n)
 
 
 @njit(cache=True)
-def _row_buffers(like, m, dv, block_n, tail):
+def _row_buffers(like, m, dv, block_n, tail, pad_to):
     """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
     [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
     and shift of the current tile), and the S and P tiles at full width [m, block_n] and for
@@ -160,8 +163,15 @@ def _row_buffers(like, m, dv, block_n, tail):
 
     Every buffer comes from ``np.empty`` of a 2-D shape (the row statistics are rows of one
     array) and is filled by loops: each other allocation form (``np.zeros``, ``np.full``, a 1-D
-    shape) is one more Numba compile on a first call, about 0.2 s apiece."""
+    shape) is one more Numba compile on a first call, about 0.2 s apiece.
+
+    The S/P tiles and the accumulator are padded to a multiple of ``pad_to`` columns: the
+    panel products (``_panels``) write whole panels, so the kernels that use them pass the
+    panel width (BLAS's callers 1); every step reads only the first n columns (Dv of acc)."""
     dtype = like.dtype
+    dv = (dv + pad_to - 1) // pad_to * pad_to
+    block_n = (block_n + pad_to - 1) // pad_to * pad_to
+    tail = (tail + pad_to - 1) // pad_to * pad_to
     acc = np.empty((m, dv), dtype=dtype)
     stats = np.empty((6, m), dtype=dtype)
     work, row_max, row_sum = stats[:4], stats[4], stats[5]

@@ -99,9 +99,11 @@ def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
 @intrinsic
 def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
     """c [m, n] = a [m, k] · B (accumulate false) or c += a · B (true), B [k, n] given as
-    ``panels`` [>= ceil(n / PANEL), k, PANEL]. One float dtype throughout; c and a 2-D and
-    panels 3-D, each with unit stride along its last axis (any other strides): the kernels
-    pass the arrays they allocated and packed, and nothing here checks the shapes.
+    ``panels`` [>= n / PANEL, k, PANEL]. n must be a multiple of PANEL (the kernels pad their
+    tiles: code for a partial panel made each kernel's first compile seconds longer). One
+    float dtype throughout; c and a 2-D and panels 3-D, each with unit stride along its last
+    axis (any other strides): the kernels pass the arrays they allocated and packed, and
+    nothing here checks the shapes.
 
     ``sum_terms``: the sums over k are taken in parts of this many terms, each summed in
     registers from zero and then added to c. The float32 rounding error of one running sum
@@ -142,9 +144,8 @@ def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
         p_strides = cgutils.unpack_tuple(builder, p_arr.strides, 3)
         panel_step, row_step = (builder.sdiv(s, itemsize) for s in p_strides[:2])
 
-        def block(first_row, rows, panel, whole):
-            """Rows first_row … + rows of c against one panel; ``whole``: all its columns
-            lie in c (else only those below n are read and written)."""
+        def block(first_row, rows, panel):
+            """Rows first_row … first_row + rows - 1 of c against one panel."""
             row_index = [builder.add(first_row, const(r)) for r in range(rows)]
             a_rows = [builder.gep(a_arr.data, [builder.mul(r, a_step)]) for r in row_index]
             col0 = builder.mul(panel, const(width))
@@ -153,8 +154,6 @@ def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
                 for r in row_index
             ]
             base = builder.gep(p_arr.data, [builder.mul(panel, panel_step)])
-            columns = builder.sub(n, col0)  # columns of this panel inside c
-            halves = [(h, const(h * lanes)) for h in range(2)]
             panel_row = lambda t: builder.gep(base, [builder.mul(t, row_step)])  # noqa: E731
             k_parts = builder.sdiv(builder.add(k_count, builder.sub(part, const(1))), part)
             k_parts = builder.select(
@@ -168,39 +167,24 @@ def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
                 sums = _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end)
                 add = builder.or_(add_to_c, builder.icmp_signed(">", k_loop.index, const(0)))
                 for c_row, row in zip(c_rows, sums, strict=True):
-                    for (h, offset), value in zip(halves, row, strict=True):
-                        if whole:
-                            ptr = builder.bitcast(builder.gep(c_row, [offset]), vec.as_pointer())
-                            total = builder.fadd(builder.load(ptr, align=4), value, flags=flags)
-                            builder.store(builder.select(add, total, value), ptr, align=4)
-                            continue
-                        for lane in range(lanes):  # element by element, never past c's row
-                            col = const(h * lanes + lane)
-                            with builder.if_then(builder.icmp_signed("<", col, columns)):
-                                ptr = builder.gep(c_row, [col])
-                                x = builder.extract_element(
-                                    value, ir.Constant(ir.IntType(32), lane)
-                                )
-                                total = builder.fadd(builder.load(ptr), x, flags=flags)
-                                builder.store(builder.select(add, total, x), ptr)
+                    for h, value in enumerate(row):
+                        ptr = builder.gep(c_row, [const(h * lanes)])
+                        ptr = builder.bitcast(ptr, vec.as_pointer())
+                        total = builder.fadd(builder.load(ptr, align=4), value, flags=flags)
+                        builder.store(builder.select(add, total, value), ptr, align=4)
 
-        def every_row(panel, whole):
-            most = _ROW_BLOCKS[0]
+        most = _ROW_BLOCKS[0]
+        with cgutils.for_range(builder, builder.sdiv(n, const(width))) as panels_loop:
+            panel = panels_loop.index
             blocks = builder.sdiv(m, const(most))
             with cgutils.for_range(builder, blocks) as loop:
-                block(builder.mul(loop.index, const(most)), most, panel, whole)
+                block(builder.mul(loop.index, const(most)), most, panel)
             done = builder.mul(blocks, const(most))
             for rows in _ROW_BLOCKS[1:]:  # the rest: at most one block of each
                 fits = builder.icmp_signed("<=", builder.add(done, const(rows)), m)
                 with builder.if_then(fits):
-                    block(done, rows, panel, whole)
+                    block(done, rows, panel)
                 done = builder.select(fits, builder.add(done, const(rows)), done)
-
-        whole_panels = builder.sdiv(n, const(width))
-        with cgutils.for_range(builder, whole_panels) as loop:
-            every_row(loop.index, True)
-        with builder.if_then(builder.icmp_signed("<", builder.mul(whole_panels, const(width)), n)):
-            every_row(whole_panels, False)
         return context.get_dummy_value()
 
     return types.none(c, a, panels, accumulate, sum_terms), codegen

@@ -63,11 +63,12 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
     v_panels = np.empty(
         (batch, hkv, (dv + width - 1) // width if packed else 0, sk, width), part_out.dtype
     )
-    if packed:
-        for head in prange(batch * hkv):
-            b, hk = head // hkv, head % hkv
-            pack_key_panels(k, b, hk, k_panels[b, hk])
-            pack_value_panels(v, b, hk, v_panels[b, hk])
+    # on the calling thread: a second parallel loop cost 1-2 s more of the kernel's first
+    # compile, and packing takes about 1/20 of the products' time
+    for head in range(batch * hkv if packed else 0):
+        b, hk = head // hkv, head % hkv
+        pack_key_panels(k, b, hk, k_panels[b, hk])
+        pack_value_panels(v, b, hk, v_panels[b, hk])
     n_mblocks = (sq + block_m - 1) // block_m
     for item in prange(batch * hkv * n_mblocks * n_splits):
         split = item % n_splits
@@ -90,7 +91,7 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
                     qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
         tail = (j_stop - j_begin) % block_n
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            part_out, m, dv, block_n, tail
+            part_out, m, dv, block_n, tail, width
         )
         few_rows = m <= SMALL_ROWS  # read K and V in place (widened tile by tile if half)
         k_tile = np.empty((block_n if few_rows and _is_half(k) else 0, d), part_out.dtype)

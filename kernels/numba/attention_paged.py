@@ -685,7 +685,7 @@ def _attention_paged_numba(
                     qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
         tail = (j_stop - j_begin) % block_n
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            part_out, m, dv, block_n, tail
+            part_out, m, dv, block_n, tail, panel_width(part_out)
         )
         # keys and values gathered (widened) per tile: as panels for the panel products of a
         # wide row tile, as rows for the few-row loops of a narrow one (a sequence's last

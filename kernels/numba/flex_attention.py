@@ -118,7 +118,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            out, m, dv, block_n, sk % block_n
+            out, m, dv, block_n, sk % block_n, 1
         )
         # two consecutive visible blocks of at most 128 keys go as one tile of twice the width
         # (each half with its own step: a full block's keys are not masked): fewer, larger

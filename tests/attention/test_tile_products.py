@@ -74,7 +74,8 @@ def test_gemm_with_an_empty_dimension(m, k, n, beta):
 
 @numba.njit
 def _panel_products(q, k, v, p, s, acc, accumulate, sum_terms):
-    """s = q·k[0, 0]ᵀ and acc (+)= p·v[0, 0] through packed panels, as the dense kernel does."""
+    """s = q·k[0, 0]ᵀ and acc (+)= p·v[0, 0] through packed panels, as the kernels do (s and acc
+    padded to whole panels)."""
     width = panel_width(s)
     keys, d, dv = k.shape[2], k.shape[3], v.shape[3]
     k_panels = np.full(((keys + width - 1) // width, d, width), np.nan, s.dtype)
@@ -84,6 +85,10 @@ def _panel_products(q, k, v, p, s, acc, accumulate, sum_terms):
     panel_product(s, q, k_panels, False, sum_terms)
     panel_product(acc, p, v_panels, accumulate, sum_terms)
     return k_panels, v_panels
+
+
+def _padded(n, width):
+    return -(-n // width) * width
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -102,24 +107,27 @@ def _panel_products(q, k, v, p, s, acc, accumulate, sum_terms):
 )
 def test_panel_product_matches_numpy(dtype, accumulate, sum_terms, m, keys, d, dv):
     rng = np.random.default_rng(5)
+    width = 16 if dtype == np.float32 else 8
     q = rng.standard_normal((m, d)).astype(dtype)
     k = rng.standard_normal((1, 1, keys, d)).astype(dtype)
     v = rng.standard_normal((1, 1, keys, dv)).astype(dtype)
     p = rng.standard_normal((m, keys)).astype(dtype)
-    s = np.full((m, keys), np.nan, dtype)  # overwritten whole: no NaN may survive
-    acc0 = rng.standard_normal((m, dv)).astype(dtype)
+    s = np.full((m, _padded(keys, width)), np.nan, dtype)  # overwritten whole: no NaN survives
+    acc0 = rng.standard_normal((m, _padded(dv, width))).astype(dtype)
     acc = acc0.copy()
     inputs = [x.copy() for x in (q, k, v, p)]
     k_panels, v_panels = _panel_products(q, k, v, p, s, acc, accumulate, sum_terms)
     as64 = lambda x: x.astype(np.float64)  # noqa: E731
     tol = 1e-5 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(s, as64(q) @ as64(k[0, 0]).T, rtol=tol, atol=tol * d)
-    expected = as64(p) @ as64(v[0, 0]) + (as64(acc0) if accumulate else 0.0)
-    np.testing.assert_allclose(acc, expected, rtol=tol, atol=tol * keys)
+    np.testing.assert_allclose(s[:, :keys], as64(q) @ as64(k[0, 0]).T, rtol=tol, atol=tol * d)
+    np.testing.assert_array_equal(s[:, keys:], 0.0)  # zero keys pad the last panel
+    expected = as64(p) @ as64(v[0, 0]) + (as64(acc0[:, :dv]) if accumulate else 0.0)
+    np.testing.assert_allclose(acc[:, :dv], expected, rtol=tol, atol=tol * keys)
+    # padded value columns are zero: acc's padding keeps what it held, or becomes zero
+    np.testing.assert_array_equal(acc[:, dv:], acc0[:, dv:] if accumulate else 0.0)
     assert all(np.array_equal(x, y) for x, y in zip(inputs, (q, k, v, p), strict=True))
     # the packed layouts: Kᵀ and V in column panels, zeros past the last key / value column
-    width = k_panels.shape[2]
-    assert width == (16 if dtype == np.float32 else 8)
+    assert k_panels.shape[2] == width
     padded_keys = np.zeros((k_panels.shape[0] * width, d), dtype)
     padded_keys[:keys] = k[0, 0]
     np.testing.assert_array_equal(
@@ -140,15 +148,15 @@ def test_panel_product_reads_strided_operands_and_writes_only_its_tile():
     a = rng.standard_normal((9, 30)).astype(np.float32)
     panels = rng.standard_normal((4, 50, 16)).astype(np.float32)
     _strided_product(big_c, a, panels)
-    b = panels[1:3, 10:30].transpose(1, 0, 2).reshape(20, 32)[:, :21]
+    b = panels[1:3, 10:30].transpose(1, 0, 2).reshape(20, 32)
     expected = before.copy()
-    expected[2:7, 5:26] = a[2:7, 3:23].astype(np.float64) @ b.astype(np.float64)
+    expected[2:7, 5:37] = a[2:7, 3:23].astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_allclose(big_c, expected, rtol=1e-5, atol=1e-4)
     untouched = np.ones(big_c.shape, bool)
-    untouched[2:7, 5:26] = False
+    untouched[2:7, 5:37] = False
     np.testing.assert_array_equal(big_c[untouched], before[untouched])
 
 
 @numba.njit
 def _strided_product(big_c, a, panels):
-    panel_product(big_c[2:7, 5:26], a[2:7, 3:23], panels[1:3, 10:30], False, 7)
+    panel_product(big_c[2:7, 5:37], a[2:7, 3:23], panels[1:3, 10:30], False, 7)
