@@ -1,7 +1,7 @@
 """fastpe's CPU attention inside a torch process, as a model calls it: against SDPA, each call
 right after a torch op, in the default environment (no OMP_WAIT_POLICY, no thread settings).
 
-    python bench/torch_pipeline.py --rounds 5
+    python bench/torch_pipeline.py --rounds 5 [--dtype bfloat16]
 
 Each round starts one fresh process per setting, the settings in turn, so that a change in the
 machine's load falls on all of them alike:

@@ -15,7 +15,7 @@ from fastpe.kernels.numba._attention_common import (
     _softmax_update,
 )
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._panels import panel_product
+from fastpe.kernels.numba._panels import WIDEST_PANEL, panel_product
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
 from numba.extending import overload
@@ -187,8 +187,8 @@ def _row_buffers(like, m, dv, block_n, tail, pad_to):
     return acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail
 
 
-# the dense kernel's key tiles start at multiples of this: the panel width of float32 keys
-KEY_ALIGN = 16
+# the dense kernel's key tiles start at multiples of this: whole panels of packed keys
+KEY_ALIGN = WIDEST_PANEL
 
 
 @njit(cache=True)

@@ -1,12 +1,12 @@
-"""Tile matrix products on keys and values packed once per call: ``panel_product(c, a, panels,
-accumulate)`` computes ``c = a · B`` (or ``c += a · B``) where B [k, n] is held as column panels
-of ``PANEL`` columns, ``panels[p, t, :] = B[t, p·PANEL : (p + 1)·PANEL]`` (zero past n).
+"""Tile matrix products on keys and values packed in panels: ``panel_product(c, a, panels,
+accumulate, sum_terms)`` computes ``c = a · B`` (or ``c += a · B``) where B [k, n] is held as
+column panels of PANEL columns, ``panels[p, t, :] = B[t, p·PANEL : (p + 1)·PANEL]``.
 
 The dense forward kernel packs K transposed (``panels[p, e, c]`` = key p·PANEL + c, dimension e:
 S = Q·Kᵀ) and V as it is (``panels[p, j, c]`` = key j, value dimension p·PANEL + c: O += P·V)
 once per call, and every query block of every head of a group reads them in place. BLAS instead
-packs both operands on every call — once per query block and key tile, a quarter of its time
-on these tile shapes — and packs each key tile again for every query block that reads it.
+packs both operands on every call — once per query block and key tile — and so packs each key
+tile again for every query block that reads it.
 
 The product is a register-blocked loop written in LLVM IR: a block of up to six rows of c by
 one panel (two vectors) stays in registers while the loop runs over k (or a part of it: see
@@ -25,6 +25,7 @@ from ._half import _widen
 
 # elements of a panel: two 256-bit vectors of float32 (16) or of float64 (8)
 _LANES = {types.float32: 8, types.float64: 4}
+WIDEST_PANEL = 2 * max(_LANES.values())
 # rows of c held in registers at once: blocks of 6 (12 accumulator vectors of the 16 that AVX2
 # has), then one each of 4, 2 and 1 for the rest
 _ROW_BLOCKS = (6, 4, 2, 1)
@@ -108,7 +109,7 @@ def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
     ``sum_terms``: the sums over k are taken in parts of this many terms, each summed in
     registers from zero and then added to c. The float32 rounding error of one running sum
     grows with its length: attention's Q·Kᵀ over a head dim of 128 in one part had twice
-    SDPA's error, in parts of 32 less than SDPA's, at a few percent of the product's time.
+    SDPA's error, in parts of 32 less than SDPA's (tests/attention/test_edges.py's grid).
     Every sum starts from zero (also when accumulating: c's earlier total joins once)."""
     arrays = (c, a, panels)
     if not all(isinstance(x, types.Array) for x in arrays):
@@ -224,8 +225,8 @@ def _pack_value_panels_impl(v, b, hk, panels):
         keys, dv = v.shape[2], v.shape[3]
         width = panels.shape[2]
         whole = dv // width
-        # row by row, whole panels without a bounds test in the loop (which kept it scalar:
-        # 8x slower than packing K)
+        # row by row, whole panels without a bounds test in the loop (one kept the loop
+        # scalar, several times slower than packing K)
         for j in range(keys):
             row = v[b, hk, j]
             for p in range(whole):

@@ -63,8 +63,8 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
     v_panels = np.empty(
         (batch, hkv, (dv + width - 1) // width if packed else 0, sk, width), part_out.dtype
     )
-    # on the calling thread: a second parallel loop cost 1-2 s more of the kernel's first
-    # compile, and packing takes about 1/20 of the products' time
+    # on the calling thread: a second parallel loop cost seconds more of the kernel's first
+    # compile, and packing reads K and V once where the products read them once per query block
     for head in range(batch * hkv if packed else 0):
         b, hk = head // hkv, head % hkv
         pack_key_panels(k, b, hk, k_panels[b, hk])

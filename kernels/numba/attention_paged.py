@@ -121,10 +121,7 @@ def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst, scale):
     width = src.shape[2]
     r = 0
     while r < n:
-        j = j0 + r
-        page = j // page_size
-        row = page_start[b, page] + j - page * page_size
-        run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        row, run = _page_run(page_start, page_size, b, j0 + r, n - r)
         for t in range(run):
             source = src[row + t, hk]
             target = dst[r + t]
@@ -142,10 +139,7 @@ def _gather_key_panels(src, hk, b, j0, n, page_start, page_size, panels, scale):
     width, d = panels.shape[2], src.shape[2]
     r = 0
     while r < n:
-        j = j0 + r
-        page = j // page_size
-        row = page_start[b, page] + j - page * page_size
-        run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        row, run = _page_run(page_start, page_size, b, j0 + r, n - r)
         for t in range(run):
             source = src[row + t, hk]
             factor = panels.dtype.type(_scale_of(scale, b, row + t, hk))
@@ -162,15 +156,12 @@ def _gather_value_panels(src, hk, b, j0, n, page_start, page_size, panels, scale
     width, dv = panels.shape[2], src.shape[2]
     r = 0
     while r < n:
-        j = j0 + r
-        page = j // page_size
-        row = page_start[b, page] + j - page * page_size
-        run = min(n - r, (page + 1) * page_size - j)  # rows left in this page
+        row, run = _page_run(page_start, page_size, b, j0 + r, n - r)
         whole = dv // width
         for t in range(run):
             source = src[row + t, hk]
             factor = panels.dtype.type(_scale_of(scale, b, row + t, hk))
-            for panel in range(whole):  # no bounds test in the loop: it kept it scalar
+            for panel in range(whole):  # no bounds test in the loop (pack_value_panels)
                 target = panels[panel, r + t]
                 for col in range(width):
                     target[col] = _widen(source[panel * width + col]) * factor
@@ -684,14 +675,14 @@ def _attention_paged_numba(
                 for c in range(d):
                     qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
         tail = (j_stop - j_begin) % block_n
+        width = panel_width(part_out)
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            part_out, m, dv, block_n, tail, panel_width(part_out)
+            part_out, m, dv, block_n, tail, width
         )
         # keys and values gathered (widened) per tile: as panels for the panel products of a
         # wide row tile, as rows for the few-row loops of a narrow one (a sequence's last
         # query block)
         few_rows = m <= SMALL_ROWS
-        width = panel_width(part_out)
         key_panels = (block_n + width - 1) // width
         k_panels = np.empty((0 if few_rows else key_panels, d, width), part_out.dtype)
         v_panels = np.empty(
