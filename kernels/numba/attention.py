@@ -3,12 +3,13 @@
 Logical shapes: q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]
              -> out [B, Hq, Sq, Dv], lse [B, Hq, Sq] (natural log, float32).
 
-One work item = (batch, kv head, block of query positions, slice of keys). The item packs the
-``group = Hq / Hkv`` query heads that share its kv head into one tile of rows, so K and V are
-read once per kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ, masks/biases
-on S, an online softmax with a vectorisable exp2, then O += P·V. Wide row tiles multiply by
-panel products (``_panels``) on K and V packed once per call; narrow ones (decoding) by loops
-on K and V in place. Scores are in log2 units
+One work item = (batch, kv head, block of query positions, slice of keys), or, when the heads
+share evenly among the threads, (batch, kv head) with every query block of the head. A row tile
+packs the ``group = Hq / Hkv`` query heads that share its kv head, so K and V are read once per
+kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ, masks/biases on S, an
+online softmax with a vectorisable exp2, then O += P·V. Wide row tiles multiply by panel
+products (``_panels``) on K and V packed once per call; narrow ones (decoding) by loops on K
+and V in place. Scores are in log2 units
 (log2 e folded into the query scale), or in natural units when a float mask holds values too
 large to be multiplied by log2 e (transformers' finfo.min masks): every finite mask value
 stays a finite score. The causal rule is the window's right edge at 0: key tiles outside a
@@ -47,11 +48,63 @@ from fastpe.kernels.numba._runtime import njit
 from numba import prange
 
 
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_query_block(
+    q, k, v, k_panels, v_panels, part_out, part_lse, mods, tile, block_n, split, n_splits, is_f32
+):
+    """One work item's rows (a ``RowTile``) against its split of the keys: S = Q·Kᵀ, modifiers,
+    online softmax and O += P·V tile by tile, then the rows' output and lse in split ``split``'s
+    part. Wide tiles read K and V from their panels, narrow ones (decoding) in place."""
+    b, hk, group, i0, npos = tile
+    d, dv = q.shape[3], v.shape[3]
+    m = group * npos
+    width = panel_width(part_out)
+    j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, KEY_ALIGN)
+    qt = np.empty((m, d), dtype=part_out.dtype)
+    scale_units = part_out.dtype.type(mods.scale * mods.unit)
+    for g in range(group):
+        for r in range(npos):
+            for c in range(d):
+                qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
+    tail = (j_stop - j_begin) % block_n
+    acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
+        part_out, m, dv, block_n, tail, width
+    )
+    few_rows = m <= SMALL_ROWS  # read K and V in place (widened tile by tile if half)
+    k_tile = np.empty((block_n if few_rows and _is_half(k) else 0, d), part_out.dtype)
+    v_tile = np.empty((block_n if few_rows and _is_half(v) else 0, dv), part_out.dtype)
+    for j0 in range(j_begin, j_stop, block_n):
+        full = j_stop - j0 >= block_n
+        n = block_n if full else tail
+        s, p = (s_full, p_full) if full else (s_tail, p_tail)
+        if few_rows:
+            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
+            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+        else:
+            kp = k_panels[j0 // width : (j0 + n + width - 1) // width]
+            vp = v_panels[:, j0 : j0 + n]
+            _attend_panels(qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+    _finish_rows(
+        acc, row_max, row_sum, part_out[split], part_lse[split], i0, tile, mods, split == 0
+    )
+
+
+@njit(cache=True)
+def _pack_head(k, v, b, hk, k_panels, v_panels):
+    """Kᵀ and V of head hk of sequence b into their panels (``_panels``)."""
+    pack_key_panels(k, b, hk, k_panels[b, hk])
+    pack_value_panels(v, b, hk, v_panels[b, hk])
+
+
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
-def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, is_f32):
+def _attention_numba(
+    q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, head_items, is_f32
+):
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
+    n_mblocks = (sq + block_m - 1) // block_m
     # Row tiles wider than SMALL_ROWS multiply K and V packed in panels, once per call for
     # every query block of a kv head (empty when no tile is that wide: decoding reads K and V
     # once, in place)
@@ -63,61 +116,44 @@ def _attention_numba(q, k, v, part_out, part_lse, mods, block_m, block_n, n_spli
     v_panels = np.empty(
         (batch, hkv, (dv + width - 1) // width if packed else 0, sk, width), part_out.dtype
     )
-    # on the calling thread: a second parallel loop cost seconds more of the kernel's first
-    # compile, and packing reads K and V once where the products read them once per query block
-    for head in range(batch * hkv if packed else 0):
-        b, hk = head // hkv, head % hkv
-        pack_key_panels(k, b, hk, k_panels[b, hk])
-        pack_value_panels(v, b, hk, v_panels[b, hk])
-    n_mblocks = (sq + block_m - 1) // block_m
-    for item in prange(batch * hkv * n_mblocks * n_splits):
+    # Items: with head_items, one per (sequence, kv head), which packs its own head's K and V
+    # and then takes every query block of the head in turn (packing runs on all threads, and
+    # the head's panels stay in the core's cache across its query blocks); else one per
+    # (sequence, kv head, query block, key split), for calls with too few heads to share among
+    # the threads, after packing on the calling thread. One parallel loop for both: each one
+    # more costs seconds of the kernel's first compile.
+    for head in range(batch * hkv if packed and not head_items else 0):
+        _pack_head(k, v, head // hkv, head % hkv, k_panels, v_panels)
+    blocks_per_item = n_mblocks if head_items else 1
+    for item in prange(batch * hkv * (n_mblocks // blocks_per_item) * n_splits):
         split = item % n_splits
         rest = item // n_splits
-        mb = rest % n_mblocks
-        rest //= n_mblocks
+        mb_first = rest % (n_mblocks // blocks_per_item)
+        rest //= n_mblocks // blocks_per_item
         hk = rest % hkv
         b = rest // hkv
-        i0 = mb * block_m
-        npos = min(block_m, sq - i0)
-        m = group * npos
-        tile = RowTile(b, hk, group, i0, npos)
-        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, KEY_ALIGN)
-
-        qt = np.empty((m, d), dtype=part_out.dtype)
-        scale_units = part_out.dtype.type(mods.scale * mods.unit)
-        for g in range(group):
-            for r in range(npos):
-                for c in range(d):
-                    qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
-        tail = (j_stop - j_begin) % block_n
-        acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            part_out, m, dv, block_n, tail, width
-        )
-        few_rows = m <= SMALL_ROWS  # read K and V in place (widened tile by tile if half)
-        k_tile = np.empty((block_n if few_rows and _is_half(k) else 0, d), part_out.dtype)
-        v_tile = np.empty((block_n if few_rows and _is_half(v) else 0, dv), part_out.dtype)
-        for j0 in range(j_begin, j_stop, block_n):
-            full = j_stop - j0 >= block_n
-            n = block_n if full else tail
-            s, p = (s_full, p_full) if full else (s_tail, p_tail)
-            if few_rows:
-                kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
-                vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
-                _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
-            else:
-                kp = k_panels[b, hk, j0 // width : (j0 + n + width - 1) // width]
-                vp = v_panels[b, hk, :, j0 : j0 + n]
-                _attend_panels(
-                    qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
-                )
-        out, lse = part_out[split], part_lse[split]
-        _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, split == 0)
+        if packed and head_items:
+            _pack_head(k, v, b, hk, k_panels, v_panels)
+        for mb in range(mb_first, mb_first + blocks_per_item):
+            i0 = mb * block_m
+            tile = RowTile(b, hk, group, i0, min(block_m, sq - i0))
+            _attend_query_block(
+                q, k, v, k_panels[b, hk], v_panels[b, hk], part_out, part_lse, mods, tile,
+                block_n, split, n_splits, is_f32,
+            )  # fmt: skip
 
 
 # Calls with at most this many multiply-adds (B·Hq·Sq·Sk·(D + Dv): a decode step) run on the
 # calling thread, unsplit: a parallel region must wait for a worker, which can take far longer
 # than the call when torch's thread pool or another process holds the cores.
 SERIAL_WORK = 1 << 23
+
+
+def items_per_head(heads: int, threads: int, n_splits: int) -> bool:
+    """Whether ``_attention_numba`` takes one work item per (sequence, kv head) rather than
+    per query block: when the keys are not split and the heads share evenly among the threads,
+    or are many enough that the idle threads of the last round matter little."""
+    return n_splits == 1 and (heads % threads == 0 or heads >= 4 * threads)
 
 
 def _block_sizes(sq: int, sk: int, group: int) -> tuple[int, int]:
@@ -176,6 +212,7 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     items = batch * hkv * n_mblocks
     key_tiles = -(-sk // block_n)
     n_splits = key_splits(items, key_tiles, threads)
+    head_items = items_per_head(batch * hkv, threads, n_splits)
     # Scores in log2 units (log2 e folded into the query scale: measurably more accurate in
     # float32 than scaling each difference), unless a float mask holds values so large that
     # times log2 e they would overflow: then natural units, where every finite mask stays a
@@ -193,7 +230,7 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     # error of that weight (as large as torch's whole float32 error on a decode step)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
     kernel = _attention_numba.serial if serial else _attention_numba
-    kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, dtype == np.float32)
+    kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, head_items, dtype == np.float32)
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

@@ -89,19 +89,27 @@ def test_half_attention_makes_no_float32_copy_of_its_inputs(backend, dtype, monk
     assert out.dtype == tdtype and not widened, widened
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["block-items", "head-items"])
 @pytest.mark.parametrize("threshold", [1 << 40, -1], ids=["serial", "parallel"])
-@pytest.mark.parametrize("sq", [1, 40], ids=["decode-loops", "prefill-blas"])
-def test_attention_serial_and_parallel_paths_match_the_oracle(threshold, sq, monkeypatch, rng):
+@pytest.mark.parametrize("sq", [1, 40], ids=["decode-loops", "prefill-panels"])
+def test_attention_serial_and_parallel_paths_match_the_oracle(per_head, threshold, sq, monkeypatch):
     """Decode-sized attention runs serially and unsplit, with its few-row tiles multiplied by
-    loops instead of BLAS; larger calls run in parallel, splitting the keys when the items cannot
-    fill the threads. Every combination, with window, soft-capping, sinks (counted once across
-    splits) and key lengths, must match the float64 oracle."""
+    loops on K and V in place, wider tiles by panel products on K and V packed (up front, or by
+    each head's work item); larger calls run in parallel, splitting the keys when the items
+    cannot fill the threads. Every combination, with window, soft-capping, sinks (counted once
+    across splits) and key lengths, must match the float64 oracle."""
     pytest.importorskip("numba")
     from fastpe.kernels.numba import attention as kernel
 
     monkeypatch.setattr(kernel, "SERIAL_WORK", threshold)
+    monkeypatch.setattr(
+        kernel, "items_per_head", lambda heads, threads, n_splits: per_head and n_splits == 1
+    )
     # 2 (batch, kv head) items and 3 key tiles: split in two when parallel on 2+ threads (sq 1)
     b, hq, hkv, sk, d = 1, 8, 2, 700, 32
+    # other inputs for each case: an output row a path failed to write could otherwise hold
+    # the previous case's answer, in memory the allocator handed out again
+    rng = np.random.default_rng([per_head, threshold > 0, sq])
     q, k, v = (
         torch.from_numpy(rng.standard_normal(s).astype(np.float32))
         for s in ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
