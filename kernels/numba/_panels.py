@@ -16,10 +16,12 @@ then the block is stored or added to c. The attention kernels' speed with it: be
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np.numpy_support import from_dtype
 
 from ._half import _widen
 
@@ -39,6 +41,11 @@ def panel_width(array):
 def _panel_width_impl(array):
     width = 2 * _LANES[array.dtype]
     return lambda array: width
+
+
+def panel_columns(dtype) -> int:
+    """``panel_width`` of a NumPy dtype, for the callers that allocate panels."""
+    return 2 * _LANES[from_dtype(np.dtype(dtype))]
 
 
 def _broadcast(builder, vec, x):

@@ -43,9 +43,62 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import _widen
-from fastpe.kernels.numba._panels import pack_key_panels, pack_value_panels, panel_width
+from fastpe.kernels.numba._panels import pack_key_panels, pack_value_panels, panel_columns
 from fastpe.kernels.numba._runtime import njit
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
+
+
+# Each kernel compile holds one of these two paths, chosen by k_panels' type (an overload, not a
+# branch on its value: Numba would type both branches, and compile both paths' code, for every
+# call)
+def _attend_key_tile(
+    qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods, tile,
+    j0, n, is_f32,
+):  # fmt: skip
+    """Keys j0 … j0 + n - 1 for a row tile: ``_attend_tile`` on K and V in place when k_panels is
+    None (widened into k_tile and v_tile if half), else ``_attend_panels`` on their panels."""
+
+
+@overload(_attend_key_tile)
+def _attend_key_tile_impl(
+    qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods, tile,
+    j0, n, is_f32,
+):  # fmt: skip
+    if isinstance(k_panels, types.NoneType):
+
+        def in_place(
+            qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work,
+            mods, tile, j0, n, is_f32,
+        ):  # fmt: skip
+            b, hk = tile[0], tile[1]
+            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
+            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
+            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+
+        return in_place
+
+    def from_panels(
+        qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods,
+        tile, j0, n, is_f32,
+    ):  # fmt: skip
+        b, hk, width = tile[0], tile[1], k_panels.shape[4]
+        kp = k_panels[b, hk, j0 // width : (j0 + n + width - 1) // width]
+        vp = v_panels[b, hk, :, j0 : j0 + n]
+        _attend_panels(qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+
+    return from_panels
+
+
+def _padding(k_panels):
+    """The columns ``_row_buffers`` pads the tiles to: the panel width, or 1 without panels."""
+
+
+@overload(_padding, inline="always")
+def _padding_impl(k_panels):
+    if isinstance(k_panels, types.NoneType):
+        return lambda k_panels: 1
+    return lambda k_panels: k_panels.shape[4]
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -54,11 +107,11 @@ def _attend_query_block(
 ):
     """One work item's rows (a ``RowTile``) against its split of the keys: S = Q·Kᵀ, modifiers,
     online softmax and O += P·V tile by tile, then the rows' output and lse in split ``split``'s
-    part. Wide tiles read K and V from their panels, narrow ones (decoding) in place."""
+    part. On K and V packed in panels (wide tiles), or with k_panels None on K and V in place
+    (decoding): ``_attention_numba``."""
     b, hk, group, i0, npos = tile
     d, dv = q.shape[3], v.shape[3]
     m = group * npos
-    width = panel_width(part_out)
     j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, KEY_ALIGN)
     qt = np.empty((m, d), dtype=part_out.dtype)
     scale_units = part_out.dtype.type(mods.scale * mods.unit)
@@ -68,23 +121,20 @@ def _attend_query_block(
                 qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
     tail = (j_stop - j_begin) % block_n
     acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-        part_out, m, dv, block_n, tail, width
+        part_out, m, dv, block_n, tail, _padding(k_panels)
     )
-    few_rows = m <= SMALL_ROWS  # read K and V in place (widened tile by tile if half)
-    k_tile = np.empty((block_n if few_rows and _is_half(k) else 0, d), part_out.dtype)
-    v_tile = np.empty((block_n if few_rows and _is_half(v) else 0, dv), part_out.dtype)
+    # half-precision K and V read in place are widened tile by tile
+    in_place = k_panels is None
+    k_tile = np.empty((block_n if in_place and _is_half(k) else 0, d), part_out.dtype)
+    v_tile = np.empty((block_n if in_place and _is_half(v) else 0, dv), part_out.dtype)
     for j0 in range(j_begin, j_stop, block_n):
         full = j_stop - j0 >= block_n
         n = block_n if full else tail
         s, p = (s_full, p_full) if full else (s_tail, p_tail)
-        if few_rows:
-            kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
-            vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
-            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
-        else:
-            kp = k_panels[j0 // width : (j0 + n + width - 1) // width]
-            vp = v_panels[:, j0 : j0 + n]
-            _attend_panels(qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+        _attend_key_tile(
+            qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work,
+            mods, tile, j0, n, is_f32,
+        )  # fmt: skip
     _finish_rows(
         acc, row_max, row_sum, part_out[split], part_lse[split], i0, tile, mods, split == 0
     )
@@ -99,31 +149,28 @@ def _pack_head(k, v, b, hk, k_panels, v_panels):
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
-    q, k, v, part_out, part_lse, mods, block_m, block_n, n_splits, head_items, is_f32
-):
+    q, k, v, k_panels, v_panels, part_out, part_lse, mods, block_m, block_n, n_splits,
+    head_items, is_f32,
+):  # fmt: skip
+    """k_panels [B, Hkv, ceil(Sk / W), D, W] and v_panels [B, Hkv, ceil(Dv / W), Sk, W]
+    (``_panels``, W = ``panel_width``): room for K and V packed, for calls whose row tiles are
+    wider than SMALL_ROWS, once per call for every query block of a kv head; or both None, and
+    the few-row tiles of decoding multiply K and V in place (read once). Numba compiles each
+    case without the other's code: a prefill's first call does not wait for the decode loops,
+    nor a decode step's for the packing and panel products."""
     batch, hq, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    hkv = k.shape[1]
     group = hq // hkv
     n_mblocks = (sq + block_m - 1) // block_m
-    # Row tiles wider than SMALL_ROWS multiply K and V packed in panels, once per call for
-    # every query block of a kv head (empty when no tile is that wide: decoding reads K and V
-    # once, in place)
-    width = panel_width(part_out)
-    packed = group * block_m > SMALL_ROWS
-    k_panels = np.empty(
-        (batch, hkv, (sk + width - 1) // width if packed else 0, d, width), part_out.dtype
-    )
-    v_panels = np.empty(
-        (batch, hkv, (dv + width - 1) // width if packed else 0, sk, width), part_out.dtype
-    )
     # Items: with head_items, one per (sequence, kv head), which packs its own head's K and V
     # and then takes every query block of the head in turn (packing runs on all threads, and
     # the head's panels stay in the core's cache across its query blocks); else one per
     # (sequence, kv head, query block, key split), for calls with too few heads to share among
     # the threads, after packing on the calling thread. One parallel loop for both: each one
     # more costs seconds of the kernel's first compile.
-    for head in range(batch * hkv if packed and not head_items else 0):
-        _pack_head(k, v, head // hkv, head % hkv, k_panels, v_panels)
+    if k_panels is not None:
+        for head in range(0 if head_items else batch * hkv):
+            _pack_head(k, v, head // hkv, head % hkv, k_panels, v_panels)
     blocks_per_item = n_mblocks if head_items else 1
     for item in prange(batch * hkv * (n_mblocks // blocks_per_item) * n_splits):
         split = item % n_splits
@@ -132,14 +179,15 @@ def _attention_numba(
         rest //= n_mblocks // blocks_per_item
         hk = rest % hkv
         b = rest // hkv
-        if packed and head_items:
-            _pack_head(k, v, b, hk, k_panels, v_panels)
+        if k_panels is not None:
+            if head_items:
+                _pack_head(k, v, b, hk, k_panels, v_panels)
         for mb in range(mb_first, mb_first + blocks_per_item):
             i0 = mb * block_m
             tile = RowTile(b, hk, group, i0, min(block_m, sq - i0))
             _attend_query_block(
-                q, k, v, k_panels[b, hk], v_panels[b, hk], part_out, part_lse, mods, tile,
-                block_n, split, n_splits, is_f32,
+                q, k, v, k_panels, v_panels, part_out, part_lse, mods, tile, block_n, split,
+                n_splits, is_f32,
             )  # fmt: skip
 
 
@@ -224,13 +272,22 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     mods = dense_score_mods(
         dtype, unit, options, q, k, mask=mask, key_lengths=key_lengths, relative_bias=relative_bias
     )
+    if group * block_m > SMALL_ROWS:  # wide row tiles: room for K and V packed in panels
+        width = panel_columns(dtype)
+        k_panels = np.empty((batch, hkv, -(-sk // width), d, width), dtype)
+        v_panels = np.empty((batch, hkv, -(-dv // width), sk, width), dtype)
+    else:
+        k_panels = v_panels = None
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     # split parts keep their lse in float64 until merged: the merge weighs each part by
     # exp(part_lse - lse), and an lse of size ~40 rounded to float32 is alone a relative 1e-6
     # error of that weight (as large as torch's whole float32 error on a decode step)
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
     kernel = _attention_numba.serial if serial else _attention_numba
-    kernel(q, k, v, out, lse, mods, block_m, block_n, n_splits, head_items, dtype == np.float32)
+    kernel(
+        q, k, v, k_panels, v_panels, out, lse, mods, block_m, block_n, n_splits, head_items,
+        dtype == np.float32,
+    )  # fmt: skip
     if n_splits == 1:
         return out[0], lse[0]
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)
