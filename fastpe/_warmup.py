@@ -2,8 +2,8 @@
 
 Numba compiles a kernel once per *specialisation* — argument dtypes, array dimensions and
 layouts — and fastpe keeps each compiled kernel in a parallel and a serial twin (calls too small
-to be worth waking the thread pool run on the calling thread), with separate kernels for
-decode-shaped (few query rows) and prefill-shaped calls of the paged attention. A workload's
+to be worth waking the thread pool run on the calling thread), and attention compiles
+decode-shaped (few query rows per kv head) and prefill-shaped calls apart. A workload's
 first calls would compile each of them on the spot, seconds apiece. ``warmup`` makes those calls
 itself — the real public ops, on small inputs of the same kinds (dtype, framework, options) and
 of the sizes that pick each twin and path — so that every specialisation lands in the disk
@@ -312,7 +312,9 @@ def _calls(item: Item):
 
         calls.append(("16 positions", merge))
     elif item.op == "attention":
-        sizes = [(16, 16), (_long(work, h * 2 * d),) * 2]
+        # serial: Sq 16 is decode-shaped (K and V read in place) with one query head per kv
+        # head, Sq 17 prefill-shaped (K and V packed) whatever the heads; parallel: a long prefill
+        sizes = [(16, 16), (17, 17), (_long(work, h * 2 * d),) * 2]
         if "decode" in item.features:  # one query row against a long or short cache
             sizes += [(1, 16), (1, work // (h * 2 * d) + 300)]
         for sq, sk in sizes:

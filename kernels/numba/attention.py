@@ -281,15 +281,16 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     out = np.empty((n_splits, batch, hq, sq, dv), dtype=dtype)
     # split parts keep their lse in float64 until merged: the merge weighs each part by
     # exp(part_lse - lse), and an lse of size ~40 rounded to float32 is alone a relative 1e-6
-    # error of that weight (as large as torch's whole float32 error on a decode step)
-    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64 if n_splits > 1 else np.float32)
+    # error of that weight (as large as torch's whole float32 error on a decode step); unsplit
+    # calls too, so that the kernel has one specialisation fewer to compile
+    lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64)
     kernel = _attention_numba.serial if serial else _attention_numba
     kernel(
         q, k, v, k_panels, v_panels, out, lse, mods, block_m, block_n, n_splits, head_items,
         dtype == np.float32,
     )  # fmt: skip
     if n_splits == 1:
-        return out[0], lse[0]
+        return out[0], lse[0].astype(np.float32)
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)
     merged_lse = np.empty((batch, hq, sq), dtype=np.float32)
     _merge_splits_numba(out, lse, merged, merged_lse)
