@@ -35,7 +35,7 @@ def table_ok(n):
     return bool(np.allclose(got, fastpe.sinusoidal_table(n, 16, backend="numpy"), atol=1e-6, rtol=0))
 
 rng = np.random.default_rng(7)
-# above attention's serial threshold (B·Hq·Sq·Sk·(D + Dv) = 11M > 2^23): a parallel region runs
+# above attention's serial threshold (B·Hq·Sq·Sk·(D + Dv) = 11M > 2^20): a parallel region runs
 q = rng.standard_normal((2, 4, 37, 16)).astype(np.float32)
 k = rng.standard_normal((2, 2, 1200, 16)).astype(np.float32)
 v = rng.standard_normal((2, 2, 1200, 16)).astype(np.float32)

@@ -191,10 +191,11 @@ def _attention_numba(
             )  # fmt: skip
 
 
-# Calls with at most this many multiply-adds (B·Hq·Sq·Sk·(D + Dv): a decode step) run on the
-# calling thread, unsplit: a parallel region must wait for a worker, which can take far longer
-# than the call when torch's thread pool or another process holds the cores.
-SERIAL_WORK = 1 << 23
+# Calls with at most this many multiply-adds (B·Hq·Sq·Sk·(D + Dv): a short decode step) run on
+# the calling thread, unsplit: below it, waking the pool costs more than the second thread saves
+# (dense and paged decode steps timed both ways, with and without torch's pool: serial about as
+# fast at 2^20, faster at 2^18, slower from 2^22 on; bench/serial_threshold.py).
+SERIAL_WORK = 1 << 20
 
 
 def items_per_head(heads: int, threads: int, n_splits: int) -> bool:
