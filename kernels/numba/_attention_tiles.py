@@ -154,6 +154,21 @@ def _attend_panels(
 
 
 @njit(cache=True)
+def _query_tile(q, tile, mods, like):
+    """The query rows of a ``RowTile`` from dense q [B, Hq, Sq, D], widened and times the
+    score scale in ``mods``' units, as a new [group · npos, D] array in ``like``'s dtype."""
+    b, hk, group, i0, npos = tile
+    d = q.shape[3]
+    qt = np.empty((group * npos, d), dtype=like.dtype)
+    scale_units = like.dtype.type(mods.scale * mods.unit)
+    for g in range(group):
+        for r in range(npos):
+            for c in range(d):
+                qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
+    return qt
+
+
+@njit(cache=True)
 def _row_buffers(like, m, dv, block_n, tail, pad_to):
     """The buffers of one row tile of m rows, in ``like``'s dtype: the output accumulator
     [m, Dv] (zeros), running max (-inf) and sum (zeros) [m], work [4, m] (per-row alpha, sum
@@ -167,7 +182,7 @@ def _row_buffers(like, m, dv, block_n, tail, pad_to):
 
     The S/P tiles and the accumulator are padded to a multiple of ``pad_to`` columns: the
     panel products (``_panels``) write whole panels, so the kernels that use them pass the
-    panel width (BLAS's callers 1); every step reads only the first n columns (Dv of acc)."""
+    panel width (the others 1); every step reads only the first n columns (Dv of acc)."""
     dtype = like.dtype
     dv = (dv + pad_to - 1) // pad_to * pad_to
     block_n = (block_n + pad_to - 1) // pad_to * pad_to

@@ -38,11 +38,11 @@ from fastpe.kernels.numba._attention_tiles import (
     _is_half,
     _load_tile,
     _merge_splits_numba,
+    _query_tile,
     _row_buffers,
     _split_key_range,
     key_splits,
 )
-from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._panels import pack_key_panels, pack_value_panels, panel_columns
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
@@ -113,12 +113,7 @@ def _attend_query_block(
     d, dv = q.shape[3], v.shape[3]
     m = group * npos
     j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, KEY_ALIGN)
-    qt = np.empty((m, d), dtype=part_out.dtype)
-    scale_units = part_out.dtype.type(mods.scale * mods.unit)
-    for g in range(group):
-        for r in range(npos):
-            for c in range(d):
-                qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
+    qt = _query_tile(q, tile, mods, part_out)
     tail = (j_stop - j_begin) % block_n
     acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
         part_out, m, dv, block_n, tail, _padding(k_panels)
@@ -158,7 +153,7 @@ def _attention_numba(
     the few-row tiles of decoding multiply K and V in place (read once). Numba compiles each
     case without the other's code: a prefill's first call does not wait for the decode loops,
     nor a decode step's for the packing and panel products."""
-    batch, hq, sq, d = q.shape
+    batch, hq, sq = q.shape[0], q.shape[1], q.shape[2]
     hkv = k.shape[1]
     group = hq // hkv
     n_mblocks = (sq + block_m - 1) // block_m
@@ -172,14 +167,15 @@ def _attention_numba(
         for head in range(0 if head_items else batch * hkv):
             _pack_head(k, v, head // hkv, head % hkv, k_panels, v_panels)
     blocks_per_item = n_mblocks if head_items else 1
-    for item in prange(batch * hkv * (n_mblocks // blocks_per_item) * n_splits):
+    block_items = n_mblocks // blocks_per_item  # items per (sequence, kv head, split)
+    for item in prange(batch * hkv * block_items * n_splits):
         split = item % n_splits
         rest = item // n_splits
-        mb_first = rest % (n_mblocks // blocks_per_item)
-        rest //= n_mblocks // blocks_per_item
+        mb_first = rest % block_items
+        rest //= block_items
         hk = rest % hkv
         b = rest // hkv
-        if k_panels is not None:
+        if k_panels is not None:  # alone in its test: Numba drops what k_panels' type rules out
             if head_items:
                 _pack_head(k, v, b, hk, k_panels, v_panels)
         for mb in range(mb_first, mb_first + blocks_per_item):

@@ -26,8 +26,8 @@ sequence's length and unused block-table entries are never touched):
   next run prefetched, int8 scales with it (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: each key tile is gathered (widened) into scratch panels
   and run through the forward kernel's tile step (``_attend_panels``: Q·Kᵀ and P·V by panel
-  products), or as rows through the few-row step (``_attend_tile``) for a row tile that ends up
-  narrow (a sequence's last query block).
+  products), also for a row tile that ends up narrow (a sequence's last query block): the
+  kernel holds no few-row code to compile.
 
 Both share the score modifiers (``ScoreMods``, ``_modify_scores``), online softmax and final
 normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``).
@@ -51,7 +51,6 @@ from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _add_weighted_values_small,
     _attend_panels,
-    _attend_tile,
     _finish_rows,
     _merge_splits_numba,
     _row_buffers,
@@ -115,27 +114,10 @@ def _scale_columns_impl(s, col, scale, b, row, n, hk, cache):
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _gather_keys(src, hk, b, j0, n, page_start, page_size, dst, scale):
-    """dst[r] = row (b, j0 + r) of head hk of src, through the page table, widened (and
-    dequantized: times its ``scale``, for quantized caches)."""
-    width = src.shape[2]
-    r = 0
-    while r < n:
-        row, run = _page_run(page_start, page_size, b, j0 + r, n - r)
-        for t in range(run):
-            source = src[row + t, hk]
-            target = dst[r + t]
-            factor = dst.dtype.type(_scale_of(scale, b, row + t, hk))
-            for c in range(width):
-                target[c] = _widen(source[c]) * factor
-        r += run
-    return dst[:n]
-
-
-@njit(cache=True, fastmath=_FLAGS)
 def _gather_key_panels(src, hk, b, j0, n, page_start, page_size, panels, scale):
-    """``_gather_keys`` into Kᵀ panels (``_panels``): panels[p, e, c] = element e of key
-    j0 + p·W + c, for the n keys from j0."""
+    """Keys j0 … j0 + n - 1 of head hk of sequence b, read through the page table, widened
+    (and dequantized: times their ``scale``, for quantized caches) into Kᵀ panels
+    (``_panels``): panels[p, e, c] = element e of key j0 + p·W + c."""
     width, d = panels.shape[2], src.shape[2]
     r = 0
     while r < n:
@@ -151,8 +133,8 @@ def _gather_key_panels(src, hk, b, j0, n, page_start, page_size, panels, scale):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _gather_value_panels(src, hk, b, j0, n, page_start, page_size, panels, scale):
-    """``_gather_keys`` into V panels (``_panels``): panels[p, r, c] = element p·W + c of value
-    j0 + r (zeros past the last element), for the n values from j0."""
+    """``_gather_key_panels`` for values, into V panels (``_panels``): panels[p, r, c] =
+    element p·W + c of value j0 + r (zeros past the last element)."""
     width, dv = panels.shape[2], src.shape[2]
     r = 0
     while r < n:
@@ -679,32 +661,19 @@ def _attention_paged_numba(
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             part_out, m, dv, block_n, tail, width
         )
-        # keys and values gathered (widened) per tile: as panels for the panel products of a
-        # wide row tile, as rows for the few-row loops of a narrow one (a sequence's last
-        # query block)
-        few_rows = m <= SMALL_ROWS
-        key_panels = (block_n + width - 1) // width
-        k_panels = np.empty((0 if few_rows else key_panels, d, width), part_out.dtype)
-        v_panels = np.empty(
-            (0 if few_rows else (dv + width - 1) // width, block_n, width), part_out.dtype
-        )
-        k_tile = np.empty((block_n if few_rows else 0, d), dtype=part_out.dtype)
-        v_tile = np.empty((block_n if few_rows else 0, dv), dtype=part_out.dtype)
+        # keys and values gathered (widened) into panels per tile, for the panel products
+        k_panels = np.empty(((block_n + width - 1) // width, d, width), part_out.dtype)
+        v_panels = np.empty(((dv + width - 1) // width, block_n, width), part_out.dtype)
         pages, page_size = rows.page_start, rows.page_size
         for j0 in range(j_begin, j_stop, block_n):
             n = min(block_n, j_stop - j0)
             s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
-            if few_rows:
-                kt = _gather_keys(k, hk, b, j0, n, pages, page_size, k_tile, scales[0])
-                vt = _gather_keys(v, hk, b, j0, n, pages, page_size, v_tile, scales[1])
-                _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
-            else:
-                _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
-                _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
-                vp = v_panels[:, :n]
-                _attend_panels(
-                    qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
-                )
+            _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
+            _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
+            vp = v_panels[:, :n]
+            _attend_panels(
+                qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
+            )
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 

@@ -49,6 +49,7 @@ from fastpe.kernels.numba._attention_tiles import (
     _finish_rows,
     _is_half,
     _load_tile,
+    _query_tile,
     _row_buffers,
     _scores_small,
 )
@@ -111,12 +112,8 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
         qb = i0 // q_block
         bt = b if kv_count.shape[0] > 1 else 0
         ht = hk if kv_count.shape[1] > 1 else 0
-        qt = np.empty((m, d), dtype=out.dtype)
-        scale_units = out.dtype.type(mods.scale * mods.unit)
-        for g in range(group):
-            for r in range(npos):
-                for c in range(d):
-                    qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
+        tile = RowTile(b, hk, group, i0, npos)
+        qt = _query_tile(q, tile, mods, out)
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
             out, m, dv, block_n, sk % block_n, 1
         )
@@ -175,7 +172,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
                 else:
                     gemm(acc, p, vt, False, False, 1.0)
-        _finish_rows(acc, row_max, row_sum, out, lse, i0, RowTile(b, hk, group, i0, npos), mods, True)
+        _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, True)
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS, error_model="numpy")
