@@ -15,7 +15,11 @@ import pytest
 from fastpe import triton_report as tr
 
 _why = tr.unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"AOT compilation impossible: {_why}")
+pytestmark = [
+    pytest.mark.skipif(_why is not None, reason=f"AOT compilation impossible: {_why}"),
+    # one worker runs the module: its module-scoped compile happens once, not once per worker
+    pytest.mark.xdist_group("triton_aot"),
+]
 
 QUICK_TARGETS = (80, 90)
 

@@ -50,7 +50,11 @@ _P4, _P5, _P6 = 0.009686186295582436, 0.001238241549274018, 0.000218712624710177
 _FLAGS = {"contract", "reassoc", "nsz", "arcp"}
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+# _exp2 and _tanh_ratio64 are plain functions, not inline="always": LLVM inlines them into the
+# kernels' loops all the same (their code is linked into each kernel: _link_only_codegen) and
+# vectorises those loops as before, while Numba's own inlining typed them again at every call
+# site, a tenth of a second or more of each kernel's first compile
+@njit(cache=True, fastmath=_FLAGS)
 def _exp2(x):
     """2**x in float32, exact 0 at or below -127 (also for -inf, a masked score), clamped at
     2**127 above. Range reduction x = k + f (k = floor x via the vectorisable np.floor, f in
@@ -90,7 +94,7 @@ _TP = (
 _TQ = (1.0, 0.4671433262729406, 0.025876942889573283, 0.00032856171000776, 7.776451609754166e-07)
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")  # Q(t) >= 1: no zero-division branch
 def _tanh_ratio64(t):
     """tanh(x)/x for t = x² <= 81 in float64: one rational, no exp and no branch."""
     p = _TP[4]

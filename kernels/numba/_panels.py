@@ -24,6 +24,7 @@ from numba.extending import intrinsic, overload
 from numba.np.numpy_support import from_dtype
 
 from ._half import _widen
+from ._runtime import njit
 
 # elements of a panel: two 256-bit vectors of float32 (16) or of float64 (8)
 _LANES = {types.float32: 8, types.float64: 4}
@@ -198,52 +199,42 @@ def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
     return types.none(c, a, panels, accumulate, sum_terms), codegen
 
 
+# plain functions, not inlined overloads: an overload with inline="always" is typed twice (on
+# its own, then again inside its caller), which was most of the packing's first compile
+@njit(cache=True)
 def pack_key_panels(k, b, hk, panels):
     """panels[p, e, c] = key p·W + c of head hk of sequence b, dimension e (widened; zeros past
     the last key): Kᵀ in panels of W = ``panel_width`` keys, the right operand of Q·Kᵀ."""
+    keys, d = k.shape[2], k.shape[3]
+    width = panels.shape[2]
+    for p in range(panels.shape[0]):
+        for c in range(width):
+            j = p * width + c
+            if j < keys:
+                for e in range(d):
+                    panels[p, e, c] = _widen(k[b, hk, j, e])
+            else:
+                for e in range(d):
+                    panels[p, e, c] = 0.0
 
 
-@overload(pack_key_panels, inline="always")
-def _pack_key_panels_impl(k, b, hk, panels):
-    def pack(k, b, hk, panels):
-        keys, d = k.shape[2], k.shape[3]
-        width = panels.shape[2]
-        for p in range(panels.shape[0]):
-            for c in range(width):
-                j = p * width + c
-                if j < keys:
-                    for e in range(d):
-                        panels[p, e, c] = _widen(k[b, hk, j, e])
-                else:
-                    for e in range(d):
-                        panels[p, e, c] = 0.0
-
-    return pack
-
-
+@njit(cache=True)
 def pack_value_panels(v, b, hk, panels):
     """panels[p, j, c] = dimension p·W + c of value j of head hk of sequence b (widened; zeros
     past the last dimension): V in panels of W columns, the right operand of P·V."""
-
-
-@overload(pack_value_panels, inline="always")
-def _pack_value_panels_impl(v, b, hk, panels):
-    def pack(v, b, hk, panels):
-        keys, dv = v.shape[2], v.shape[3]
-        width = panels.shape[2]
-        whole = dv // width
-        # row by row, whole panels without a bounds test in the loop (one kept the loop
-        # scalar, several times slower than packing K)
-        for j in range(keys):
-            row = v[b, hk, j]
-            for p in range(whole):
-                target = panels[p, j]
-                for c in range(width):
-                    target[c] = _widen(row[p * width + c])
-            if whole < panels.shape[0]:
-                target = panels[whole, j]
-                for c in range(width):
-                    e = whole * width + c
-                    target[c] = _widen(row[e]) if e < dv else 0.0
-
-    return pack
+    keys, dv = v.shape[2], v.shape[3]
+    width = panels.shape[2]
+    whole = dv // width
+    # row by row, whole panels without a bounds test in the loop (one kept the loop scalar,
+    # several times slower than packing K)
+    for j in range(keys):
+        row = v[b, hk, j]
+        for p in range(whole):
+            target = panels[p, j]
+            for c in range(width):
+                target[c] = _widen(row[p * width + c])
+        if whole < panels.shape[0]:
+            target = panels[whole, j]
+            for c in range(width):
+                e = whole * width + c
+                target[c] = _widen(row[e]) if e < dv else 0.0
