@@ -31,7 +31,9 @@ import sys
 
 CASES = {  # name: (B, Hq, Hkv, Sq, Sk, D, causal)
     "non-causal 1024² D64": (1, 16, 16, 1024, 1024, 64, False),
+    "causal 512 D64": (1, 16, 16, 512, 512, 64, True),
     "causal 1024 D64": (1, 16, 16, 1024, 1024, 64, True),
+    "causal 2048 D64": (1, 16, 16, 2048, 2048, 64, True),
     "causal 4096 D128": (1, 8, 8, 4096, 4096, 128, True),
     "decode B8 Sk4096 D128": (8, 32, 8, 1, 4096, 128, False),
 }

@@ -55,6 +55,14 @@ def info() -> str:
             "(numba.set_num_threads / NUMBA_NUM_THREADS)"
         )
         lines.append(f"  kernel cache  {_cache_line()}")
+        from fastpe.kernels.numba import _pair_products
+
+        products = (
+            "bfloat16 pairs (AVX512-BF16 vdpbf16ps)"
+            if _pair_products.available()
+            else "float32 (this CPU has no AVX512-BF16)"
+        )
+        lines.append(f"  bf16 tiles    {products}")
     except ImportError:
         pass
     try:

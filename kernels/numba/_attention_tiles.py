@@ -15,6 +15,7 @@ from fastpe.kernels.numba._attention_common import (
     _softmax_update,
 )
 from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._pair_products import pair_product, round_weight_pairs
 from fastpe.kernels.numba._panels import WIDEST_PANEL, panel_product
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
@@ -151,6 +152,25 @@ def _attend_panels(
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
     # the tile's weighted sum joins acc at once
     panel_product(acc, p[:, :n], v_panels, True, n)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_pairs(
+    qt, k_pairs, v_pairs, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0, n, is_f32
+):
+    """``_attend_panels`` on bfloat16 pairs (``_pair_products``): qt the row tile's query
+    pairs (unscaled), k_pairs Kᵀ's pairs of keys j0 … from its first panel, v_pairs the value
+    pairs of keys j0 … j0 + n - 1, p_pairs scratch for P rounded to bfloat16 pairs."""
+    pair_product(s, qt, k_pairs, False)
+    scale_units = s.dtype.type(mods.scale * mods.unit)
+    for r in range(s.shape[0]):
+        for c in range(n):
+            s[r, c] *= scale_units
+    _modify_scores(s, mods, tile, j0, n, is_f32)
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+    half = (n + 1) // 2
+    round_weight_pairs(p, n, p_pairs)
+    pair_product(acc, p_pairs[:, :half], v_pairs[:, :half], True)
 
 
 @njit(cache=True)

@@ -8,8 +8,9 @@ share evenly among the threads, (batch, kv head) with every query block of the h
 packs the ``group = Hq / Hkv`` query heads that share its kv head, so K and V are read once per
 kv head (GQA without copying), and walks its keys in tiles: S = Q·Kᵀ, masks/biases on S, an
 online softmax with a vectorisable exp2, then O += P·V. Wide row tiles multiply by panel
-products (``_panels``) on K and V packed once per call; narrow ones (decoding) by loops on K
-and V in place. Scores are in log2 units
+products (``_panels``) on K and V packed once per call — for bfloat16 inputs on CPUs with
+AVX512-BF16, by bfloat16 pair products (``_pair_products``) on K and V packed as pairs; narrow
+ones (decoding) by loops on K and V in place. Scores are in log2 units
 (log2 e folded into the query scale), or in natural units when a float mask holds values too
 large to be multiplied by log2 e (transformers' finfo.min masks): every finite mask value
 stays a finite score. The causal rule is the window's right edge at 0: key tiles outside a
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from fastpe.kernels.numba import _pair_products
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, dense_score_mods
 from fastpe.kernels.numba._attention_tiles import (
     KEY_ALIGN,
     SMALL_ROWS,
+    _attend_pairs,
     _attend_panels,
     _attend_tile,
     _finish_rows,
@@ -43,21 +46,30 @@ from fastpe.kernels.numba._attention_tiles import (
     _split_key_range,
     key_splits,
 )
+from fastpe.kernels.numba._pair_products import (
+    BLOCK_COLUMNS,
+    PANEL,
+    pack_key_pairs,
+    pack_value_pairs,
+    query_pairs,
+)
 from fastpe.kernels.numba._panels import pack_key_panels, pack_value_panels, panel_columns
 from fastpe.kernels.numba._runtime import njit
 from numba import prange, types
 from numba.extending import overload
 
 
-# Each kernel compile holds one of these two paths, chosen by k_panels' type (an overload, not a
-# branch on its value: Numba would type both branches, and compile both paths' code, for every
-# call)
+# Each kernel compile holds one of three paths, chosen by k_panels' type (an overload, not a
+# branch on its value: Numba would type every branch, and compile every path's code, for every
+# call): None, K and V read in place (decoding); float panels (``_panels``); uint32 panels of
+# bfloat16 pairs (``_pair_products``, bfloat16 inputs on CPUs with AVX512-BF16).
 def _attend_key_tile(
     qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods, tile,
     j0, n, is_f32,
 ):  # fmt: skip
     """Keys j0 … j0 + n - 1 for a row tile: ``_attend_tile`` on K and V in place when k_panels is
-    None (widened into k_tile and v_tile if half), else ``_attend_panels`` on their panels."""
+    None (widened into k_tile and v_tile if half), else ``_attend_panels`` on their panels, or
+    ``_attend_pairs`` on their bfloat16 pairs (k_tile: the scratch for P's pairs)."""
 
 
 @overload(_attend_key_tile)
@@ -78,6 +90,21 @@ def _attend_key_tile_impl(
 
         return in_place
 
+    if k_panels.dtype == types.uint32:
+
+        def from_pairs(
+            qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work,
+            mods, tile, j0, n, is_f32,
+        ):  # fmt: skip
+            b, hk = tile[0], tile[1]
+            kp = k_panels[b, hk, j0 // PANEL :]
+            vp = v_panels[b, hk, :, j0 // 2 : (j0 + n + 1) // 2]
+            _attend_pairs(
+                qt, kp, vp, s, p, k_tile, acc, row_max, row_sum, work, mods, tile, j0, n, is_f32
+            )
+
+        return from_pairs
+
     def from_panels(
         qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods,
         tile, j0, n, is_f32,
@@ -91,14 +118,46 @@ def _attend_key_tile_impl(
 
 
 def _padding(k_panels):
-    """The columns ``_row_buffers`` pads the tiles to: the panel width, or 1 without panels."""
+    """The columns ``_row_buffers`` pads the tiles to: the panel width, a pair product's block
+    width, or 1 without panels."""
 
 
 @overload(_padding, inline="always")
 def _padding_impl(k_panels):
     if isinstance(k_panels, types.NoneType):
         return lambda k_panels: 1
+    if k_panels.dtype == types.uint32:
+        return lambda k_panels: BLOCK_COLUMNS
     return lambda k_panels: k_panels.shape[4]
+
+
+def _key_scratch(k, k_panels, m, block_n, like):
+    """A row tile's k_tile for ``_attend_key_tile``: room to widen a half-precision key tile
+    read in place, or for P's bfloat16 pairs (empty otherwise)."""
+
+
+@overload(_key_scratch)
+def _key_scratch_impl(k, k_panels, m, block_n, like):
+    if isinstance(k_panels, types.Array) and k_panels.dtype == types.uint32:
+        return lambda k, k_panels, m, block_n, like: np.empty((m, (block_n + 1) // 2), np.uint32)
+    rows = isinstance(k_panels, types.NoneType) and k.dtype in (types.uint16, types.int16)
+
+    def widen_room(k, k_panels, m, block_n, like):
+        return np.empty((block_n if rows else 0, k.shape[3]), like.dtype)
+
+    return widen_room
+
+
+def _query_operand(q, tile, mods, like, k_panels):
+    """The row tile's queries as its products take them: ``query_pairs`` for bfloat16 pairs,
+    else ``_query_tile`` (widened and scaled)."""
+
+
+@overload(_query_operand)
+def _query_operand_impl(q, tile, mods, like, k_panels):
+    if isinstance(k_panels, types.Array) and k_panels.dtype == types.uint32:
+        return lambda q, tile, mods, like, k_panels: query_pairs(q, tile)
+    return lambda q, tile, mods, like, k_panels: _query_tile(q, tile, mods, like)
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -110,18 +169,18 @@ def _attend_query_block(
     part. On K and V packed in panels (wide tiles), or with k_panels None on K and V in place
     (decoding): ``_attention_numba``."""
     b, hk, group, i0, npos = tile
-    d, dv = q.shape[3], v.shape[3]
+    dv = v.shape[3]
     m = group * npos
     j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, KEY_ALIGN)
-    qt = _query_tile(q, tile, mods, part_out)
+    qt = _query_operand(q, tile, mods, part_out, k_panels)
     tail = (j_stop - j_begin) % block_n
     acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
         part_out, m, dv, block_n, tail, _padding(k_panels)
     )
-    # half-precision K and V read in place are widened tile by tile
-    in_place = k_panels is None
-    k_tile = np.empty((block_n if in_place and _is_half(k) else 0, d), part_out.dtype)
-    v_tile = np.empty((block_n if in_place and _is_half(v) else 0, dv), part_out.dtype)
+    # half-precision K and V read in place are widened tile by tile; with bfloat16 pairs,
+    # k_tile holds P's pairs
+    k_tile = _key_scratch(k, k_panels, m, block_n, part_out)
+    v_tile = np.empty((block_n if k_panels is None and _is_half(v) else 0, dv), part_out.dtype)
     for j0 in range(j_begin, j_stop, block_n):
         full = j_stop - j0 >= block_n
         n = block_n if full else tail
@@ -135,11 +194,26 @@ def _attend_query_block(
     )
 
 
-@njit(cache=True)
 def _pack_head(k, v, b, hk, k_panels, v_panels):
-    """Kᵀ and V of head hk of sequence b into their panels (``_panels``)."""
-    pack_key_panels(k, b, hk, k_panels[b, hk])
-    pack_value_panels(v, b, hk, v_panels[b, hk])
+    """Kᵀ and V of head hk of sequence b into their panels (``_panels``), or their bfloat16
+    pairs (``_pair_products``)."""
+
+
+@overload(_pack_head)
+def _pack_head_impl(k, v, b, hk, k_panels, v_panels):
+    if k_panels.dtype == types.uint32:
+
+        def pack_pairs(k, v, b, hk, k_panels, v_panels):
+            pack_key_pairs(k, b, hk, k_panels[b, hk])
+            pack_value_pairs(v, b, hk, v_panels[b, hk])
+
+        return pack_pairs
+
+    def pack_panels(k, v, b, hk, k_panels, v_panels):
+        pack_key_panels(k, b, hk, k_panels[b, hk])
+        pack_value_panels(v, b, hk, v_panels[b, hk])
+
+    return pack_panels
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
@@ -149,7 +223,8 @@ def _attention_numba(
 ):  # fmt: skip
     """k_panels [B, Hkv, ceil(Sk / W), D, W] and v_panels [B, Hkv, ceil(Dv / W), Sk, W]
     (``_panels``, W = ``panel_width``): room for K and V packed, for calls whose row tiles are
-    wider than SMALL_ROWS, once per call for every query block of a kv head; or both None, and
+    wider than SMALL_ROWS, once per call for every query block of a kv head (uint32 bfloat16
+    pairs instead, shaped as ``attention_numba`` allocates them: ``_pair_products``); or both None, and
     the few-row tiles of decoding multiply K and V in place (read once). Numba compiles each
     case without the other's code: a prefill's first call does not wait for the decode loops,
     nor a decode step's for the packing and panel products."""
@@ -269,7 +344,14 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     mods = dense_score_mods(
         dtype, unit, options, q, k, mask=mask, key_lengths=key_lengths, relative_bias=relative_bias
     )
-    if group * block_m > SMALL_ROWS:  # wide row tiles: room for K and V packed in panels
+    wide = group * block_m > SMALL_ROWS  # wide row tiles: room for K and V packed in panels
+    if wide and q.dtype == k.dtype == v.dtype == np.uint16 and _pair_products.available():
+        # bfloat16 pairs; keys past Sk to the end of the last tile's padded width are zeros
+        k_panels = np.empty((batch, hkv, -(-sk // PANEL) + 2, -(-d // 2), PANEL), np.uint32)
+        v_panels = np.empty(
+            (batch, hkv, -(-dv // BLOCK_COLUMNS) * 2, -(-sk // 2), PANEL), np.uint32
+        )
+    elif wide:
         width = panel_columns(dtype)
         k_panels = np.empty((batch, hkv, -(-sk // width), d, width), dtype)
         v_panels = np.empty((batch, hkv, -(-dv // width), sk, width), dtype)

@@ -1,0 +1,256 @@
+"""bfloat16 tile products on CPUs with AVX512-BF16: ``pair_product(c, a, panels, accumulate)``
+computes ``c = a · B`` (or ``c += a · B``) in float32 from bfloat16 operands with the
+``vdpbf16ps`` instruction, which multiplies two bfloat16 pairs per float32 lane and adds both
+products to the lane: twice the float32 multiply-adds per instruction.
+
+Operands hold bfloat16 *pairs* along the summed axis, each pair one uint32 (the even element in
+the low half, as the instruction reads them):
+
+- ``a`` [m, k/2]: row r's elements 2t and 2t + 1 in a[r, t];
+- ``panels`` [>= n / 16, k/2, 16]: B [k, n] in column panels of 16, B[2t, 16p + c] and
+  B[2t + 1, 16p + c] in panels[p, t, c].
+
+The dense attention kernel packs Kᵀ (pairs along the head dimension) and V (pairs along the
+keys) so, once per call, and multiplies Q·Kᵀ with the query's bfloat16 bits as they are (the
+score scale is applied to the float32 scores) and P·V with P rounded to bfloat16, as
+FlashAttention does for half inputs (docs/dtypes-and-errors.md states the error this costs).
+Every product of two bfloat16 values is exact in float32; the sums are float32.
+
+The register blocks are up to six rows of c by two panels (32 columns, 12 of the 32 AVX-512
+registers): n must be a multiple of 32, and the kernel pads its tiles so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._half import _float32_to_bf16
+from ._runtime import njit
+
+PANEL = 16  # float32 lanes of one AVX-512 register: columns of c per panel
+BLOCK_COLUMNS = 2 * PANEL  # columns of c per register block: tiles are padded to this
+_ROW_BLOCKS = (6, 4, 2, 1)
+_INTRINSIC = "llvm.x86.avx512bf16.dpbf16ps.512"
+
+
+class _BFloatType(ir.types._BaseFloatType):
+    """LLVM's ``bfloat`` (llvmlite has no class for it): the intrinsic's operand type."""
+
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+    def format_constant(self, value):
+        return "0.0"
+
+
+_BFloatType._create_instance()
+
+
+@functools.cache
+def available() -> bool:
+    """True when Numba compiles for a CPU with AVX512-BF16 (the host's features, or those that
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name): the pair products then replace float32 products
+    in bfloat16 attention."""
+    from numba.core.registry import cpu_target
+
+    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
+    return "+avx512bf16" in features.split(",")
+
+
+@intrinsic
+def pair_product(typingctx, c, a, panels, accumulate):
+    """c [m, n] (float32; n a multiple of 32) = a · B, or c += a · B with ``accumulate``; a
+    [m, k/2] and panels [>= n / 16, k/2, 16] uint32 bfloat16 pairs (module docstring), each
+    with unit stride along its last axis. Every sum starts from zero; with ``accumulate`` c's
+    earlier value joins once. Nothing here checks shapes: the kernels pass what they packed."""
+    if not (
+        isinstance(c, types.Array)
+        and c.dtype == types.float32
+        and c.ndim == 2
+        and isinstance(a, types.Array)
+        and a.dtype == types.uint32
+        and a.ndim == 2
+        and isinstance(panels, types.Array)
+        and panels.dtype == types.uint32
+        and panels.ndim == 3
+        and isinstance(accumulate, types.Boolean)
+    ):
+        return None
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        vec = ir.VectorType(f32, PANEL)
+        pairs = ir.VectorType(i32, PANEL)
+        bf16s = ir.VectorType(_BFloatType(), 2 * PANEL)
+        dot = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [vec, bf16s, bf16s]), _INTRINSIC
+        )
+        c_arr, a_arr, p_arr = (
+            context.make_array(ty)(context, builder, value)
+            for ty, value in zip(signature.args[:3], args[:3], strict=True)
+        )
+        add_to_c = args[3]
+        const = lambda value: ir.Constant(intp, value)  # noqa: E731
+        four = const(4)
+        m, n = cgutils.unpack_tuple(builder, c_arr.shape, 2)
+        k_pairs = cgutils.unpack_tuple(builder, a_arr.shape, 2)[1]
+        c_step = builder.sdiv(cgutils.unpack_tuple(builder, c_arr.strides, 2)[0], four)
+        a_step = builder.sdiv(cgutils.unpack_tuple(builder, a_arr.strides, 2)[0], four)
+        p_strides = cgutils.unpack_tuple(builder, p_arr.strides, 3)
+        panel_step, row_step = (builder.sdiv(s, four) for s in p_strides[:2])
+        zeros = ir.Constant(vec, [0.0] * PANEL)
+        lane0 = ir.Constant(i32, 0)
+        splat = ir.Constant(pairs, [0] * PANEL)
+
+        def block(first_row, rows, panel):
+            """Rows first_row … first_row + rows - 1 of c against panels panel, panel + 1."""
+            row_index = [builder.add(first_row, const(r)) for r in range(rows)]
+            a_rows = [builder.gep(a_arr.data, [builder.mul(r, a_step)]) for r in row_index]
+            bases = [builder.gep(p_arr.data, [builder.mul(panel, panel_step)])]
+            bases.append(builder.gep(bases[0], [panel_step]))
+            entry = builder.block
+            loop = builder.append_basic_block("pairs_k")
+            done = builder.append_basic_block("pairs_k_done")
+            builder.cbranch(builder.icmp_signed(">", k_pairs, const(0)), loop, done)
+            builder.position_at_end(loop)
+            t = builder.phi(intp)
+            t.add_incoming(const(0), entry)
+            sums = [[builder.phi(vec) for _ in bases] for _ in row_index]
+            for row in sums:
+                for phi in row:
+                    phi.add_incoming(zeros, entry)
+            columns = []
+            for base in bases:
+                ptr = builder.bitcast(
+                    builder.gep(base, [builder.mul(t, row_step)]), pairs.as_pointer()
+                )
+                columns.append(builder.bitcast(builder.load(ptr, align=4), bf16s))
+            new = []
+            for row, a_row in zip(sums, a_rows, strict=True):
+                x = builder.insert_element(
+                    ir.Constant(pairs, ir.Undefined), builder.load(builder.gep(a_row, [t])), lane0
+                )
+                x = builder.bitcast(
+                    builder.shuffle_vector(x, ir.Constant(pairs, ir.Undefined), splat), bf16s
+                )
+                new.append(
+                    [builder.call(dot, [s, x, col]) for s, col in zip(row, columns, strict=True)]
+                )
+            t_next = builder.add(t, const(1))
+            loop_end = builder.block
+            t.add_incoming(t_next, loop_end)
+            for row, row_new in zip(sums, new, strict=True):
+                for phi, value in zip(row, row_new, strict=True):
+                    phi.add_incoming(value, loop_end)
+            builder.cbranch(builder.icmp_signed("<", t_next, k_pairs), loop, done)
+            builder.position_at_end(done)
+            totals = []  # the sums, zeros for an empty k (phis first in their block)
+            for row_new in new:
+                totals.append([])
+                for value in row_new:
+                    total = builder.phi(vec)
+                    total.add_incoming(zeros, entry)
+                    total.add_incoming(value, loop_end)
+                    totals[-1].append(total)
+            col0 = builder.mul(panel, const(PANEL))
+            for r, row_totals in zip(row_index, totals, strict=True):
+                c_row = builder.gep(c_arr.data, [builder.add(builder.mul(r, c_step), col0)])
+                for h, total in enumerate(row_totals):
+                    ptr = builder.bitcast(builder.gep(c_row, [const(h * PANEL)]), vec.as_pointer())
+                    added = builder.fadd(builder.load(ptr, align=4), total)
+                    builder.store(builder.select(add_to_c, added, total), ptr, align=4)
+
+        most = _ROW_BLOCKS[0]
+        with cgutils.for_range(builder, builder.sdiv(n, const(2 * PANEL))) as panels_loop:
+            panel = builder.mul(panels_loop.index, const(2))
+            blocks = builder.sdiv(m, const(most))
+            with cgutils.for_range(builder, blocks) as loop:
+                block(builder.mul(loop.index, const(most)), most, panel)
+            done = builder.mul(blocks, const(most))
+            for rows in _ROW_BLOCKS[1:]:  # the rest: at most one block of each
+                fits = builder.icmp_signed("<=", builder.add(done, const(rows)), m)
+                with builder.if_then(fits):
+                    block(done, rows, panel)
+                done = builder.select(fits, builder.add(done, const(rows)), done)
+        return context.get_dummy_value()
+
+    return types.none(c, a, panels, accumulate), codegen
+
+
+@njit(cache=True)
+def _pair(lo, hi):
+    return np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+
+
+@njit(cache=True)
+def pack_key_pairs(k, b, hk, panels):
+    """panels[p, t, c] = dimensions 2t, 2t + 1 of key 16p + c of head hk of sequence b (bfloat16
+    bits [B, Hkv, Sk, D]; zeros past the last key and dimension): Kᵀ for ``pair_product``."""
+    keys, d = k.shape[2], k.shape[3]
+    half = d // 2
+    for p in range(panels.shape[0]):
+        for c in range(PANEL):
+            j = p * PANEL + c
+            if j < keys:
+                for t in range(half):
+                    panels[p, t, c] = _pair(k[b, hk, j, 2 * t], k[b, hk, j, 2 * t + 1])
+                if d % 2:
+                    panels[p, half, c] = _pair(k[b, hk, j, d - 1], 0)
+            else:
+                for t in range(panels.shape[1]):
+                    panels[p, t, c] = 0
+
+
+@njit(cache=True)
+def pack_value_pairs(v, b, hk, panels):
+    """panels[p, t, c] = dimension 16p + c of values 2t and 2t + 1 of head hk of sequence b
+    (bfloat16 bits [B, Hkv, Sk, Dv]; zeros past the last value and dimension): V for
+    ``pair_product``."""
+    keys, dv = v.shape[2], v.shape[3]
+    for p in range(panels.shape[0]):
+        for t in range(panels.shape[1]):
+            j = 2 * t
+            for c in range(PANEL):
+                e = p * PANEL + c
+                lo = v[b, hk, j, e] if j < keys and e < dv else np.uint16(0)
+                hi = v[b, hk, j + 1, e] if j + 1 < keys and e < dv else np.uint16(0)
+                panels[p, t, c] = _pair(lo, hi)
+
+
+@njit(cache=True)
+def query_pairs(q, tile):
+    """The query rows of a ``RowTile`` (bfloat16 bits [B, Hq, Sq, D]) as bfloat16 pairs
+    [group · npos, ceil(D / 2)] uint32, unscaled (the score scale multiplies the scores)."""
+    b, hk, group, i0, npos = tile
+    d = q.shape[3]
+    half = (d + 1) // 2
+    qt = np.empty((group * npos, half), dtype=np.uint32)
+    for g in range(group):
+        for r in range(npos):
+            row = q[b, hk * group + g, i0 + r]
+            for t in range(d // 2):
+                qt[g * npos + r, t] = _pair(row[2 * t], row[2 * t + 1])
+            if d % 2:
+                qt[g * npos + r, half - 1] = _pair(row[d - 1], 0)
+    return qt
+
+
+@njit(cache=True)
+def round_weight_pairs(p, n, out):
+    """out[r, t] = p[r, 2t], p[r, 2t + 1] rounded to bfloat16 (to nearest even), for the
+    ceil(n / 2) pairs of keys 0 … n - 1 (a last odd key paired with 0)."""
+    for r in range(p.shape[0]):
+        for t in range(n // 2):
+            out[r, t] = _pair(_float32_to_bf16(p[r, 2 * t]), _float32_to_bf16(p[r, 2 * t + 1]))
+        if n % 2:
+            out[r, n // 2] = _pair(_float32_to_bf16(p[r, n - 1]), 0)

@@ -1,0 +1,190 @@
+"""bfloat16 attention on AVX512-BF16 (``kernels/numba/_pair_products``): the pair product and
+the packing against NumPy in float64, and the dense kernel's pair path against the float64
+oracle and the float32 (widened) path, under the half-precision rule. Skipped where Numba does
+not compile for a CPU with AVX512-BF16: there the widened path runs, which the other attention
+tests cover."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+torch = pytest.importorskip("torch")
+
+from fastpe.kernels.numba import _pair_products as pp  # noqa: E402
+
+import fastpe  # noqa: E402
+
+needs_bf16 = pytest.mark.skipif(
+    not pp.available(), reason="Numba does not compile for a CPU with AVX512-BF16 here"
+)
+
+
+def test_fastpe_info_names_the_path():
+    from fastpe.cli import info
+
+    line = next(line for line in info().splitlines() if "bf16 tiles" in line)
+    assert ("vdpbf16ps" in line) == pp.available(), line
+
+
+def _bf16_bits(x):
+    """float -> bfloat16 bits (uint16), rounded to nearest even (finite inputs)."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _value(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _pairs_of_rows(bits):
+    """[m, k] bfloat16 bits -> [m, ceil(k/2)] uint32 pairs (the odd last element with 0)."""
+    m, k = bits.shape
+    padded = np.zeros((m, k + k % 2), np.uint32)
+    padded[:, :k] = bits
+    return padded[:, 0::2] | (padded[:, 1::2] << 16)
+
+
+def _panels_of(b_bits):
+    """B [k, n] bfloat16 bits -> panels [n / 16, ceil(k/2), 16]: B[2t, 16p + c] and B[2t + 1,
+    16p + c] in panels[p, t, c]."""
+    k, n = b_bits.shape
+    pairs = _pairs_of_rows(np.ascontiguousarray(b_bits.T))  # [n, ceil(k/2)]
+    return np.ascontiguousarray(pairs.reshape(n // 16, 16, -1).transpose(0, 2, 1))
+
+
+@numba.njit
+def _product(c, a, panels, accumulate):
+    pp.pair_product(c, a, panels, accumulate)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13])
+@pytest.mark.parametrize("k", [0, 1, 2, 9, 64])
+@pytest.mark.parametrize("n", [32, 96])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_pair_product_matches_numpy(m, k, n, accumulate):
+    rng = np.random.default_rng(m * 1000 + k * 10 + n)
+    a_bits = _bf16_bits(rng.standard_normal((m, k)))
+    b_bits = _bf16_bits(rng.standard_normal((k, n)))
+    a, b = _value(a_bits), _value(b_bits)
+    # c is a strided window of a larger array: nothing around it may change
+    outer = rng.standard_normal((m + 2, n + 40)).astype(np.float32)
+    before = outer.copy()
+    c = outer[1 : m + 1, 8 : n + 8]
+    _product(c, _pairs_of_rows(a_bits), _panels_of(b_bits), accumulate)
+    want = a @ b + (before[1 : m + 1, 8 : n + 8] if accumulate else 0.0)
+    # float32 sums of exact products: within k float32 roundings of the sum of |terms|
+    bound = (np.abs(a) @ np.abs(b) + np.abs(want)) * (k + 2) * 2.0**-24 + 1e-30
+    assert np.all(np.abs(c - want) <= bound)
+    outer[1 : m + 1, 8 : n + 8] = before[1 : m + 1, 8 : n + 8]
+    assert np.array_equal(outer, before)
+
+
+@numba.njit
+def _pack(k, v, key_panels, value_panels):
+    pp.pack_key_pairs(k, 0, 1, key_panels)
+    pp.pack_value_pairs(v, 0, 1, value_panels)
+
+
+@needs_bf16
+@pytest.mark.parametrize("keys,d", [(1, 1), (17, 7), (40, 64), (33, 80)])
+def test_packing_layouts(keys, d):
+    rng = np.random.default_rng(keys + d)
+    k = _bf16_bits(rng.standard_normal((1, 2, keys, d)))
+    v = _bf16_bits(rng.standard_normal((1, 2, keys, d)))
+    n_key_panels = -(-keys // 16) + 2
+    key_panels = np.full((n_key_panels, -(-d // 2), 16), 7, np.uint32)
+    value_panels = np.full((-(-d // 32) * 2, -(-keys // 2), 16), 7, np.uint32)
+    _pack(k, v, key_panels, value_panels)
+    kt = np.zeros((d, n_key_panels * 16), np.uint16)  # Kᵀ, zeros past the last key
+    kt[:, :keys] = k[0, 1].T
+    assert np.array_equal(key_panels, _panels_of(kt))
+    vb = np.zeros((keys, value_panels.shape[0] * 16), np.uint16)  # zeros past Dv
+    vb[:, :d] = v[0, 1]
+    assert np.array_equal(value_panels, _panels_of(vb))
+
+
+@needs_bf16
+def test_query_pairs_and_rounded_weights():
+    rng = np.random.default_rng(5)
+    q = _bf16_bits(rng.standard_normal((2, 6, 9, 7)))  # 6 query heads, 2 per kv head
+    tile = (1, 2, 2, 3, 4)  # sequence 1, kv head 2, group 2, queries 3 … 6
+    got = numba.njit(lambda q, tile: pp.query_pairs(q, tile))(q, tile)
+    rows = np.concatenate([q[1, 4, 3:7], q[1, 5, 3:7]])
+    assert np.array_equal(got, _pairs_of_rows(rows))
+
+    p = rng.random((5, 32)).astype(np.float32)
+    p[0, :4] = [1.0, 0.0, np.float32(1 + 2**-8), np.float32(1 + 3 * 2**-8)]  # ties to even
+    out = np.full((5, 16), 9, np.uint32)
+    numba.njit(lambda p, n, out: pp.round_weight_pairs(p, n, out))(p, 31, out)
+    want = _pairs_of_rows(_bf16_bits(p[:, :31]))
+    assert np.array_equal(out, want)
+    assert (out[0, 1] & 0xFFFF) == 0x3F80 and (out[0, 1] >> 16) == 0x3F82  # 1 and 1 + 2^-6
+
+
+CASES = {
+    "causal": dict(causal=True),
+    "gqa-window-softcap": dict(causal=True, window=(37, 0), softcap=4.0),
+    "alibi-sinks": dict(alibi_slopes=True, sinks=True),
+    "mask": dict(mask=True),
+    "odd-dims": dict(),
+}
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pair_path_within_the_half_precision_rule(case, monkeypatch):
+    """The pair path (P rounded to bfloat16) against the float64 oracle: within twice the error
+    of a plain torch computation in bfloat16, and near the widened float32 path."""
+    gen = torch.Generator().manual_seed(len(case))
+    options = dict(CASES[case])
+    hq, hkv = (8, 2) if case.startswith("gqa") else (4, 4)
+    sq, sk, d = (45, 301, 33) if case == "odd-dims" else (150, 150, 64)
+    q = torch.randn(2, hq, sq, d, generator=gen).bfloat16()
+    k, v = (torch.randn(2, hkv, sk, d, generator=gen).bfloat16() for _ in range(2))
+    if options.pop("alibi_slopes", False):
+        options["alibi_slopes"] = torch.rand(hq, generator=gen) * 0.3
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(hq, generator=gen)
+    if options.pop("mask", False):
+        options["mask"] = torch.rand(sq, sk, generator=gen) > 0.3
+    want = fastpe.attention(q.double(), k.double(), v.double(), backend="numpy", **options)
+    got = fastpe.attention(q, k, v, backend="numba", **options)
+    monkeypatch.setattr(pp, "available", lambda: False)
+    widened = fastpe.attention(q, k, v, backend="numba", **options)
+    # a plain torch computation in bfloat16: scores, softmax and P·V each rounded to bfloat16
+    scale = d**-0.5
+    kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+    plain_scores = (q @ kk.transpose(-1, -2)).float() * scale
+    plain_scores = _modified(plain_scores, q.shape, options, sq, sk).bfloat16()
+    plain = (torch.softmax(plain_scores.float(), -1).bfloat16() @ vv).double()
+    if "sinks" in options:  # the sink's share of the normaliser, as the oracle has it
+        lse = torch.logsumexp(plain_scores.float().double(), -1, keepdim=True)
+        sinks = options["sinks"].double()[None, :, None, None]
+        plain = plain * torch.exp(lse - torch.logaddexp(lse, sinks))
+    err = (got.double() - want).abs().max().item()
+    plain_err = (plain - want).abs().max().item()
+    assert plain_err < 0.03, plain_err  # a faithful plain computation, so the bound means something
+    assert err <= 2 * plain_err, (err, plain_err)
+    assert (got.double() - widened.double()).abs().max().item() <= 2 * plain_err
+
+
+def _modified(scores, shape, options, sq, sk):
+    """The score modifiers of CASES on float32 scores [B, H, Sq, Sk] (bottom-right causal)."""
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    if "softcap" in options:
+        cap = options["softcap"]
+        scores = cap * torch.tanh(scores / cap)
+    if "alibi_slopes" in options:
+        scores = scores - options["alibi_slopes"][None, :, None, None] * (i - j).abs()
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if options.get("causal"):
+        visible &= j <= i
+    if "window" in options:
+        visible &= j >= i - options["window"][0]
+    if "mask" in options:
+        visible &= options["mask"]
+    return scores.masked_fill(~visible, -torch.inf)
