@@ -26,8 +26,9 @@ sequence's length and unused block-table entries are never touched):
   next run prefetched, int8 scales with it (the hardware cannot guess where the next page lies);
 - larger tiles, one item per kv head: each key tile is gathered (widened) into scratch panels
   and run through the forward kernel's tile step (``_attend_panels``: Q·Kᵀ and P·V by panel
-  products), also for a row tile that ends up narrow (a sequence's last query block): the
-  kernel holds no few-row code to compile.
+  products; bfloat16 caches on CPUs with AVX512-BF16: gathered as bfloat16 pairs for
+  ``_attend_pairs``, ``_pair_products``), also for a row tile that ends up narrow (a
+  sequence's last query block): the kernel holds no few-row code to compile.
 
 Both share the score modifiers (``ScoreMods``, ``_modify_scores``), online softmax and final
 normalisation of the forward kernel (``_attention_common``, ``_attention_tiles``).
@@ -39,6 +40,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+from fastpe.kernels.numba import _pair_products
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
@@ -50,6 +52,7 @@ from fastpe.kernels.numba._attention_common import (
 from fastpe.kernels.numba._attention_tiles import (
     SMALL_ROWS,
     _add_weighted_values_small,
+    _attend_pairs,
     _attend_panels,
     _finish_rows,
     _merge_splits_numba,
@@ -59,6 +62,7 @@ from fastpe.kernels.numba._attention_tiles import (
     key_splits,
 )
 from fastpe.kernels.numba._half import E4M3_UNIT, _e4m3_finite_to_units, _widen
+from fastpe.kernels.numba._pair_products import BLOCK_COLUMNS, PANEL, _pair
 from fastpe.kernels.numba._panels import panel_width
 from fastpe.kernels.numba._runtime import njit
 from fastpe.kernels.numba.attention import SERIAL_WORK
@@ -153,6 +157,168 @@ def _gather_value_panels(src, hk, b, j0, n, page_start, page_size, panels, scale
                     e = whole * width + col
                     target[col] = _widen(source[e]) * factor if e < dv else 0.0
         r += run
+
+
+@njit(cache=True)
+def _gather_key_pairs(src, hk, b, j0, n, page_start, page_size, panels):
+    """Keys j0 … j0 + n - 1 of head hk of sequence b (bfloat16 bits), read through the page
+    table, into Kᵀ's bfloat16 pairs (``_pair_products``): panels[p, t, c] = dimensions 2t,
+    2t + 1 of key j0 + 16p + c; zeros for the keys past n to the panels' end (the pair product
+    reads every panel the padded tile spans) and past an odd head dimension."""
+    d = src.shape[2]
+    half = d // 2
+    r = 0
+    while r < n:
+        row, run = _page_run(page_start, page_size, b, j0 + r, n - r)
+        for t in range(run):
+            source = src[row + t, hk]
+            panel, col = (r + t) // PANEL, (r + t) % PANEL
+            for e in range(half):
+                panels[panel, e, col] = _pair(source[2 * e], source[2 * e + 1])
+            if d % 2:
+                panels[panel, half, col] = _pair(source[d - 1], 0)
+        r += run
+    for key in range(n, panels.shape[0] * PANEL):
+        for e in range(panels.shape[1]):
+            panels[key // PANEL, e, key % PANEL] = 0
+
+
+@njit(cache=True)
+def _gather_value_pairs(src, hk, b, j0, n, page_start, page_size, panels):
+    """``_gather_key_pairs`` for values: panels[p, t, c] = element 16p + c of values j0 + 2t and
+    j0 + 2t + 1 (zeros past the last element, and for the value after an odd last one)."""
+    dv = src.shape[2]
+    for t in range((n + 1) // 2):
+        first, _ = _page_run(page_start, page_size, b, j0 + 2 * t, 1)
+        second = first
+        has_second = 2 * t + 1 < n
+        if has_second:
+            second, _ = _page_run(page_start, page_size, b, j0 + 2 * t + 1, 1)
+        lo, hi = src[first, hk], src[second, hk]
+        for panel in range(panels.shape[0]):
+            for col in range(PANEL):
+                e = panel * PANEL + col
+                if e < dv:
+                    panels[panel, t, col] = _pair(lo[e], hi[e] if has_second else np.uint16(0))
+                else:
+                    panels[panel, t, col] = 0
+
+
+def _tile_buffers(pairs, like, block_n, m, d, dv):
+    """An item's key and value tile buffers (and P's pairs): float panels (``_panels``) when
+    pairs is None, else bfloat16 pair panels (``_pair_products``)."""
+
+
+@overload(_tile_buffers)
+def _tile_buffers_impl(pairs, like, block_n, m, d, dv):
+    if isinstance(pairs, types.NoneType):
+
+        def panels(pairs, like, block_n, m, d, dv):
+            width = panel_width(like)
+            keys = np.empty(((block_n + width - 1) // width, d, width), like.dtype)
+            values = np.empty(((dv + width - 1) // width, block_n, width), like.dtype)
+            return keys, values, None
+
+        return panels
+
+    def pair_panels(pairs, like, block_n, m, d, dv):
+        columns = (block_n + BLOCK_COLUMNS - 1) // BLOCK_COLUMNS * BLOCK_COLUMNS
+        keys = np.empty((columns // PANEL, (d + 1) // 2, PANEL), np.uint32)
+        value_panels = (dv + BLOCK_COLUMNS - 1) // BLOCK_COLUMNS * 2
+        values = np.empty((value_panels, (block_n + 1) // 2, PANEL), np.uint32)
+        return keys, values, np.empty((m, (block_n + 1) // 2), np.uint32)
+
+    return pair_panels
+
+
+def _tile_padding(pairs, like):
+    """The columns ``_row_buffers`` pads an item's tiles to (``_tile_buffers``' products)."""
+
+
+@overload(_tile_padding, inline="always")
+def _tile_padding_impl(pairs, like):
+    if isinstance(pairs, types.NoneType):
+        return lambda pairs, like: panel_width(like)
+    return lambda pairs, like: BLOCK_COLUMNS
+
+
+def _item_queries(q, row0, hk, group, npos, mods, like, pairs):
+    """An item's query rows [group · npos, D] from q [Tq, Hq, D]: widened and times the score
+    scale (float panels), or as bfloat16 pairs, unscaled (pair panels)."""
+
+
+@overload(_item_queries)
+def _item_queries_impl(q, row0, hk, group, npos, mods, like, pairs):
+    if isinstance(pairs, types.NoneType):
+
+        def widened(q, row0, hk, group, npos, mods, like, pairs):
+            d = q.shape[2]
+            qt = np.empty((group * npos, d), dtype=like.dtype)
+            scale_units = like.dtype.type(mods.scale * mods.unit)
+            for g in range(group):
+                for r in range(npos):
+                    for c in range(d):
+                        qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
+            return qt
+
+        return widened
+
+    def as_pairs(q, row0, hk, group, npos, mods, like, pairs):
+        d = q.shape[2]
+        half = (d + 1) // 2
+        qt = np.empty((group * npos, half), dtype=np.uint32)
+        for g in range(group):
+            for r in range(npos):
+                row = q[row0 + r, hk * group + g]
+                for t in range(d // 2):
+                    qt[g * npos + r, t] = _pair(row[2 * t], row[2 * t + 1])
+                if d % 2:
+                    qt[g * npos + r, half - 1] = _pair(row[d - 1], 0)
+        return qt
+
+    return as_pairs
+
+
+def _attend_gathered(
+    qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p, acc,
+    row_max, row_sum, work, mods, tile, is_f32,
+):  # fmt: skip
+    """Gather keys j0 … j0 + n - 1 into an item's tile buffers and run the tile step on them
+    (``_attend_panels``, or ``_attend_pairs`` on pair panels)."""
+
+
+@overload(_attend_gathered)
+def _attend_gathered_impl(
+    qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p, acc,
+    row_max, row_sum, work, mods, tile, is_f32,
+):  # fmt: skip
+    if isinstance(p_pairs, types.NoneType):
+
+        def on_panels(
+            qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p,
+            acc, row_max, row_sum, work, mods, tile, is_f32,
+        ):  # fmt: skip
+            _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
+            _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
+            vp = v_panels[:, :n]
+            _attend_panels(
+                qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
+            )
+
+        return on_panels
+
+    def on_pairs(
+        qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p,
+        acc, row_max, row_sum, work, mods, tile, is_f32,
+    ):  # fmt: skip
+        _gather_key_pairs(k, hk, b, j0, n, pages, page_size, k_panels)
+        _gather_value_pairs(v, hk, b, j0, n, pages, page_size, v_panels)
+        _attend_pairs(
+            qt, k_panels, v_panels, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0,
+            n, is_f32,
+        )  # fmt: skip
+
+    return on_pairs
 
 
 def _prefetch_codegen(element_index):
@@ -637,8 +803,11 @@ def _attention_paged_direct_numba(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales, pairs
 ):
+    """Wide row tiles: one work item = (sequence, query block, kv head, key split). pairs: None
+    (key tiles gathered into float panels) or an empty uint32 array (bfloat16 caches gathered
+    as pairs: ``_pair_products``)."""
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
@@ -650,30 +819,21 @@ def _attention_paged_numba(
         j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
         b, npos = tile.b, tile.npos
         m = group * npos
-        qt = np.empty((m, d), dtype=part_out.dtype)
-        scale_units = part_out.dtype.type(mods.scale * mods.unit)
-        for g in range(group):
-            for r in range(npos):
-                for c in range(d):
-                    qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
+        qt = _item_queries(q, row0, hk, group, npos, mods, part_out, pairs)
         tail = (j_stop - j_begin) % block_n
-        width = panel_width(part_out)
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            part_out, m, dv, block_n, tail, width
+            part_out, m, dv, block_n, tail, _tile_padding(pairs, part_out)
         )
-        # keys and values gathered (widened) into panels per tile, for the panel products
-        k_panels = np.empty(((block_n + width - 1) // width, d, width), part_out.dtype)
-        v_panels = np.empty(((dv + width - 1) // width, block_n, width), part_out.dtype)
+        # keys and values gathered (widened, or as bfloat16 pairs) per tile
+        k_panels, v_panels, p_pairs = _tile_buffers(pairs, part_out, block_n, m, d, dv)
         pages, page_size = rows.page_start, rows.page_size
         for j0 in range(j_begin, j_stop, block_n):
             n = min(block_n, j_stop - j0)
             s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
-            _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
-            _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
-            vp = v_panels[:, :n]
-            _attend_panels(
-                qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
-            )
+            _attend_gathered(
+                qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales,
+                s, p, acc, row_max, row_sum, work, mods, tile, is_f32,
+            )  # fmt: skip
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
@@ -750,23 +910,16 @@ def attention_paged_numba(
     part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
     # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
     part_lse = np.empty((n_splits, total_q, hq), dtype=np.float64 if n_splits > 1 else np.float32)
-    kernel = _attention_paged_direct_numba if direct else _attention_paged_numba
-    if serial:
-        kernel = kernel.serial
-    kernel(
-        q,
-        k,
-        v,
-        part_out,
-        part_lse,
-        rows,
-        mods,
-        block_m,
-        block_n,
-        n_splits,
-        dtype == np.float32,
-        (k_scale, v_scale),
-    )
+    args = (q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits)
+    args += (dtype == np.float32, (k_scale, v_scale))
+    if direct:
+        kernel = _attention_paged_direct_numba
+    else:
+        kernel = _attention_paged_numba
+        # bfloat16 caches on CPUs with AVX512-BF16: key tiles gathered as bfloat16 pairs
+        half = q.dtype == k.dtype == v.dtype == np.uint16 and _pair_products.available()
+        args += (np.empty(0, np.uint32) if half else None,)
+    (kernel.serial if serial else kernel)(*args)
     if n_splits == 1:
         out, lse = part_out[0], part_lse[0]
     else:
