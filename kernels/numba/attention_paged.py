@@ -204,6 +204,27 @@ def _gather_value_pairs(src, hk, b, j0, n, page_start, page_size, panels):
                     panels[panel, t, col] = 0
 
 
+# The packed/paged kernel's two tile paths, float panels or bfloat16 pairs, chosen by the type
+# of its ``pairs`` argument: the overloads below return one-line calls of these njit functions
+# (an overload's own body is compiled again wherever Numba types the call once more, as in a
+# parallel loop's body; a dispatcher's compiled version is reused)
+@njit(cache=True)
+def _panel_buffers(like, block_n, d, dv):
+    width = panel_width(like)
+    keys = np.empty(((block_n + width - 1) // width, d, width), like.dtype)
+    values = np.empty(((dv + width - 1) // width, block_n, width), like.dtype)
+    return keys, values, None
+
+
+@njit(cache=True)
+def _pair_buffers(block_n, m, d, dv):
+    columns = (block_n + BLOCK_COLUMNS - 1) // BLOCK_COLUMNS * BLOCK_COLUMNS
+    keys = np.empty((columns // PANEL, (d + 1) // 2, PANEL), np.uint32)
+    value_panels = (dv + BLOCK_COLUMNS - 1) // BLOCK_COLUMNS * 2
+    values = np.empty((value_panels, (block_n + 1) // 2, PANEL), np.uint32)
+    return keys, values, np.empty((m, (block_n + 1) // 2), np.uint32)
+
+
 def _tile_buffers(pairs, like, block_n, m, d, dv):
     """An item's key and value tile buffers (and P's pairs): float panels (``_panels``) when
     pairs is None, else bfloat16 pair panels (``_pair_products``)."""
@@ -212,23 +233,8 @@ def _tile_buffers(pairs, like, block_n, m, d, dv):
 @overload(_tile_buffers)
 def _tile_buffers_impl(pairs, like, block_n, m, d, dv):
     if isinstance(pairs, types.NoneType):
-
-        def panels(pairs, like, block_n, m, d, dv):
-            width = panel_width(like)
-            keys = np.empty(((block_n + width - 1) // width, d, width), like.dtype)
-            values = np.empty(((dv + width - 1) // width, block_n, width), like.dtype)
-            return keys, values, None
-
-        return panels
-
-    def pair_panels(pairs, like, block_n, m, d, dv):
-        columns = (block_n + BLOCK_COLUMNS - 1) // BLOCK_COLUMNS * BLOCK_COLUMNS
-        keys = np.empty((columns // PANEL, (d + 1) // 2, PANEL), np.uint32)
-        value_panels = (dv + BLOCK_COLUMNS - 1) // BLOCK_COLUMNS * 2
-        values = np.empty((value_panels, (block_n + 1) // 2, PANEL), np.uint32)
-        return keys, values, np.empty((m, (block_n + 1) // 2), np.uint32)
-
-    return pair_panels
+        return lambda pairs, like, block_n, m, d, dv: _panel_buffers(like, block_n, d, dv)
+    return lambda pairs, like, block_n, m, d, dv: _pair_buffers(block_n, m, d, dv)
 
 
 def _tile_padding(pairs, like):
@@ -242,6 +248,33 @@ def _tile_padding_impl(pairs, like):
     return lambda pairs, like: BLOCK_COLUMNS
 
 
+@njit(cache=True)
+def _widened_queries(q, row0, hk, group, npos, mods, like):
+    d = q.shape[2]
+    qt = np.empty((group * npos, d), dtype=like.dtype)
+    scale_units = like.dtype.type(mods.scale * mods.unit)
+    for g in range(group):
+        for r in range(npos):
+            for c in range(d):
+                qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
+    return qt
+
+
+@njit(cache=True)
+def _query_pairs(q, row0, hk, group, npos):
+    d = q.shape[2]
+    half = (d + 1) // 2
+    qt = np.empty((group * npos, half), dtype=np.uint32)
+    for g in range(group):
+        for r in range(npos):
+            row = q[row0 + r, hk * group + g]
+            for t in range(d // 2):
+                qt[g * npos + r, t] = _pair(row[2 * t], row[2 * t + 1])
+            if d % 2:
+                qt[g * npos + r, half - 1] = _pair(row[d - 1], 0)
+    return qt
+
+
 def _item_queries(q, row0, hk, group, npos, mods, like, pairs):
     """An item's query rows [group · npos, D] from q [Tq, Hq, D]: widened and times the score
     scale (float panels), or as bfloat16 pairs, unscaled (pair panels)."""
@@ -250,33 +283,36 @@ def _item_queries(q, row0, hk, group, npos, mods, like, pairs):
 @overload(_item_queries)
 def _item_queries_impl(q, row0, hk, group, npos, mods, like, pairs):
     if isinstance(pairs, types.NoneType):
+        return lambda q, row0, hk, group, npos, mods, like, pairs: _widened_queries(
+            q, row0, hk, group, npos, mods, like
+        )
+    return lambda q, row0, hk, group, npos, mods, like, pairs: _query_pairs(
+        q, row0, hk, group, npos
+    )
 
-        def widened(q, row0, hk, group, npos, mods, like, pairs):
-            d = q.shape[2]
-            qt = np.empty((group * npos, d), dtype=like.dtype)
-            scale_units = like.dtype.type(mods.scale * mods.unit)
-            for g in range(group):
-                for r in range(npos):
-                    for c in range(d):
-                        qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
-            return qt
 
-        return widened
+@njit(cache=True)
+def _attend_on_panels(
+    qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, scales, s, p, acc, row_max,
+    row_sum, work, mods, tile, is_f32,
+):  # fmt: skip
+    _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
+    _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
+    vp = v_panels[:, :n]
+    _attend_panels(qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
 
-    def as_pairs(q, row0, hk, group, npos, mods, like, pairs):
-        d = q.shape[2]
-        half = (d + 1) // 2
-        qt = np.empty((group * npos, half), dtype=np.uint32)
-        for g in range(group):
-            for r in range(npos):
-                row = q[row0 + r, hk * group + g]
-                for t in range(d // 2):
-                    qt[g * npos + r, t] = _pair(row[2 * t], row[2 * t + 1])
-                if d % 2:
-                    qt[g * npos + r, half - 1] = _pair(row[d - 1], 0)
-        return qt
 
-    return as_pairs
+@njit(cache=True)
+def _attend_on_pairs(
+    qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, s, p, acc, row_max,
+    row_sum, work, mods, tile, is_f32,
+):  # fmt: skip
+    _gather_key_pairs(k, hk, b, j0, n, pages, page_size, k_panels)
+    _gather_value_pairs(v, hk, b, j0, n, pages, page_size, v_panels)
+    _attend_pairs(
+        qt, k_panels, v_panels, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0, n,
+        is_f32,
+    )  # fmt: skip
 
 
 def _attend_gathered(
@@ -298,12 +334,10 @@ def _attend_gathered_impl(
             qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p,
             acc, row_max, row_sum, work, mods, tile, is_f32,
         ):  # fmt: skip
-            _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
-            _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
-            vp = v_panels[:, :n]
-            _attend_panels(
-                qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
-            )
+            _attend_on_panels(
+                qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, scales, s, p,
+                acc, row_max, row_sum, work, mods, tile, is_f32,
+            )  # fmt: skip
 
         return on_panels
 
@@ -311,11 +345,9 @@ def _attend_gathered_impl(
         qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p,
         acc, row_max, row_sum, work, mods, tile, is_f32,
     ):  # fmt: skip
-        _gather_key_pairs(k, hk, b, j0, n, pages, page_size, k_panels)
-        _gather_value_pairs(v, hk, b, j0, n, pages, page_size, v_panels)
-        _attend_pairs(
-            qt, k_panels, v_panels, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0,
-            n, is_f32,
+        _attend_on_pairs(
+            qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, s, p, acc,
+            row_max, row_sum, work, mods, tile, is_f32,
         )  # fmt: skip
 
     return on_pairs
