@@ -212,11 +212,13 @@ def pack_key_pairs(k, b, hk, panels):
 
 
 @njit(cache=True)
-def pack_value_pairs(v, b, hk, panels):
+def pack_value_pairs(v, b, hk, panels, length):
     """panels[p, t, c] = dimension 16p + c of values 2t and 2t + 1 of head hk of sequence b
-    (bfloat16 bits [B, Hkv, Sk, Dv]; zeros past the last value and dimension): V for
-    ``pair_product``."""
-    keys, dv = v.shape[2], v.shape[3]
+    (bfloat16 bits [B, Hkv, Sk, Dv]; zeros past the last dimension, and for the values from
+    ``length`` on, the sequence's key length: a tile ending on an odd key pairs it with the next
+    value, whose weight is 0, and 0 times whatever lies past a sequence's keys (uninitialised
+    cache rows: inf, NaN) must not reach the output): V for ``pair_product``."""
+    keys, dv = min(v.shape[2], length), v.shape[3]
     for p in range(panels.shape[0]):
         for t in range(panels.shape[1]):
             j = 2 * t

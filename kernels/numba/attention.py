@@ -194,22 +194,22 @@ def _attend_query_block(
     )
 
 
-def _pack_head(k, v, b, hk, k_panels, v_panels):
+def _pack_head(k, v, b, hk, k_panels, v_panels, length):
     """Kᵀ and V of head hk of sequence b into their panels (``_panels``), or their bfloat16
-    pairs (``_pair_products``)."""
+    pairs (``_pair_products``; values from the sequence's key ``length`` on as zeros)."""
 
 
 @overload(_pack_head)
-def _pack_head_impl(k, v, b, hk, k_panels, v_panels):
+def _pack_head_impl(k, v, b, hk, k_panels, v_panels, length):
     if k_panels.dtype == types.uint32:
 
-        def pack_pairs(k, v, b, hk, k_panels, v_panels):
+        def pack_pairs(k, v, b, hk, k_panels, v_panels, length):
             pack_key_pairs(k, b, hk, k_panels[b, hk])
-            pack_value_pairs(v, b, hk, v_panels[b, hk])
+            pack_value_pairs(v, b, hk, v_panels[b, hk], length)
 
         return pack_pairs
 
-    def pack_panels(k, v, b, hk, k_panels, v_panels):
+    def pack_panels(k, v, b, hk, k_panels, v_panels, length):
         pack_key_panels(k, b, hk, k_panels[b, hk])
         pack_value_panels(v, b, hk, v_panels[b, hk])
 
@@ -240,7 +240,8 @@ def _attention_numba(
     # more costs seconds of the kernel's first compile.
     if k_panels is not None:
         for head in range(0 if head_items else batch * hkv):
-            _pack_head(k, v, head // hkv, head % hkv, k_panels, v_panels)
+            seq = head // hkv
+            _pack_head(k, v, seq, head % hkv, k_panels, v_panels, mods.key_len[seq])
     blocks_per_item = n_mblocks if head_items else 1
     block_items = n_mblocks // blocks_per_item  # items per (sequence, kv head, split)
     for item in prange(batch * hkv * block_items * n_splits):
@@ -252,7 +253,7 @@ def _attention_numba(
         b = rest // hkv
         if k_panels is not None:  # alone in its test: Numba drops what k_panels' type rules out
             if head_items:
-                _pack_head(k, v, b, hk, k_panels, v_panels)
+                _pack_head(k, v, b, hk, k_panels, v_panels, mods.key_len[b])
         for mb in range(mb_first, mb_first + blocks_per_item):
             i0 = mb * block_m
             tile = RowTile(b, hk, group, i0, min(block_m, sq - i0))

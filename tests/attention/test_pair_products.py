@@ -83,26 +83,27 @@ def test_pair_product_matches_numpy(m, k, n, accumulate):
 
 
 @numba.njit
-def _pack(k, v, key_panels, value_panels):
+def _pack(k, v, key_panels, value_panels, length):
     pp.pack_key_pairs(k, 0, 1, key_panels)
-    pp.pack_value_pairs(v, 0, 1, value_panels)
+    pp.pack_value_pairs(v, 0, 1, value_panels, length)
 
 
 @needs_bf16
-@pytest.mark.parametrize("keys,d", [(1, 1), (17, 7), (40, 64), (33, 80)])
-def test_packing_layouts(keys, d):
+@pytest.mark.parametrize("keys,d,length", [(1, 1, 1), (17, 7, 17), (40, 64, 99), (33, 80, 21)])
+def test_packing_layouts(keys, d, length):
     rng = np.random.default_rng(keys + d)
     k = _bf16_bits(rng.standard_normal((1, 2, keys, d)))
     v = _bf16_bits(rng.standard_normal((1, 2, keys, d)))
     n_key_panels = -(-keys // 16) + 2
     key_panels = np.full((n_key_panels, -(-d // 2), 16), 7, np.uint32)
     value_panels = np.full((-(-d // 32) * 2, -(-keys // 2), 16), 7, np.uint32)
-    _pack(k, v, key_panels, value_panels)
+    _pack(k, v, key_panels, value_panels, length)
     kt = np.zeros((d, n_key_panels * 16), np.uint16)  # Kᵀ, zeros past the last key
     kt[:, :keys] = k[0, 1].T
     assert np.array_equal(key_panels, _panels_of(kt))
-    vb = np.zeros((keys, value_panels.shape[0] * 16), np.uint16)  # zeros past Dv
-    vb[:, :d] = v[0, 1]
+    # zeros past Dv, and for the values from the key length on
+    vb = np.zeros((keys, value_panels.shape[0] * 16), np.uint16)
+    vb[: min(keys, length), :d] = v[0, 1, :length]
     assert np.array_equal(value_panels, _panels_of(vb))
 
 
@@ -265,3 +266,24 @@ def test_packed_and_paged_prefill_pairs(layout, monkeypatch):
     assert plain_err < 0.03, plain_err
     assert (got - want).abs().max().item() <= 2 * plain_err
     assert (got - widened).abs().max().item() <= 2 * plain_err
+
+
+@needs_bf16
+def test_values_past_a_key_length_never_reach_the_output():
+    """A tile ending on an odd key pairs it with the next value (weight 0): the values past a
+    sequence's key length (here inf and NaN, as in uninitialised cache rows) must not turn
+    that 0 into NaN."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 64, 32, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 4, 120, 32, generator=gen).bfloat16() for _ in range(2))
+    lengths = torch.tensor([37, 101])
+    for b, n in enumerate(lengths.tolist()):
+        v[b, :, n] = float("inf")
+        v[b, :, n + 1 :] = float("nan")
+    got = fastpe.attention(q, k, v, key_lengths=lengths, backend="numba")
+    assert torch.isfinite(got).all()
+    want = fastpe.attention(
+        q.double(), k.double(), v.double().nan_to_num(0.0, 0.0, 0.0), key_lengths=lengths,
+        backend="numpy",
+    )  # fmt: skip
+    assert (got.double() - want).abs().max().item() < 0.02
