@@ -174,17 +174,22 @@ def _attend_pairs(
 
 
 @njit(cache=True)
+def scaled_query_row(row, out, scale_units):
+    """out = one query row, widened and times the score scale (``scale_units``)."""
+    for c in range(row.shape[0]):
+        out[c] = _widen(row[c]) * scale_units
+
+
+@njit(cache=True)
 def _query_tile(q, tile, mods, like):
     """The query rows of a ``RowTile`` from dense q [B, Hq, Sq, D], widened and times the
     score scale in ``mods``' units, as a new [group · npos, D] array in ``like``'s dtype."""
     b, hk, group, i0, npos = tile
-    d = q.shape[3]
-    qt = np.empty((group * npos, d), dtype=like.dtype)
+    qt = np.empty((group * npos, q.shape[3]), dtype=like.dtype)
     scale_units = like.dtype.type(mods.scale * mods.unit)
     for g in range(group):
         for r in range(npos):
-            for c in range(d):
-                qt[g * npos + r, c] = _widen(q[b, hk * group + g, i0 + r, c]) * scale_units
+            scaled_query_row(q[b, hk * group + g, i0 + r], qt[g * npos + r], scale_units)
     return qt
 
 

@@ -16,8 +16,9 @@ score scale is applied to the float32 scores) and P·V with P rounded to bfloat1
 FlashAttention does for half inputs (docs/dtypes-and-errors.md states the error this costs).
 Every product of two bfloat16 values is exact in float32; the sums are float32.
 
-The register blocks are up to six rows of c by two panels (32 columns, 12 of the 32 AVX-512
-registers): n must be a multiple of 32, and the kernel pads its tiles so.
+The register blocks are those of ``_panels`` (``emit_register_blocks``: up to six rows of c) by
+two panels (32 columns, 12 of the 32 AVX-512 registers): n must be a multiple of 32, and the
+kernels pad their tiles so.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._half import _float32_to_bf16
+from ._panels import emit_register_blocks
 from ._runtime import njit
 
 PANEL = 16  # float32 lanes of one AVX-512 register: columns of c per panel
 BLOCK_COLUMNS = 2 * PANEL  # columns of c per register block: tiles are padded to this
-_ROW_BLOCKS = (6, 4, 2, 1)
 _INTRINSIC = "llvm.x86.avx512bf16.dpbf16ps.512"
 
 
@@ -170,26 +171,26 @@ def pair_product(typingctx, c, a, panels, accumulate):
                     added = builder.fadd(builder.load(ptr, align=4), total)
                     builder.store(builder.select(add_to_c, added, total), ptr, align=4)
 
-        most = _ROW_BLOCKS[0]
-        with cgutils.for_range(builder, builder.sdiv(n, const(2 * PANEL))) as panels_loop:
-            panel = builder.mul(panels_loop.index, const(2))
-            blocks = builder.sdiv(m, const(most))
-            with cgutils.for_range(builder, blocks) as loop:
-                block(builder.mul(loop.index, const(most)), most, panel)
-            done = builder.mul(blocks, const(most))
-            for rows in _ROW_BLOCKS[1:]:  # the rest: at most one block of each
-                fits = builder.icmp_signed("<=", builder.add(done, const(rows)), m)
-                with builder.if_then(fits):
-                    block(done, rows, panel)
-                done = builder.select(fits, builder.add(done, const(rows)), done)
+        emit_register_blocks(builder, const, m, builder.sdiv(n, const(BLOCK_COLUMNS)), 2, block)
         return context.get_dummy_value()
 
     return types.none(c, a, panels, accumulate), codegen
 
 
 @njit(cache=True)
-def _pair(lo, hi):
+def bf16_pair(lo, hi):
+    """Two bfloat16 bit patterns as one pair (uint32): ``lo`` in the low half."""
     return np.uint32(lo) | (np.uint32(hi) << np.uint32(16))
+
+
+@njit(cache=True)
+def row_pairs(row, out):
+    """out[t] = the pair of row[2t], row[2t + 1] (bfloat16 bits; an odd last one with 0)."""
+    d = row.shape[0]
+    for t in range(d // 2):
+        out[t] = bf16_pair(row[2 * t], row[2 * t + 1])
+    if d % 2:
+        out[d // 2] = bf16_pair(row[d - 1], 0)
 
 
 @njit(cache=True)
@@ -203,9 +204,9 @@ def pack_key_pairs(k, b, hk, panels):
             j = p * PANEL + c
             if j < keys:
                 for t in range(half):
-                    panels[p, t, c] = _pair(k[b, hk, j, 2 * t], k[b, hk, j, 2 * t + 1])
+                    panels[p, t, c] = bf16_pair(k[b, hk, j, 2 * t], k[b, hk, j, 2 * t + 1])
                 if d % 2:
-                    panels[p, half, c] = _pair(k[b, hk, j, d - 1], 0)
+                    panels[p, half, c] = bf16_pair(k[b, hk, j, d - 1], 0)
             else:
                 for t in range(panels.shape[1]):
                     panels[p, t, c] = 0
@@ -226,7 +227,7 @@ def pack_value_pairs(v, b, hk, panels, length):
                 e = p * PANEL + c
                 lo = v[b, hk, j, e] if j < keys and e < dv else np.uint16(0)
                 hi = v[b, hk, j + 1, e] if j + 1 < keys and e < dv else np.uint16(0)
-                panels[p, t, c] = _pair(lo, hi)
+                panels[p, t, c] = bf16_pair(lo, hi)
 
 
 @njit(cache=True)
@@ -234,16 +235,10 @@ def query_pairs(q, tile):
     """The query rows of a ``RowTile`` (bfloat16 bits [B, Hq, Sq, D]) as bfloat16 pairs
     [group · npos, ceil(D / 2)] uint32, unscaled (the score scale multiplies the scores)."""
     b, hk, group, i0, npos = tile
-    d = q.shape[3]
-    half = (d + 1) // 2
-    qt = np.empty((group * npos, half), dtype=np.uint32)
+    qt = np.empty((group * npos, (q.shape[3] + 1) // 2), dtype=np.uint32)
     for g in range(group):
         for r in range(npos):
-            row = q[b, hk * group + g, i0 + r]
-            for t in range(d // 2):
-                qt[g * npos + r, t] = _pair(row[2 * t], row[2 * t + 1])
-            if d % 2:
-                qt[g * npos + r, half - 1] = _pair(row[d - 1], 0)
+            row_pairs(q[b, hk * group + g, i0 + r], qt[g * npos + r])
     return qt
 
 
@@ -253,6 +248,6 @@ def round_weight_pairs(p, n, out):
     ceil(n / 2) pairs of keys 0 … n - 1 (a last odd key paired with 0)."""
     for r in range(p.shape[0]):
         for t in range(n // 2):
-            out[r, t] = _pair(_float32_to_bf16(p[r, 2 * t]), _float32_to_bf16(p[r, 2 * t + 1]))
+            out[r, t] = bf16_pair(_float32_to_bf16(p[r, 2 * t]), _float32_to_bf16(p[r, 2 * t + 1]))
         if n % 2:
-            out[r, n // 2] = _pair(_float32_to_bf16(p[r, n - 1]), 0)
+            out[r, n // 2] = bf16_pair(_float32_to_bf16(p[r, n - 1]), 0)

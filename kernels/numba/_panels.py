@@ -105,6 +105,24 @@ def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
     return result
 
 
+def emit_register_blocks(builder, const, m, column_blocks, panels_per_block, block):
+    """The loops of a register-blocked product: for each block of columns (``panels_per_block``
+    panels), ``block(first_row, rows, panel)`` over the m rows of c in blocks of _ROW_BLOCKS[0]
+    rows, then at most one block of each smaller size for the rest."""
+    most = _ROW_BLOCKS[0]
+    with cgutils.for_range(builder, column_blocks) as panels_loop:
+        panel = builder.mul(panels_loop.index, const(panels_per_block))
+        blocks = builder.sdiv(m, const(most))
+        with cgutils.for_range(builder, blocks) as loop:
+            block(builder.mul(loop.index, const(most)), most, panel)
+        done = builder.mul(blocks, const(most))
+        for rows in _ROW_BLOCKS[1:]:
+            fits = builder.icmp_signed("<=", builder.add(done, const(rows)), m)
+            with builder.if_then(fits):
+                block(done, rows, panel)
+            done = builder.select(fits, builder.add(done, const(rows)), done)
+
+
 @intrinsic
 def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
     """c [m, n] = a [m, k] · B (accumulate false) or c += a · B (true), B [k, n] given as
@@ -182,18 +200,7 @@ def panel_product(typingctx, c, a, panels, accumulate, sum_terms):
                         total = builder.fadd(builder.load(ptr, align=4), value, flags=flags)
                         builder.store(builder.select(add, total, value), ptr, align=4)
 
-        most = _ROW_BLOCKS[0]
-        with cgutils.for_range(builder, builder.sdiv(n, const(width))) as panels_loop:
-            panel = panels_loop.index
-            blocks = builder.sdiv(m, const(most))
-            with cgutils.for_range(builder, blocks) as loop:
-                block(builder.mul(loop.index, const(most)), most, panel)
-            done = builder.mul(blocks, const(most))
-            for rows in _ROW_BLOCKS[1:]:  # the rest: at most one block of each
-                fits = builder.icmp_signed("<=", builder.add(done, const(rows)), m)
-                with builder.if_then(fits):
-                    block(done, rows, panel)
-                done = builder.select(fits, builder.add(done, const(rows)), done)
+        emit_register_blocks(builder, const, m, builder.sdiv(n, const(width)), 1, block)
         return context.get_dummy_value()
 
     return types.none(c, a, panels, accumulate, sum_terms), codegen

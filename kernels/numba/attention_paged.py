@@ -60,9 +60,10 @@ from fastpe.kernels.numba._attention_tiles import (
     _scores_small,
     _split_key_range,
     key_splits,
+    scaled_query_row,
 )
 from fastpe.kernels.numba._half import E4M3_UNIT, _e4m3_finite_to_units, _widen
-from fastpe.kernels.numba._pair_products import BLOCK_COLUMNS, PANEL, _pair
+from fastpe.kernels.numba._pair_products import BLOCK_COLUMNS, PANEL, bf16_pair, row_pairs
 from fastpe.kernels.numba._panels import panel_width
 from fastpe.kernels.numba._runtime import njit
 from fastpe.kernels.numba.attention import SERIAL_WORK
@@ -174,9 +175,9 @@ def _gather_key_pairs(src, hk, b, j0, n, page_start, page_size, panels):
             source = src[row + t, hk]
             panel, col = (r + t) // PANEL, (r + t) % PANEL
             for e in range(half):
-                panels[panel, e, col] = _pair(source[2 * e], source[2 * e + 1])
+                panels[panel, e, col] = bf16_pair(source[2 * e], source[2 * e + 1])
             if d % 2:
-                panels[panel, half, col] = _pair(source[d - 1], 0)
+                panels[panel, half, col] = bf16_pair(source[d - 1], 0)
         r += run
     for key in range(n, panels.shape[0] * PANEL):
         for e in range(panels.shape[1]):
@@ -199,7 +200,7 @@ def _gather_value_pairs(src, hk, b, j0, n, page_start, page_size, panels):
             for col in range(PANEL):
                 e = panel * PANEL + col
                 if e < dv:
-                    panels[panel, t, col] = _pair(lo[e], hi[e] if has_second else np.uint16(0))
+                    panels[panel, t, col] = bf16_pair(lo[e], hi[e] if has_second else np.uint16(0))
                 else:
                     panels[panel, t, col] = 0
 
@@ -250,28 +251,20 @@ def _tile_padding_impl(pairs, like):
 
 @njit(cache=True)
 def _widened_queries(q, row0, hk, group, npos, mods, like):
-    d = q.shape[2]
-    qt = np.empty((group * npos, d), dtype=like.dtype)
+    qt = np.empty((group * npos, q.shape[2]), dtype=like.dtype)
     scale_units = like.dtype.type(mods.scale * mods.unit)
     for g in range(group):
         for r in range(npos):
-            for c in range(d):
-                qt[g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
+            scaled_query_row(q[row0 + r, hk * group + g], qt[g * npos + r], scale_units)
     return qt
 
 
 @njit(cache=True)
 def _query_pairs(q, row0, hk, group, npos):
-    d = q.shape[2]
-    half = (d + 1) // 2
-    qt = np.empty((group * npos, half), dtype=np.uint32)
+    qt = np.empty((group * npos, (q.shape[2] + 1) // 2), dtype=np.uint32)
     for g in range(group):
         for r in range(npos):
-            row = q[row0 + r, hk * group + g]
-            for t in range(d // 2):
-                qt[g * npos + r, t] = _pair(row[2 * t], row[2 * t + 1])
-            if d % 2:
-                qt[g * npos + r, half - 1] = _pair(row[d - 1], 0)
+            row_pairs(q[row0 + r, hk * group + g], qt[g * npos + r])
     return qt
 
 
