@@ -1,7 +1,7 @@
 """fastpe's CPU attention inside a torch process, as a model calls it: against SDPA, each call
 right after a torch op, in the default environment (no OMP_WAIT_POLICY, no thread settings).
 
-    python bench/torch_pipeline.py --rounds 5 [--dtype bfloat16]
+    python bench/torch_pipeline.py --rounds 5 [--dtype bfloat16] [--backward]
 
 Each round starts one fresh process per setting, the settings in turn, so that a change in the
 machine's load falls on all of them alike:
@@ -15,7 +15,9 @@ machine's load falls on all of them alike:
 
 In each process, every case alternates ``calls`` pairs: a torch matmul (a [64, 1024] x [1024, 1024]
 projection, which wakes torch's pool) then fastpe, and the same matmul then SDPA; the process
-prints SDPA's median time over fastpe's (above 1: fastpe is faster). The summary gives, per
+prints SDPA's median time over fastpe's (above 1: fastpe is faster); with ``--backward`` each
+call is a training step's attention, forward and backward (``out.backward(grad)``), on the cases
+other than decoding. The summary gives, per
 setting and case, the median [min, max] of those ratios over the rounds. Measurements, not
 assertions: bench/results/ keeps them with the machine they came from.
 """
@@ -45,7 +47,7 @@ SETTINGS = {
 }
 
 
-def measure(calls: int, cases: list[str], dtype: str = "float32") -> dict:
+def measure(calls: int, cases: list[str], dtype: str = "float32", backward: bool = False) -> dict:
     """One process's ratios: {case: SDPA median / fastpe median}, and the threading layer."""
     import time
 
@@ -72,6 +74,19 @@ def measure(calls: int, cases: list[str], dtype: str = "float32") -> dict:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
         torch.testing.assert_close(ours(), sdpa(), atol=tol, rtol=tol)  # also compiles
+        if backward:
+            leaves = [x.requires_grad_() for x in (q, k, v)]
+            grad = torch.randn(b, hq, sq, d).to(dt)
+
+            def step(attend, leaves=leaves, grad=grad):
+                for x in leaves:
+                    x.grad = None
+                attend().backward(grad)
+                return [x.grad for x in leaves]
+
+            ours, sdpa = (lambda attend=fn: step(attend) for fn in (ours, sdpa))
+            # gradients of size ~sqrt(Sk): the tolerance relative to that
+            torch.testing.assert_close(ours(), sdpa(), atol=4 * tol, rtol=4 * tol)
         times = {ours: [], sdpa: []}
         for _ in range(calls):
             for fn in (ours, sdpa):
@@ -92,10 +107,13 @@ def main() -> None:
     )
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.backward:
+        args.cases = [case for case in args.cases if not case.startswith("decode")]
     if args.child:
-        print(json.dumps(measure(args.calls, args.cases, args.dtype)))
+        print(json.dumps(measure(args.calls, args.cases, args.dtype, args.backward)))
         return
     print(f"command: python {' '.join(sys.argv)}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
@@ -107,7 +125,8 @@ def main() -> None:
         for name in args.settings:
             out = subprocess.run(
                 [sys.executable, __file__, "--child", "--calls", str(args.calls)]
-                + ["--dtype", args.dtype, "--cases", *args.cases],
+                + ["--dtype", args.dtype, "--cases", *args.cases]
+                + ["--backward"] * args.backward,
                 env={**base, **SETTINGS[name]},
                 capture_output=True,
                 text=True,

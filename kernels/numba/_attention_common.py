@@ -478,10 +478,11 @@ def _modify_scores_for_backward(s, mods, tile, j0, n):
 @njit(cache=True, fastmath=_FLAGS)
 def _score_gradient(dz, dz_ds):
     """dZ (the gradient of the modified scores, in place) -> dS = dZ∘dz_ds, the gradient of
-    Q·Kᵀ; dz_ds from ``_modify_scores_for_backward`` (empty: dS = dZ)."""
+    Q·Kᵀ; dz_ds from ``_modify_scores_for_backward`` (empty: dS = dZ), on its n columns
+    (dz may be padded wider)."""
     if dz_ds.size > 0:
         for r in range(dz.shape[0]):
-            for c in range(dz.shape[1]):
+            for c in range(dz_ds.shape[1]):
                 dz[r, c] *= dz_ds[r, c]
 
 

@@ -14,6 +14,9 @@ The dense attention kernel packs Kᵀ (pairs along the head dimension) and V (pa
 keys) so, once per call, and multiplies Q·Kᵀ with the query's bfloat16 bits as they are (the
 score scale is applied to the float32 scores) and P·V with P rounded to bfloat16, as
 FlashAttention does for half inputs (docs/dtypes-and-errors.md states the error this costs).
+The backward packs each work item's keys both ways (Kᵀ for S, K for dQ = dS·K) and Vᵀ, each row
+tile's queries and output gradient as pairs along D and as panels along the rows (for dK = dSᵀ·Q
+and dV = Pᵀ·dO), and rounds P and dS to bfloat16 for their products, as FlashAttention-2 does.
 Every product of two bfloat16 values is exact in float32; the sums are float32.
 
 The register blocks are those of ``_panels`` (``emit_register_blocks``: up to six rows of c) by
@@ -194,52 +197,71 @@ def row_pairs(row, out):
 
 
 @njit(cache=True)
-def pack_key_pairs(k, b, hk, panels):
-    """panels[p, t, c] = dimensions 2t, 2t + 1 of key 16p + c of head hk of sequence b (bfloat16
-    bits [B, Hkv, Sk, D]; zeros past the last key and dimension): Kᵀ for ``pair_product``."""
-    keys, d = k.shape[2], k.shape[3]
+def pack_key_pairs(rows, panels):
+    """panels[p, t, c] = elements 2t, 2t + 1 of row 16p + c of ``rows`` (bfloat16 bits [keys,
+    D]; zeros past the last row and element): Kᵀ for ``pair_product``, pairs along D."""
+    keys, d = rows.shape
     half = d // 2
     for p in range(panels.shape[0]):
         for c in range(PANEL):
             j = p * PANEL + c
             if j < keys:
                 for t in range(half):
-                    panels[p, t, c] = bf16_pair(k[b, hk, j, 2 * t], k[b, hk, j, 2 * t + 1])
+                    panels[p, t, c] = bf16_pair(rows[j, 2 * t], rows[j, 2 * t + 1])
                 if d % 2:
-                    panels[p, half, c] = bf16_pair(k[b, hk, j, d - 1], 0)
+                    panels[p, half, c] = bf16_pair(rows[j, d - 1], 0)
             else:
                 for t in range(panels.shape[1]):
                     panels[p, t, c] = 0
 
 
 @njit(cache=True)
-def pack_value_pairs(v, b, hk, panels, length):
-    """panels[p, t, c] = dimension 16p + c of values 2t and 2t + 1 of head hk of sequence b
-    (bfloat16 bits [B, Hkv, Sk, Dv]; zeros past the last dimension, and for the values from
-    ``length`` on, the sequence's key length: a tile ending on an odd key pairs it with the next
-    value, whose weight is 0, and 0 times whatever lies past a sequence's keys (uninitialised
-    cache rows: inf, NaN) must not reach the output): V for ``pair_product``."""
-    keys, dv = min(v.shape[2], length), v.shape[3]
+def pack_value_pairs(rows, panels, length):
+    """panels[p, t, c] = element 16p + c of rows 2t and 2t + 1 of ``rows`` (bfloat16 bits
+    [keys, Dv]; zeros past the last element, and for the rows from ``length`` on, the
+    sequence's key length: a tile ending on an odd key pairs it with the next value, whose
+    weight is 0, and 0 times whatever lies past a sequence's keys (uninitialised cache rows:
+    inf, NaN) must not reach the output): V for ``pair_product``, pairs along the keys."""
+    keys, dv = min(rows.shape[0], length), rows.shape[1]
     for p in range(panels.shape[0]):
         for t in range(panels.shape[1]):
             j = 2 * t
             for c in range(PANEL):
                 e = p * PANEL + c
-                lo = v[b, hk, j, e] if j < keys and e < dv else np.uint16(0)
-                hi = v[b, hk, j + 1, e] if j + 1 < keys and e < dv else np.uint16(0)
+                lo = rows[j, e] if j < keys and e < dv else np.uint16(0)
+                hi = rows[j + 1, e] if j + 1 < keys and e < dv else np.uint16(0)
                 panels[p, t, c] = bf16_pair(lo, hi)
 
 
 @njit(cache=True)
-def query_pairs(q, tile):
-    """The query rows of a ``RowTile`` (bfloat16 bits [B, Hq, Sq, D]) as bfloat16 pairs
-    [group · npos, ceil(D / 2)] uint32, unscaled (the score scale multiplies the scores)."""
+def row_tile_pairs(x, tile):
+    """The rows of a ``RowTile`` of x (bfloat16 bits [B, Hq, Sq, D]: the queries, or the
+    output's gradient) as pairs along D, [group · npos, ceil(D / 2)] uint32, as they are (the
+    score scale multiplies the scores)."""
     b, hk, group, i0, npos = tile
-    qt = np.empty((group * npos, (q.shape[3] + 1) // 2), dtype=np.uint32)
+    pairs = np.empty((group * npos, (x.shape[3] + 1) // 2), dtype=np.uint32)
     for g in range(group):
         for r in range(npos):
-            row_pairs(q[b, hk * group + g, i0 + r], qt[g * npos + r])
-    return qt
+            row_pairs(x[b, hk * group + g, i0 + r], pairs[g * npos + r])
+    return pairs
+
+
+@njit(cache=True)
+def row_tile_column_pairs(x, tile):
+    """The rows of a ``RowTile`` of x (bfloat16 bits [B, Hq, Sq, D]) transposed, as pairs along
+    the rows: out[e, t] = element e of tile rows 2t and 2t + 1 (a last odd row paired with 0),
+    [D, ceil(rows / 2)] uint32: Qᵀ or dOᵀ as ``pair_product``'s left operand."""
+    b, hk, group, i0, npos = tile
+    rows, d = group * npos, x.shape[3]
+    out = np.empty((d, (rows + 1) // 2), dtype=np.uint32)
+    for t in range(out.shape[1]):
+        lo_row, hi_row = 2 * t, min(2 * t + 1, rows - 1)
+        lo = x[b, hk * group + lo_row // npos, i0 + lo_row % npos]
+        hi = x[b, hk * group + hi_row // npos, i0 + hi_row % npos]
+        has_hi = 2 * t + 1 < rows
+        for e in range(d):
+            out[e, t] = bf16_pair(lo[e], hi[e] if has_hi else np.uint16(0))
+    return out
 
 
 @njit(cache=True)
@@ -251,3 +273,22 @@ def round_weight_pairs(p, n, out):
             out[r, t] = bf16_pair(_float32_to_bf16(p[r, 2 * t]), _float32_to_bf16(p[r, 2 * t + 1]))
         if n % 2:
             out[r, n // 2] = bf16_pair(_float32_to_bf16(p[r, n - 1]), 0)
+
+
+@njit(cache=True)
+def round_row_panels(p, n, out):
+    """out[q, t, c] = p[2t, 16q + c], p[2t + 1, 16q + c] rounded to bfloat16 (to nearest
+    even) for the columns below n, zeros from n to out's width (a last odd row paired with 0):
+    P (or dS) as ``pair_product``'s panels, pairs along the rows. Rows are read and panels
+    written in order, so the loops vectorise."""
+    rows = p.shape[0]
+    for t in range(out.shape[1]):
+        lo, hi = 2 * t, 2 * t + 1
+        for q in range(out.shape[0]):
+            for c in range(PANEL):
+                col = q * PANEL + c
+                if col < n:
+                    hi_bits = _float32_to_bf16(p[hi, col]) if hi < rows else np.uint16(0)
+                    out[q, t, c] = bf16_pair(_float32_to_bf16(p[lo, col]), hi_bits)
+                else:
+                    out[q, t, c] = 0

@@ -51,7 +51,7 @@ from fastpe.kernels.numba._pair_products import (
     PANEL,
     pack_key_pairs,
     pack_value_pairs,
-    query_pairs,
+    row_tile_pairs,
 )
 from fastpe.kernels.numba._panels import pack_key_panels, pack_value_panels, panel_columns
 from fastpe.kernels.numba._runtime import njit
@@ -149,14 +149,14 @@ def _key_scratch_impl(k, k_panels, m, block_n, like):
 
 
 def _query_operand(q, tile, mods, like, k_panels):
-    """The row tile's queries as its products take them: ``query_pairs`` for bfloat16 pairs,
+    """The row tile's queries as its products take them: ``row_tile_pairs`` for bfloat16 pairs,
     else ``_query_tile`` (widened and scaled)."""
 
 
 @overload(_query_operand)
 def _query_operand_impl(q, tile, mods, like, k_panels):
     if isinstance(k_panels, types.Array) and k_panels.dtype == types.uint32:
-        return lambda q, tile, mods, like, k_panels: query_pairs(q, tile)
+        return lambda q, tile, mods, like, k_panels: row_tile_pairs(q, tile)
     return lambda q, tile, mods, like, k_panels: _query_tile(q, tile, mods, like)
 
 
@@ -204,8 +204,8 @@ def _pack_head_impl(k, v, b, hk, k_panels, v_panels, length):
     if k_panels.dtype == types.uint32:
 
         def pack_pairs(k, v, b, hk, k_panels, v_panels, length):
-            pack_key_pairs(k, b, hk, k_panels[b, hk])
-            pack_value_pairs(v, b, hk, v_panels[b, hk], length)
+            pack_key_pairs(k[b, hk], k_panels[b, hk])
+            pack_value_pairs(v[b, hk], v_panels[b, hk], length)
 
         return pack_pairs
 

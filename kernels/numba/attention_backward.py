@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+from fastpe.kernels.numba import _pair_products
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
@@ -39,41 +40,60 @@ from fastpe.kernels.numba._attention_common import (
 from fastpe.kernels.numba._attention_tiles import _load_tile, key_splits
 from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._half import _widen
+from fastpe.kernels.numba._pair_products import (
+    BLOCK_COLUMNS,
+    PANEL,
+    pack_key_pairs,
+    pack_value_pairs,
+    pair_product,
+    round_row_panels,
+    round_weight_pairs,
+    row_tile_column_pairs,
+    row_tile_pairs,
+)
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mods, tile, j0):
-    """One (row tile, key tile): S = Qs·Kᵀ (Qs = scale·Q), its modifiers Z, P = exp(Z - ref),
-    dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘∂Z/∂S; dV += Pᵀ·dO, dK += dSᵀ·Qs,
-    dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
-    m, n = qs.shape[0], kt.shape[0]
-    npos, query_shift = tile.npos, mods.query_shift[tile.b]
-    s = np.empty((m, n), dtype=qs.dtype)
-    gemm(s, qs, kt, False, True, 0.0)
-    dz_ds = _modify_scores_for_backward(s, mods, tile, j0, n)
+def _weights_and_score_gradient(s, dp, ref, delta, dz_ds, dbias, mods, tile, j0, n):
+    """The elementwise part of a (row tile, key tile) step on its first n columns: the
+    modified scores s -> P = exp(Z - ref) in place, dP (= dO·Vᵀ) -> dS in place through
+    dZ = P∘(dP - delta) (dbias[g, distance] += dZ) and dS = dZ∘∂Z/∂S."""
+    m, npos, query_shift = s.shape[0], tile.npos, mods.query_shift[tile.b]
     to_log2 = s.dtype.type(LOG2E)
     for r in range(m):
         shift = ref[r]
         for c in range(n):
             # s is -inf where masked and ref is +inf in rows that saw no key: both give 0
             s[r, c] = _exp2((s[r, c] - shift) * to_log2)
-    p = s
-    dp = np.empty((m, n), dtype=qs.dtype)
-    gemm(dp, go, vt, False, True, 0.0)
     for r in range(m):
         dr = delta[r]
         for c in range(n):
-            dp[r, c] = p[r, c] * (dp[r, c] - dr)
-    ds = dp
+            dp[r, c] = s[r, c] * (dp[r, c] - dr)
     if mods.has_bias:
         for r in range(m):
             g = r // npos
             base = mods.bias_offset - (tile.i0 + r - g * npos + query_shift) + j0
             for c in range(n):
-                dbias[g, base + c] += ds[r, c]
-    _score_gradient(ds, dz_ds)
+                dbias[g, base + c] += dp[r, c]
+    _score_gradient(dp, dz_ds)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _backward_tile(qs, kt, vt, go, ref, delta, dq_acc, dk_acc, dv_acc, dbias, mods, tile, j0):
+    """One (row tile, key tile) in float32: S = Qs·Kᵀ (Qs = scale·Q), its modifiers Z,
+    P = exp(Z - ref), dP = dO·Vᵀ, dZ = P∘(dP - delta), dS = dZ∘∂Z/∂S; dV += Pᵀ·dO,
+    dK += dSᵀ·Qs, dQ += dS·K (scaled by the caller), dbias[g, distance] += dZ."""
+    m, n = qs.shape[0], kt.shape[0]
+    s = np.empty((m, n), dtype=qs.dtype)
+    gemm(s, qs, kt, False, True, 0.0)
+    dz_ds = _modify_scores_for_backward(s, mods, tile, j0, n)
+    dp = np.empty((m, n), dtype=qs.dtype)
+    gemm(dp, go, vt, False, True, 0.0)
+    _weights_and_score_gradient(s, dp, ref, delta, dz_ds, dbias, mods, tile, j0, n)
+    p, ds = s, dp
     gemm(dv_acc, p, go, True, False, 1.0)
     gemm(dk_acc, ds, qs, True, False, 1.0)
     gemm(dq_acc, ds, kt, False, False, 1.0)
@@ -90,35 +110,80 @@ class BackwardGrads(NamedTuple):
     dbias_part: np.ndarray
 
 
-@njit(cache=True, fastmath=_FLAGS)
-def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
-    """Gradients from work item ``item`` = (batch, kv head, key slice): dK, dV of the slice's
-    keys and this slice's share of dQ."""
+@njit(cache=True)
+def _item_keys(k, grads, item, mods, block_n):
+    """Work item ``item``'s (batch b, kv head hk, key slice split) and its keys
+    [j_begin, j_stop) (empty when the slice lies past the sequence's keys)."""
     hkv, n_splits = k.shape[1], grads.dq_part.shape[0]
     split = item % n_splits
     hk = (item // n_splits) % hkv
     b = item // (n_splits * hkv)
-    dq_part, dk, dv, dbias = grads.dq_part, grads.dk, grads.dv, grads.dbias_part[item]
-    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
-    dvd = v.shape[3]
-    group = hq // k.shape[1]
     length = mods.key_len[b]
-    shift = mods.query_shift[b]
     tiles = (length + block_n - 1) // block_n
     per_split = (tiles + n_splits - 1) // n_splits
     j_begin = min(split * per_split * block_n, length)
     j_stop = min((split + 1) * per_split * block_n, length)
+    return b, hk, split, j_begin, j_stop
+
+
+@njit(cache=True)
+def _query_range(mods, b, j_begin, j_stop, sq):
+    """[i_lo, i_hi): the queries that can see a key of [j_begin, j_stop): position
+    p = i + shift with j - win_right <= p <= j + win_left."""
+    shift = mods.query_shift[b]
+    i_lo = max(j_begin - mods.win_right - shift, 0)
+    return i_lo, min(j_stop - 1 + mods.win_left - shift + 1, sq)
+
+
+@njit(cache=True)
+def _row_references(lse, delta, mods, tile, ref, row_delta):
+    """Each row of a ``RowTile``: the reference its weights are taken against (the forward's
+    lse; +inf for a row that saw no key) and its delta."""
+    b, hk, group, i0, npos = tile
+    shift, length = mods.query_shift[b], mods.key_len[b]
+    for g in range(group):
+        h = hk * group + g
+        for r in range(npos):
+            row = g * npos + r
+            lse_row = lse[b, h, i0 + r]
+            if lse_row == -np.inf:
+                ref[row] = np.inf  # the row saw nothing: every weight is 0
+            else:
+                ref[row] = lse_row
+                if mods.has_alibi:  # the scores leave out the row's nearest distance
+                    ref[row] += mods.alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
+            row_delta[row] = delta[b, h, i0 + r]
+
+
+@njit(cache=True)
+def _store_dq(dq_part, split, tile, dq_acc, scale):
+    """This key slice's share of dQ for the rows of a ``RowTile``: dq_acc · scale."""
+    b, hk, group, i0, npos = tile
+    for g in range(group):
+        for r in range(npos):
+            dst = dq_part[split, b, hk * group + g, i0 + r]
+            for c in range(dst.shape[0]):
+                dst[c] = dq_acc[g * npos + r, c] * scale
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _backward_item_widened(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
+    """Gradients from work item ``item`` = (batch, kv head, key slice), in float32 (half
+    inputs widened as read): dK, dV of the slice's keys and this slice's share of dQ."""
+    b, hk, split, j_begin, j_stop = _item_keys(k, grads, item, mods, block_n)
     if j_begin >= j_stop:
         return
-    dtype = dq_part.dtype
+    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+    dvd = v.shape[3]
+    group = hq // k.shape[1]
+    shift = mods.query_shift[b]
+    dtype = grads.dq_part.dtype
+    dbias = grads.dbias_part[item]
     dk_acc = np.zeros((j_stop - j_begin, d), dtype=dtype)
     dv_acc = np.zeros((j_stop - j_begin, dvd), dtype=dtype)
     k_tile = np.empty((block_n, d), dtype=dtype)
     v_tile = np.empty((block_n, dvd), dtype=dtype)
-    # queries that can see a key of [j_begin, j_stop): position p = i + shift with
-    # j - win_right <= p <= j + win_left
-    i_lo = max(j_begin - mods.win_right - shift, 0)
-    i_hi = min(j_stop - 1 + mods.win_left - shift + 1, sq)
+    i_lo, i_hi = _query_range(mods, b, j_begin, j_stop, sq)
     for i0 in range(i_lo, i_hi, block_m):
         npos = min(block_m, i_hi - i0)
         m = group * npos
@@ -134,16 +199,9 @@ def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, bl
                     qs[row, c] = _widen(q[b, h, i0 + r, c]) * mods.scale
                 for c in range(dvd):
                     go[row, c] = grad_out[b, h, i0 + r, c]
-                lse_row = lse[b, h, i0 + r]
-                if lse_row == -np.inf:
-                    ref[row] = np.inf  # the row saw nothing: every weight is 0
-                else:
-                    ref[row] = lse_row
-                    if mods.has_alibi:  # the scores leave out the row's nearest distance
-                        ref[row] += mods.alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
-                row_delta[row] = delta[b, h, i0 + r]
-        dq_acc = np.zeros((m, d), dtype=dtype)
         tile = RowTile(b, hk, group, i0, npos)
+        _row_references(lse, delta, mods, tile, ref, row_delta)
+        dq_acc = np.zeros((m, d), dtype=dtype)
         first_pos = i0 + shift
         j_lo = max(j_begin, first_pos - mods.win_left)
         j_end = min(j_stop, first_pos + npos + mods.win_right)
@@ -156,17 +214,110 @@ def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, bl
             _backward_tile(
                 qs, kt, vt, go, ref, row_delta, dq_acc, dk_tile, dv_tile, dbias, mods, tile, j0
             )
-        for g in range(group):
-            for r in range(npos):
-                for c in range(d):
-                    dq_part[split, b, hk * group + g, i0 + r, c] = (
-                        dq_acc[g * npos + r, c] * mods.scale
-                    )
+        _store_dq(grads.dq_part, split, tile, dq_acc, mods.scale)
     for j in range(j_stop - j_begin):
         for c in range(d):
-            dk[b, hk, j_begin + j, c] = dk_acc[j, c]
+            grads.dk[b, hk, j_begin + j, c] = dk_acc[j, c]
         for c in range(dvd):
-            dv[b, hk, j_begin + j, c] = dv_acc[j, c]
+            grads.dv[b, hk, j_begin + j, c] = dv_acc[j, c]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _backward_item_pairs(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
+    """``_backward_item_widened`` on bfloat16 pairs (``_pair_products``; q, k, v and grad_out
+    bfloat16 bits): the five products of a tile step by ``pair_product``, with P and dS
+    rounded to bfloat16 for theirs and every sum in float32. dK and dV are accumulated
+    transposed (dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS), so that P and dS are packed row pair by row pair
+    (``round_row_panels``) and only Qᵀ and dOᵀ, once per row tile, are transposed. Key tiles
+    start at multiples of a panel from the slice's first key (the keys this adds before a
+    window are masked, as in any tile crossing its edge)."""
+    b, hk, split, j_begin, j_stop = _item_keys(k, grads, item, mods, block_n)
+    if j_begin >= j_stop:
+        return
+    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+    dvd = v.shape[3]
+    group = hq // k.shape[1]
+    shift = mods.query_shift[b]
+    dtype = grads.dq_part.dtype
+    dbias = grads.dbias_part[item]
+    keys = j_stop - j_begin
+    # the slice's keys, packed once: Kᵀ and Vᵀ for S = Q·Kᵀ and dP = dO·Vᵀ (pairs along D; a
+    # tile's panels from its first key to its padded width), K for dQ = dS·K (pairs along keys)
+    key_rows, value_rows = k[b, hk, j_begin:j_stop], v[b, hk, j_begin:j_stop]
+    k_t = np.empty((keys // PANEL + 3, (d + 1) // 2, PANEL), dtype=np.uint32)
+    v_t = np.empty((keys // PANEL + 3, (dvd + 1) // 2, PANEL), dtype=np.uint32)
+    k_n = np.empty((-(-d // BLOCK_COLUMNS) * 2, keys // 2 + 1, PANEL), dtype=np.uint32)
+    pack_key_pairs(key_rows, k_t)
+    pack_key_pairs(value_rows, v_t)
+    pack_value_pairs(key_rows, k_n, keys)
+    # dKᵀ and dVᵀ of the slice's keys, wide enough for a tile's padded width from any start
+    dk_t = np.zeros((d, keys + BLOCK_COLUMNS), dtype=dtype)
+    dv_t = np.zeros((dvd, keys + BLOCK_COLUMNS), dtype=dtype)
+    d_pad = -(-d // BLOCK_COLUMNS) * BLOCK_COLUMNS
+    scale = dtype.type(mods.scale)
+    i_lo, i_hi = _query_range(mods, b, j_begin, j_stop, sq)
+    for i0 in range(i_lo, i_hi, block_m):
+        npos = min(block_m, i_hi - i0)
+        m = group * npos
+        tile = RowTile(b, hk, group, i0, npos)
+        ref = np.empty(m, dtype=dtype)
+        row_delta = np.empty(m, dtype=dtype)
+        _row_references(lse, delta, mods, tile, ref, row_delta)
+        q_pairs, go_pairs = row_tile_pairs(q, tile), row_tile_pairs(grad_out, tile)
+        q_t, go_t = row_tile_column_pairs(q, tile), row_tile_column_pairs(grad_out, tile)
+        row_panels = np.empty((block_n // PANEL + 2, (m + 1) // 2, PANEL), dtype=np.uint32)
+        ds_pairs = np.empty((m, (block_n + 1) // 2), dtype=np.uint32)
+        dq_acc = np.zeros((m, d_pad), dtype=dtype)
+        first_pos = i0 + shift
+        j_lo = max(j_begin, first_pos - mods.win_left)
+        j_lo = j_begin + (j_lo - j_begin) // PANEL * PANEL
+        j_end = min(j_stop, first_pos + npos + mods.win_right)
+        for j0 in range(j_lo, j_end, block_n):
+            n = min(block_n, j_end - j0)
+            off = j0 - j_begin
+            width = -(-n // BLOCK_COLUMNS) * BLOCK_COLUMNS
+            panels = row_panels[: width // PANEL]
+            s = np.empty((m, width), dtype=dtype)
+            pair_product(s, q_pairs, k_t[off // PANEL :], False)
+            for r in range(m):
+                for c in range(n):
+                    s[r, c] *= scale
+            dz_ds = _modify_scores_for_backward(s, mods, tile, j0, n)
+            dp = np.empty((m, width), dtype=dtype)
+            pair_product(dp, go_pairs, v_t[off // PANEL :], False)
+            _weights_and_score_gradient(s, dp, ref, row_delta, dz_ds, dbias, mods, tile, j0, n)
+            p, ds = s, dp
+            round_row_panels(p, n, panels)
+            pair_product(dv_t[:, off : off + width], go_t, panels, True)
+            round_row_panels(ds, n, panels)
+            pair_product(dk_t[:, off : off + width], q_t, panels, True)
+            half_n = (n + 1) // 2
+            round_weight_pairs(ds, n, ds_pairs)
+            pair_product(dq_acc, ds_pairs[:, :half_n], k_n[:, off // 2 :], True)
+        _store_dq(grads.dq_part, split, tile, dq_acc, mods.scale)
+    dk, dv = grads.dk[b, hk], grads.dv[b, hk]
+    for j in range(keys):
+        for c in range(d):
+            dk[j_begin + j, c] = dk_t[c, j] * scale
+        for c in range(dvd):
+            dv[j_begin + j, c] = dv_t[c, j]
+
+
+def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
+    """A work item's gradients: on bfloat16 pairs when grad_out comes as bfloat16 bits (the
+    launcher's choice), else widened to float32."""
+
+
+@overload(_backward_item)
+def _backward_item_impl(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
+    # one-line calls of njit functions: an overload's own body in a parallel loop is typed twice
+    if grad_out.dtype == types.uint16:
+        return lambda q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n: (
+            _backward_item_pairs(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
+        )
+    return lambda q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n: (
+        _backward_item_widened(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
+    )
 
 
 @njit(parallel=True, cache=True)
@@ -211,10 +362,15 @@ def attention_backward_numba(
     hkv, sk, dvd = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-    grad_out = np.ascontiguousarray(_widened(grad_out))
+    # bfloat16 pairs where the CPU has AVX512-BF16: grad_out stays bfloat16 bits for them
+    pairs = (
+        q.dtype == k.dtype == v.dtype == grad_out.dtype == np.uint16 and _pair_products.available()
+    )
+    widened_grad_out = _widened(grad_out)
+    grad_out = np.ascontiguousarray(grad_out if pairs else widened_grad_out)
     lse = np.ascontiguousarray(lse, dtype=np.float32)
     # D_i = Σ dO∘O - dlse: what every dZ of row i subtracts (docs/math.md#attention-backward)
-    delta = np.einsum("bhid,bhid->bhi", grad_out, _widened(out))
+    delta = np.einsum("bhid,bhid->bhi", widened_grad_out, _widened(out))
     if grad_lse is not None:
         delta = delta - _widened(grad_lse)
     delta = np.ascontiguousarray(delta, dtype=np.float32)

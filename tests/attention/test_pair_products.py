@@ -84,8 +84,8 @@ def test_pair_product_matches_numpy(m, k, n, accumulate):
 
 @numba.njit
 def _pack(k, v, key_panels, value_panels, length):
-    pp.pack_key_pairs(k, 0, 1, key_panels)
-    pp.pack_value_pairs(v, 0, 1, value_panels, length)
+    pp.pack_key_pairs(k[0, 1], key_panels)
+    pp.pack_value_pairs(v[0, 1], value_panels, length)
 
 
 @needs_bf16
@@ -112,7 +112,7 @@ def test_query_pairs_and_rounded_weights():
     rng = np.random.default_rng(5)
     q = _bf16_bits(rng.standard_normal((2, 6, 9, 7)))  # 6 query heads, 2 per kv head
     tile = (1, 2, 2, 3, 4)  # sequence 1, kv head 2, group 2, queries 3 … 6
-    got = numba.njit(lambda q, tile: pp.query_pairs(q, tile))(q, tile)
+    got = numba.njit(lambda q, tile: pp.row_tile_pairs(q, tile))(q, tile)
     rows = np.concatenate([q[1, 4, 3:7], q[1, 5, 3:7]])
     assert np.array_equal(got, _pairs_of_rows(rows))
 
@@ -123,6 +123,27 @@ def test_query_pairs_and_rounded_weights():
     want = _pairs_of_rows(_bf16_bits(p[:, :31]))
     assert np.array_equal(out, want)
     assert (out[0, 1] & 0xFFFF) == 0x3F80 and (out[0, 1] >> 16) == 0x3F82  # 1 and 1 + 2^-6
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,n,width", [(5, 31, 32), (8, 64, 64), (1, 3, 32), (7, 40, 64)])
+def test_backward_packings(rows, n, width):
+    """The backward's transposed operands: a row tile's rows transposed as pairs along the rows,
+    and P (or dS) rounded to bfloat16 as panels along the rows, zeros from column n on."""
+    rng = np.random.default_rng(rows * 100 + n)
+    x = _bf16_bits(rng.standard_normal((1, 4, 9, 7)))
+    npos = (rows + 1) // 2
+    tile = (0, 1, 2, npos, npos)  # kv head 1 of group 2: heads 2 and 3, queries npos …
+    got = numba.njit(lambda x, tile: pp.row_tile_column_pairs(x, tile))(x, tile)
+    tile_rows = np.concatenate([x[0, 2, npos : 2 * npos], x[0, 3, npos : 2 * npos]])
+    assert np.array_equal(got, _pairs_of_rows(np.ascontiguousarray(tile_rows.T)))
+
+    p = rng.standard_normal((rows, width)).astype(np.float32)
+    out = np.full((width // 16, (rows + 1) // 2, 16), 9, np.uint32)
+    numba.njit(lambda p, n, out: pp.round_row_panels(p, n, out))(p, n, out)
+    bits = _bf16_bits(p)
+    bits[:, n:] = 0
+    assert np.array_equal(out, _panels_of(bits))
 
 
 CASES = {
@@ -172,22 +193,27 @@ def test_pair_path_within_the_half_precision_rule(case, monkeypatch):
     assert (got.double() - widened.double()).abs().max().item() <= 2 * plain_err
 
 
-def _modified(scores, shape, options, sq, sk):
-    """The score modifiers of CASES on float32 scores [B, H, Sq, Sk] (bottom-right causal)."""
-    i = torch.arange(sq)[:, None] + (sk - sq)
+def _modified(scores, shape, options, sq, sk, length=None, bias=None):
+    """The score modifiers of CASES on scores [B, H, Sq, Sk] (bottom-right causal against
+    ``length`` keys, default Sk), in their dtype; ``bias`` [H, Sq, Sk] is added."""
+    length = sk if length is None else length
+    i = torch.arange(sq)[:, None] + (length - sq)
     j = torch.arange(sk)[None, :]
     if "softcap" in options:
         cap = options["softcap"]
         scores = cap * torch.tanh(scores / cap)
     if "alibi_slopes" in options:
-        scores = scores - options["alibi_slopes"][None, :, None, None] * (i - j).abs()
-    visible = torch.ones(sq, sk, dtype=torch.bool)
+        slopes = options["alibi_slopes"].to(scores.dtype)
+        scores = scores - slopes[None, :, None, None] * (i - j).abs().to(scores.dtype)
+    if bias is not None:
+        scores = scores + bias
+    visible = j < length
     if options.get("causal"):
-        visible &= j <= i
+        visible = visible & (j <= i)
     if "window" in options:
-        visible &= j >= i - options["window"][0]
+        visible = visible & (j >= i - options["window"][0])
     if "mask" in options:
-        visible &= options["mask"]
+        visible = visible & options["mask"]
     return scores.masked_fill(~visible, -torch.inf)
 
 
@@ -287,3 +313,101 @@ def test_values_past_a_key_length_never_reach_the_output():
         backend="numpy",
     )  # fmt: skip
     assert (got.double() - want).abs().max().item() < 0.02
+
+
+BACKWARD_CASES = {
+    "causal-gqa": dict(causal=True),
+    "gqa-window-softcap": dict(causal=True, window=(37, 0), softcap=4.0),
+    "alibi-sinks": dict(alibi_slopes=True, sinks=True),
+    "mask-t5": dict(mask=True, relative_bias=True),
+    "odd-dims": dict(),
+    "split-keys": dict(causal=True, key_lengths=True),
+}
+BACKWARD_SHAPES = {  # B, Hq, Hkv, Sq, Sk, D, Dv
+    "odd-dims": (2, 4, 4, 45, 301, 33, 17),
+    # one work item: its keys are split across the threads, slices starting past key 0
+    "split-keys": (1, 2, 1, 70, 700, 64, 64),
+}
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", sorted(BACKWARD_CASES))
+def test_pair_backward_within_the_half_precision_rule(case, monkeypatch):
+    """The backward's pair path (P and dS rounded to bfloat16) against the float64 oracle's
+    gradients: within twice the error of plain torch autograd in bfloat16, and near the
+    widened float32 path."""
+    from fastpe import reference
+
+    gen = torch.Generator().manual_seed(len(case) + 100)
+    options = dict(BACKWARD_CASES[case])
+    b, hq, hkv, sq, sk, d, dv = BACKWARD_SHAPES.get(case, (2, 8, 2, 150, 150, 64, 64))
+    leaves = {
+        "q": torch.randn(b, hq, sq, d, generator=gen),
+        "k": torch.randn(b, hkv, sk, d, generator=gen),
+        "v": torch.randn(b, hkv, sk, dv, generator=gen),
+    }
+    grad_out = torch.randn(b, hq, sq, dv, generator=gen).bfloat16()
+    length = sk
+    if options.pop("key_lengths", False):
+        length = sk - 50
+        options["key_lengths"] = torch.tensor([length] * b)
+        for name in "kv":  # poison: keys past the length are never read
+            leaves[name][:, :, length:] = float("nan")
+    if options.pop("alibi_slopes", False):
+        options["alibi_slopes"] = torch.rand(hq, generator=gen) * 0.3
+    if options.pop("sinks", False):
+        leaves["sinks"] = torch.randn(hq, generator=gen)
+    if options.pop("mask", False):
+        options["mask"] = torch.rand(sq, sk, generator=gen) > 0.3
+    t5 = options.pop("relative_bias", False)
+    if t5:
+        leaves["table"] = torch.randn(32, hq, generator=gen)
+    leaves = {name: x.bfloat16() for name, x in leaves.items()}
+
+    def fastpe_grads(dtype, backend):
+        xs = {name: x.detach().to(dtype).requires_grad_() for name, x in leaves.items()}
+        kw = dict(options)
+        if t5:
+            kw["relative_bias"] = dict(table=xs["table"], max_distance=20, bidirectional=True)
+        out = fastpe.attention(
+            xs["q"], xs["k"], xs["v"], sinks=xs.get("sinks"), backend=backend, **kw
+        )
+        loss = (out * grad_out.to(dtype)).sum()
+        return dict(zip(xs, torch.autograd.grad(loss, list(xs.values())), strict=True))
+
+    def plain_grads():  # every step in bfloat16, as torch autograd does it
+        xs = {name: x.detach().requires_grad_() for name, x in leaves.items()}
+        is_key = (torch.arange(sk) < length)[:, None]
+        kk, vv = (xs[n].masked_fill(~is_key, 0.0).repeat_interleave(hq // hkv, dim=1) for n in "kv")
+        bias = None
+        if t5:
+            rel = torch.arange(sk)[None] - (torch.arange(sq)[:, None] + sk - sq)
+            buckets = torch.from_numpy(reference.t5_bucket(rel.numpy(), True, 32, 20))
+            bias = xs["table"][buckets].permute(2, 0, 1)
+        scores = (xs["q"] @ kk.transpose(-1, -2)) * d**-0.5
+        scores = _modified(scores, None, options, sq, sk, length, bias)
+        if "sinks" in xs:
+            sinks = xs["sinks"][None, :, None, None].expand(b, hq, sq, 1)
+            weights = torch.softmax(torch.cat([scores, sinks], -1), -1)[..., :sk]
+        else:
+            weights = torch.softmax(scores, -1)
+        out = weights @ vv
+        loss = (out * grad_out).sum()
+        return dict(zip(xs, torch.autograd.grad(loss, list(xs.values())), strict=True))
+
+    want = fastpe_grads(torch.float64, "numpy")
+    got = fastpe_grads(torch.bfloat16, "numba")
+    plain = plain_grads()
+    monkeypatch.setattr(pp, "available", lambda: False)
+    widened = fastpe_grads(torch.bfloat16, "numba")
+    for name in want:
+        if name == "sinks":
+            continue  # computed from the forward's lse alone, by the same code on both paths
+        w = want[name]
+        size = w.abs().max().item()
+        plain_err = (plain[name].double() - w).abs().max().item()
+        err = (got[name].double() - w).abs().max().item()
+        # a faithful plain computation, so the bound means something
+        assert plain_err < 0.05 * size, (name, plain_err, size)
+        assert err <= 2 * plain_err, (name, err, plain_err)
+        assert (got[name].double() - widened[name].double()).abs().max().item() <= 2 * plain_err
