@@ -15,7 +15,8 @@ median of ``--repeats`` processes is reported with every run's time. Cases:
 - ``warm``: a new process's first attention call (as in ``attention``) after ``import fastpe``,
   with a cache filled beforehand by one process making that call;
 - ``backward``: training's first step on an empty cache: a float32 attention on torch tensors
-  that require grad (as in ``attention``), then its backward, each timed;
+  that require grad (as in ``attention``), then its backward, each timed; then the same in
+  bfloat16;
 - ``flex``: ``torch.compile(flex_attention)``'s first call on the same shape with a causal
   block mask, on an empty inductor cache: the compile-on-first-call cost of the nearest torch
   alternative, on the same machine in the same run.
@@ -85,13 +86,16 @@ print(json.dumps(times))
 
 BACKWARD = """
 import time, torch, fastpe
-q, k, v = (torch.randn(1, 8, 256, 64, requires_grad=True) for _ in range(3))
-t = time.perf_counter()
-out = fastpe.attention(q, k, v, causal=True)
-forward = time.perf_counter() - t
-t = time.perf_counter()
-out.sum().backward()
-print(json.dumps({"forward": forward, "backward": time.perf_counter() - t}))
+times = {}
+for name, dtype in (("", torch.float32), ("bfloat16 ", torch.bfloat16)):
+    q, k, v = (torch.randn(1, 8, 256, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+    t = time.perf_counter()
+    out = fastpe.attention(q, k, v, causal=True)
+    times[name + "forward"] = time.perf_counter() - t
+    t = time.perf_counter()
+    out.sum().backward()
+    times[name + "backward"] = time.perf_counter() - t
+print(json.dumps(times))
 """
 
 FLEX = """
@@ -152,7 +156,11 @@ def measure(case: str, repeats: int, say) -> dict[str, list[float]]:
                 got = run_child(BACKWARD, root)
                 found = {
                     "attention float32 backward first call, empty cache": got["backward"],
-                    "  its forward's first call": got["forward"],
+                    "  the float32 forward's first call": got["forward"],
+                    "attention bfloat16 backward first call, after the float32 one": got[
+                        "bfloat16 backward"
+                    ],
+                    "  the bfloat16 forward's first call": got["bfloat16 forward"],
                 }
             else:
                 got = run_child(FLEX, root)

@@ -4,6 +4,8 @@
     python bench/first_call.py warm    # the same call from a warm cache (filled once per checkout)
     python bench/first_call.py ops     # the first calls of the seven main ops and a bfloat16
                                        # attention, in one process, empty cache: each and the sum
+    python bench/first_call.py backward  # a float32 attention's forward and backward, then a
+                                         # bfloat16 one's, in one process, empty cache
     python bench/first_call.py flex    # flex_attention's first and second variant, then the
                                        # built-in attention(causal, softcap), in one empty cache
 
@@ -24,12 +26,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coldstart import ATTENTION, OPS, child_env, run_child
+from coldstart import ATTENTION, BACKWARD, OPS, child_env, run_child
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("cold", "warm", "ops", "flex"), help="%(choices)s")
+    parser.add_argument(
+        "mode", choices=("cold", "warm", "ops", "backward", "flex"), help="%(choices)s"
+    )
     mode = parser.parse_args().mode
     if mode == "cold":
         with tempfile.TemporaryDirectory() as root:
@@ -41,6 +45,11 @@ def main() -> None:
         for op, op_seconds in seconds.items():
             print(f"  {op} median {1000 * op_seconds:.1f} ms")
         print(f"  all first calls median {1000 * sum(seconds.values()):.1f} ms")
+    elif mode == "backward":
+        with tempfile.TemporaryDirectory() as root:
+            seconds = run_child(BACKWARD, root)
+        for step, step_seconds in seconds.items():
+            print(f"  {step} median {1000 * step_seconds:.1f} ms")
     elif mode == "warm":
         import fastpe  # which checkout this interpreter maps fastpe to
 

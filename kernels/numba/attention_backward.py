@@ -13,6 +13,9 @@ dK and dV of its keys in accumulators, and writes dQ of each query block
 into its own slice's partial buffer; the partial dQs are summed afterwards in slice order.
 No two items write one element, so the result does not depend on thread timing.
 
+bfloat16 inputs on a CPU with AVX512-BF16 take ``_backward_item_pairs``: the same steps on
+bfloat16 pairs (``_pair_products``), P and dS rounded to bfloat16 for their products.
+
 The score modifiers (``ScoreMods``, ``_modify_scores_for_backward`` and its derivative), exp2 and
 the half-precision reads are the forward's (``_attention_common``, ``_attention_tiles``): one
 definition of what a score is (fastpe's cache key covers every kernel file, so a change there
@@ -52,8 +55,7 @@ from fastpe.kernels.numba._pair_products import (
     row_tile_pairs,
 )
 from fastpe.kernels.numba._runtime import njit, single_threaded_blas
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
@@ -110,7 +112,10 @@ class BackwardGrads(NamedTuple):
     dbias_part: np.ndarray
 
 
-@njit(cache=True)
+# The small steps of a work item are inlined into it (typed with it): a process mostly compiles
+# one of the two item functions, and a function compiled apart costs its own compile (about
+# 0.1 s of a first backward call each).
+@njit(cache=True, inline="always")
 def _item_keys(k, grads, item, mods, block_n):
     """Work item ``item``'s (batch b, kv head hk, key slice split) and its keys
     [j_begin, j_stop) (empty when the slice lies past the sequence's keys)."""
@@ -126,7 +131,7 @@ def _item_keys(k, grads, item, mods, block_n):
     return b, hk, split, j_begin, j_stop
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _query_range(mods, b, j_begin, j_stop, sq):
     """[i_lo, i_hi): the queries that can see a key of [j_begin, j_stop): position
     p = i + shift with j - win_right <= p <= j + win_left."""
@@ -135,7 +140,7 @@ def _query_range(mods, b, j_begin, j_stop, sq):
     return i_lo, min(j_stop - 1 + mods.win_left - shift + 1, sq)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _row_references(lse, delta, mods, tile, ref, row_delta):
     """Each row of a ``RowTile``: the reference its weights are taken against (the forward's
     lse; +inf for a row that saw no key) and its delta."""
@@ -155,7 +160,7 @@ def _row_references(lse, delta, mods, tile, ref, row_delta):
             row_delta[row] = delta[b, h, i0 + r]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _store_dq(dq_part, split, tile, dq_acc, scale):
     """This key slice's share of dQ for the rows of a ``RowTile``: dq_acc · scale."""
     b, hk, group, i0, npos = tile
@@ -303,30 +308,26 @@ def _backward_item_pairs(q, k, v, grad_out, lse, delta, grads, item, mods, block
             dv[j_begin + j, c] = dv_t[c, j]
 
 
-def _backward_item(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
-    """A work item's gradients: on bfloat16 pairs when grad_out comes as bfloat16 bits (the
-    launcher's choice), else widened to float32."""
-
-
-@overload(_backward_item)
-def _backward_item_impl(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n):
-    # one-line calls of njit functions: an overload's own body in a parallel loop is typed twice
-    if grad_out.dtype == types.uint16:
-        return lambda q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n: (
-            _backward_item_pairs(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
-        )
-    return lambda q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n: (
-        _backward_item_widened(q, k, v, grad_out, lse, delta, grads, item, mods, block_m, block_n)
-    )
-
-
+# One parallel kernel per item function, chosen by the launcher: a dispatch inside the parallel
+# loop is typed twice, and a first backward call took 0.3 s longer with one.
+# (np.int64 item: the parallel loop's index is unsigned where Numba outlines the loop body,
+# signed where it types the kernel, and each would compile the item once more)
 @njit(parallel=True, cache=True)
 def _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n):
     batch, hkv, n_splits = k.shape[0], k.shape[1], grads.dq_part.shape[0]
     for item in prange(batch * hkv * n_splits):
-        # (np.int64: the parallel loop's index is unsigned where Numba outlines the loop body,
-        # signed where it types the kernel, and each would compile the item once more)
-        _backward_item(q, k, v, grad_out, lse, delta, grads, np.int64(item), mods, block_m, block_n)
+        _backward_item_widened(
+            q, k, v, grad_out, lse, delta, grads, np.int64(item), mods, block_m, block_n
+        )
+
+
+@njit(parallel=True, cache=True)
+def _attention_backward_pairs_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n):
+    batch, hkv, n_splits = k.shape[0], k.shape[1], grads.dq_part.shape[0]
+    for item in prange(batch * hkv * n_splits):
+        _backward_item_pairs(
+            q, k, v, grad_out, lse, delta, grads, np.int64(item), mods, block_m, block_n
+        )
 
 
 def _widened(x):
@@ -402,7 +403,8 @@ def attention_backward_numba(
     if batch * hq * sq > 0 and sk > 0:
         with single_threaded_blas():
             grads = BackwardGrads(dq_part, dk, dv, dbias_part)
-            _attention_backward_numba(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n)
+            kernel = _attention_backward_pairs_numba if pairs else _attention_backward_numba
+            kernel(q, k, v, grad_out, lse, delta, grads, mods, block_m, block_n)
     dq = dq_part[0] if n_splits == 1 else dq_part.sum(axis=0)
     dtable = None
     if relative_bias is not None:
