@@ -58,7 +58,7 @@ def info() -> str:
         from fastpe.kernels.numba import _pair_products
 
         products = (
-            "bfloat16 pairs (AVX512-BF16 vdpbf16ps)"
+            "bfloat16 pairs, forward and backward (AVX512-BF16 vdpbf16ps)"
             if _pair_products.available()
             else "float32 (this CPU has no AVX512-BF16)"
         )
