@@ -29,6 +29,7 @@ import types
 
 import numba
 import numpy as np
+from fastpe.kernels.numba import _pair_products
 from fastpe.kernels.numba._attention_common import LOG2E, dense_score_mods
 from fastpe.kernels.numba._attention_tiles import SMALL_ROWS, key_splits
 from fastpe.kernels.numba._runtime import single_threaded_blas
@@ -43,17 +44,15 @@ from numba import get_thread_id, prange
 
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, _exp2, _softmax_update
 from fastpe.kernels.numba._blas import gemm
-from fastpe.kernels.numba._attention_tiles import (
-    SMALL_ROWS,
-    _add_weighted_values_small,
-    _finish_rows,
-    _is_half,
-    _load_tile,
-    _query_tile,
-    _row_buffers,
-    _scores_small,
-)
+from fastpe.kernels.numba._attention_tiles import _finish_rows, _row_buffers
 from fastpe.kernels.numba._flex_math import _exp, _exp2f, _is_f32, _sigmoid, _sign, _tanh
+from fastpe.kernels.numba._flex_tiles import (
+    tile_padding,
+    tile_queries,
+    tile_scores,
+    tile_scratch,
+    tile_weighted_values,
+)
 from fastpe.kernels.numba._half import _widen
 from fastpe.kernels.numba._runtime import njit
 '''
@@ -87,15 +86,16 @@ def {name}(s, dz_ds, {params}b, hk, group, i0, npos, j0, n, c0, unit, caps, err)
 _KERNELS = """
 
 @njit(cache=True)
-def _pair_buffers(like, m, width):
-    # S and P tiles [m, width] for two key blocks at once (a function of their own, as
-    # _row_buffers: Numba's parallel array analysis forbids re-binding s to an array whose
-    # shape it knows differs)
+def _pair_buffers(like, m, width, pad_to):
+    # S and P tiles [m, width] for two key blocks at once, width padded to a multiple of pad_to
+    # (a function of their own, as _row_buffers: Numba's parallel array analysis forbids
+    # re-binding s to an array whose shape it knows differs)
+    width = (width + pad_to - 1) // pad_to * pad_to
     return np.empty((m, width), dtype=like.dtype), np.empty((m, width), dtype=like.dtype)
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
-def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_block, caps, err, is_f32):
+def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_block, caps, err, is_f32, pairs):
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     kv_count, kv_list = plan
@@ -113,19 +113,17 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
         bt = b if kv_count.shape[0] > 1 else 0
         ht = hk if kv_count.shape[1] > 1 else 0
         tile = RowTile(b, hk, group, i0, npos)
-        qt = _query_tile(q, tile, mods, out)
+        qt = tile_queries(q, tile, mods, out, pairs)
         acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            out, m, dv, block_n, sk % block_n, 1
+            out, m, dv, block_n, sk % block_n, tile_padding(pairs)
         )
         # two consecutive visible blocks of at most 128 keys go as one tile of twice the width
         # (each half with its own step: a full block's keys are not masked): fewer, larger
         # BLAS calls and online-softmax steps (the dense kernel's 256 keys)
         pair = block_n == kv_block and 2 * block_n <= 256
-        s_pair, p_pair = _pair_buffers(out, m, 2 * block_n if pair else 0)
-        # widened k/v tiles for half inputs (empty, and unused, for float ones)
+        s_pair, p_pair = _pair_buffers(out, m, 2 * block_n if pair else 0, tile_padding(pairs))
         widest = 2 * block_n if pair else block_n
-        k_tile = np.empty((widest if _is_half(k) else 0, d), dtype=out.dtype)
-        v_tile = np.empty((widest if _is_half(v) else 0, dv), dtype=out.dtype)
+        k_tile, v_tile, p_pairs = tile_scratch(k, v, out, m, widest, pairs)
         no_dz = np.empty((0, 0), dtype=out.dtype)
         count = kv_count[bt, ht, qb]
         t = 0
@@ -146,16 +144,11 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
             width = span * block_n
             for j0 in range(kb * kv_block, min((kb + span) * kv_block, sk), width):
                 n = min(width, sk - j0)
-                kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
-                vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
                 if span == 2:
                     s, p = s_pair, p_pair
                 else:
                     s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
-                if m <= SMALL_ROWS:
-                    _scores_small(qt, kt[:, None], 0, s, 0)
-                else:
-                    gemm(s, qt, kt, False, True, 0.0)
+                tile_scores(s, qt, k[b, hk, j0 : j0 + n], k_tile, mods, pairs)
                 # a pair of full blocks takes one full step over both halves
                 half = n if span == 1 or not (partial or second_partial) else block_n
                 if partial:
@@ -168,10 +161,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                     elif HAS_SCORE_MOD:
                         _full_step(s, no_dz, b, hk, group, i0, npos, j0 + half, half, half, mods.unit, caps, err)
                 _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
-                if m <= SMALL_ROWS:
-                    _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
-                else:
-                    gemm(acc, p, vt, False, False, 1.0)
+                tile_weighted_values(acc, p, v[b, hk, j0 : j0 + n], v_tile, p_pairs, pairs)
         _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, True)
 
 
@@ -417,11 +407,16 @@ def flex_forward_numba(module, q, k, v, caps, plan, blocks, scale):
     err = np.zeros(1, np.int64)
     serial = batch * hq * sq * sk * (d + dv) <= 1 << 23
     kernel = module._flex_forward.serial if serial else module._flex_forward
-    uses_blas = group * block_m > SMALL_ROWS
-    with single_threaded_blas() if uses_blas else contextlib.nullcontext():
+    wide = group * block_m > SMALL_ROWS
+    # bfloat16 pairs (kernels/numba/_flex_tiles.py) for wide row tiles of bfloat16 inputs on a
+    # CPU with AVX512-BF16; otherwise tiles widened to the compute dtype, wide ones through BLAS
+    pairs = None
+    if wide and q.dtype == k.dtype == v.dtype == np.uint16 and _pair_products.available():
+        pairs = np.empty(0, np.uint32)
+    with single_threaded_blas() if wide and pairs is None else contextlib.nullcontext():
         kernel(
             q, k, v, out, lse, plan, mods, block_m, blocks[0], block_n, blocks[1], caps, err,
-            dtype == np.float32,
+            dtype == np.float32, pairs,
         )  # fmt: skip
     _raise_index_error(err)
     return out, lse

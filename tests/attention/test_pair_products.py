@@ -411,3 +411,49 @@ def test_pair_backward_within_the_half_precision_rule(case, monkeypatch):
         assert plain_err < 0.05 * size, (name, plain_err, size)
         assert err <= 2 * plain_err, (name, err, plain_err)
         assert (got[name].double() - widened[name].double()).abs().max().item() <= 2 * plain_err
+
+
+@needs_bf16
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_attention_pairs_within_the_half_precision_rule(causal, monkeypatch):
+    """flex_attention's forward packs each bfloat16 key tile it reaches as pairs (a score_mod,
+    a block mask with skipped, partial and full blocks, paired 64-key blocks, a ragged tail, an
+    odd head dim): against the float64 oracle within twice the error of torch's own
+    flex_attention run eagerly in bfloat16, and near the widened path."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    gen = torch.Generator().manual_seed(21)
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 200, 300, 33
+    q = torch.randn(b, hq, sq, d, generator=gen).bfloat16()
+    k, v = (torch.randn(b, hkv, sk, d, generator=gen).bfloat16() for _ in range(2))
+    slopes = torch.rand(hq, generator=gen) * 0.1
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = q_idx + (sk - sq) >= kv_idx if causal else kv_idx >= 0
+        return visible & ((kv_idx // 7) % 5 != 3)
+
+    block_mask = fastpe.create_block_mask(mask_mod, b, None, sq, sk, BLOCK_SIZE=64)
+
+    def run(q, k, v, backend="numba"):
+        return fastpe.flex_attention(
+            q, k, v, score_mod, block_mask, enable_gqa=True, backend=backend
+        )
+
+    want = run(q.double(), k.double(), v.double(), backend="numpy")
+    got = run(q, k, v).double()
+    torch_mask = torch_block_mask(mask_mod, b, None, sq, sk, device="cpu", BLOCK_SIZE=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "called without torch.compile"
+        plain = torch_flex(q, k, v, score_mod, torch_mask, enable_gqa=True).double()
+    monkeypatch.setattr(pp, "available", lambda: False)
+    widened = run(q, k, v).double()
+    plain_err = (plain - want).abs().max().item()
+    assert plain_err < 0.03, plain_err
+    assert (got - want).abs().max().item() <= 2 * plain_err
+    assert (got - widened).abs().max().item() <= 2 * plain_err
