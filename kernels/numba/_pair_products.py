@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._half import _float32_to_bf16
-from ._panels import emit_register_blocks
+from ._panels import emit_register_blocks, emit_sum_loop
 from ._runtime import njit
 
 PANEL = 16  # float32 lanes of one AVX-512 register: columns of c per panel
@@ -112,7 +112,6 @@ def pair_product(typingctx, c, a, panels, accumulate):
         a_step = builder.sdiv(cgutils.unpack_tuple(builder, a_arr.strides, 2)[0], four)
         p_strides = cgutils.unpack_tuple(builder, p_arr.strides, 3)
         panel_step, row_step = (builder.sdiv(s, four) for s in p_strides[:2])
-        zeros = ir.Constant(vec, [0.0] * PANEL)
         lane0 = ir.Constant(i32, 0)
         splat = ir.Constant(pairs, [0] * PANEL)
 
@@ -122,50 +121,33 @@ def pair_product(typingctx, c, a, panels, accumulate):
             a_rows = [builder.gep(a_arr.data, [builder.mul(r, a_step)]) for r in row_index]
             bases = [builder.gep(p_arr.data, [builder.mul(panel, panel_step)])]
             bases.append(builder.gep(bases[0], [panel_step]))
-            entry = builder.block
-            loop = builder.append_basic_block("pairs_k")
-            done = builder.append_basic_block("pairs_k_done")
-            builder.cbranch(builder.icmp_signed(">", k_pairs, const(0)), loop, done)
-            builder.position_at_end(loop)
-            t = builder.phi(intp)
-            t.add_incoming(const(0), entry)
-            sums = [[builder.phi(vec) for _ in bases] for _ in row_index]
-            for row in sums:
-                for phi in row:
-                    phi.add_incoming(zeros, entry)
-            columns = []
-            for base in bases:
-                ptr = builder.bitcast(
-                    builder.gep(base, [builder.mul(t, row_step)]), pairs.as_pointer()
-                )
-                columns.append(builder.bitcast(builder.load(ptr, align=4), bf16s))
-            new = []
-            for row, a_row in zip(sums, a_rows, strict=True):
-                x = builder.insert_element(
-                    ir.Constant(pairs, ir.Undefined), builder.load(builder.gep(a_row, [t])), lane0
-                )
-                x = builder.bitcast(
-                    builder.shuffle_vector(x, ir.Constant(pairs, ir.Undefined), splat), bf16s
-                )
-                new.append(
-                    [builder.call(dot, [s, x, col]) for s, col in zip(row, columns, strict=True)]
-                )
-            t_next = builder.add(t, const(1))
-            loop_end = builder.block
-            t.add_incoming(t_next, loop_end)
-            for row, row_new in zip(sums, new, strict=True):
-                for phi, value in zip(row, row_new, strict=True):
-                    phi.add_incoming(value, loop_end)
-            builder.cbranch(builder.icmp_signed("<", t_next, k_pairs), loop, done)
-            builder.position_at_end(done)
-            totals = []  # the sums, zeros for an empty k (phis first in their block)
-            for row_new in new:
-                totals.append([])
-                for value in row_new:
-                    total = builder.phi(vec)
-                    total.add_incoming(zeros, entry)
-                    total.add_incoming(value, loop_end)
-                    totals[-1].append(total)
+
+            def step(t, sums):
+                columns = []
+                for base in bases:
+                    ptr = builder.bitcast(
+                        builder.gep(base, [builder.mul(t, row_step)]), pairs.as_pointer()
+                    )
+                    columns.append(builder.bitcast(builder.load(ptr, align=4), bf16s))
+                new = []
+                for row, a_row in zip(sums, a_rows, strict=True):
+                    x = builder.insert_element(
+                        ir.Constant(pairs, ir.Undefined),
+                        builder.load(builder.gep(a_row, [t])),
+                        lane0,
+                    )
+                    x = builder.bitcast(
+                        builder.shuffle_vector(x, ir.Constant(pairs, ir.Undefined), splat), bf16s
+                    )
+                    new.append(
+                        [
+                            builder.call(dot, [s, x, col])
+                            for s, col in zip(row, columns, strict=True)
+                        ]
+                    )
+                return new
+
+            totals = emit_sum_loop(builder, intp, vec, rows, 2, const(0), k_pairs, step)
             col0 = builder.mul(panel, const(PANEL))
             for r, row_totals in zip(row_index, totals, strict=True):
                 c_row = builder.gep(c_arr.data, [builder.add(builder.mul(r, c_step), col0)])

@@ -56,35 +56,23 @@ def _broadcast(builder, vec, x):
     return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), mask)
 
 
-def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
-    """The inner loop of one register block: the sums over t in t_begin … t_end - 1 of
-    a[r, t] · panel[t, h·lanes:], as [r][h] vectors (zeros for an empty range)."""
-    flags = ("contract",)  # fused multiply-add; no other fast-math: NaN and inf stay exact
+def emit_sum_loop(builder, intp, vec, rows, columns, t_begin, t_end, step):
+    """The inner loop of one register block: [rows][columns] vector sums carried in registers
+    over t in t_begin … t_end - 1, each step's new sums ``step(t, sums)``; returns the final
+    sums (zeros for an empty range)."""
     zeros = ir.Constant(vec, [0.0] * vec.count)
     entry = builder.block
-    loop = builder.append_basic_block("panel_k")
-    done = builder.append_basic_block("panel_k_done")
+    loop = builder.append_basic_block("sum_loop")
+    done = builder.append_basic_block("sum_loop_done")
     builder.cbranch(builder.icmp_signed("<", t_begin, t_end), loop, done)
     builder.position_at_end(loop)
     t = builder.phi(intp)
     t.add_incoming(t_begin, entry)
-    sums = [[builder.phi(vec) for _ in range(2)] for _ in a_rows]
+    sums = [[builder.phi(vec) for _ in range(columns)] for _ in range(rows)]
     for row in sums:
         for phi in row:
             phi.add_incoming(zeros, entry)
-    base = panel_row(t)
-    lanes = ir.Constant(intp, vec.count)
-    halves = [
-        builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
-        for ptr in (base, builder.gep(base, [lanes]))
-    ]
-    new = []
-    for row, a_row in zip(sums, a_rows, strict=True):
-        x = _broadcast(builder, vec, builder.load(builder.gep(a_row, [t])))
-        new.append(
-            [builder.fadd(part, builder.fmul(x, half, flags=flags), flags=flags)
-             for part, half in zip(row, halves, strict=True)]
-        )  # fmt: skip
+    new = step(t, sums)
     t_next = builder.add(t, ir.Constant(intp, 1))
     loop_end = builder.block
     t.add_incoming(t_next, loop_end)
@@ -93,7 +81,7 @@ def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
             phi.add_incoming(value, loop_end)
     builder.cbranch(builder.icmp_signed("<", t_next, t_end), loop, done)
     builder.position_at_end(done)
-    result = []
+    result = []  # phis first in their block
     for row_new in new:
         row = []
         for value in row_new:
@@ -103,6 +91,30 @@ def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
             row.append(phi)
         result.append(row)
     return result
+
+
+def _k_loop(builder, intp, vec, a_rows, panel_row, t_begin, t_end):
+    """The sums over t in t_begin … t_end - 1 of a[r, t] · panel[t, h·lanes:], as [r][h]
+    vectors (``emit_sum_loop``)."""
+    flags = ("contract",)  # fused multiply-add; no other fast-math: NaN and inf stay exact
+    lanes = ir.Constant(intp, vec.count)
+
+    def step(t, sums):
+        base = panel_row(t)
+        halves = [
+            builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+            for ptr in (base, builder.gep(base, [lanes]))
+        ]
+        new = []
+        for row, a_row in zip(sums, a_rows, strict=True):
+            x = _broadcast(builder, vec, builder.load(builder.gep(a_row, [t])))
+            new.append(
+                [builder.fadd(part, builder.fmul(x, half, flags=flags), flags=flags)
+                 for part, half in zip(row, halves, strict=True)]
+            )  # fmt: skip
+        return new
+
+    return emit_sum_loop(builder, intp, vec, len(a_rows), 2, t_begin, t_end, step)
 
 
 def emit_register_blocks(builder, const, m, column_blocks, panels_per_block, block):
