@@ -70,6 +70,12 @@ def available() -> bool:
     return "+avx512bf16" in features.split(",")
 
 
+def takes_pairs(*arrays) -> bool:
+    """True when every array holds bfloat16 bits (uint16) and ``available()``: the kernels'
+    test for their pair paths."""
+    return all(a.dtype == np.uint16 for a in arrays) and available()
+
+
 @intrinsic
 def pair_product(typingctx, c, a, panels, accumulate):
     """c [m, n] (float32; n a multiple of 32) = a · B, or c += a · B with ``accumulate``; a

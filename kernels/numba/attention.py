@@ -346,7 +346,7 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
         dtype, unit, options, q, k, mask=mask, key_lengths=key_lengths, relative_bias=relative_bias
     )
     wide = group * block_m > SMALL_ROWS  # wide row tiles: room for K and V packed in panels
-    if wide and q.dtype == k.dtype == v.dtype == np.uint16 and _pair_products.available():
+    if wide and _pair_products.takes_pairs(q, k, v):
         # bfloat16 pairs; keys past Sk to the end of the last tile's padded width are zeros
         k_panels = np.empty((batch, hkv, -(-sk // PANEL) + 2, -(-d // 2), PANEL), np.uint32)
         v_panels = np.empty(

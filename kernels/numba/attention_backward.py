@@ -141,10 +141,23 @@ def _query_range(mods, b, j_begin, j_stop, sq):
 
 
 @njit(cache=True, inline="always")
-def _row_references(lse, delta, mods, tile, ref, row_delta):
-    """Each row of a ``RowTile``: the reference its weights are taken against (the forward's
-    lse; +inf for a row that saw no key) and its delta."""
+def _tile_key_range(mods, tile, j_begin, j_stop, align):
+    """[j_lo, j_end): the keys of the slice [j_begin, j_stop) that a ``RowTile``'s windows
+    reach, j_lo aligned down to a multiple of ``align`` from j_begin (the keys this adds before
+    a window are masked, as in any tile crossing its edge)."""
+    first_pos = tile.i0 + mods.query_shift[tile.b]
+    j_lo = max(j_begin, first_pos - mods.win_left)
+    j_lo = j_begin + (j_lo - j_begin) // align * align
+    return j_lo, min(j_stop, first_pos + tile.npos + mods.win_right)
+
+
+@njit(cache=True, inline="always")
+def _row_references(lse, delta, mods, tile, dtype):
+    """(ref, row_delta) of the rows of a ``RowTile``: the reference each row's weights are
+    taken against (the forward's lse; +inf for a row that saw no key) and its delta."""
     b, hk, group, i0, npos = tile
+    ref = np.empty(group * npos, dtype=dtype)
+    row_delta = np.empty(group * npos, dtype=dtype)
     shift, length = mods.query_shift[b], mods.key_len[b]
     for g in range(group):
         h = hk * group + g
@@ -158,6 +171,7 @@ def _row_references(lse, delta, mods, tile, ref, row_delta):
                 if mods.has_alibi:  # the scores leave out the row's nearest distance
                     ref[row] += mods.alibi[b, h] * _nearest_key_distance(i0 + r + shift, length)
             row_delta[row] = delta[b, h, i0 + r]
+    return ref, row_delta
 
 
 @njit(cache=True, inline="always")
@@ -181,7 +195,6 @@ def _backward_item_widened(q, k, v, grad_out, lse, delta, grads, item, mods, blo
     hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
     dvd = v.shape[3]
     group = hq // k.shape[1]
-    shift = mods.query_shift[b]
     dtype = grads.dq_part.dtype
     dbias = grads.dbias_part[item]
     dk_acc = np.zeros((j_stop - j_begin, d), dtype=dtype)
@@ -194,8 +207,6 @@ def _backward_item_widened(q, k, v, grad_out, lse, delta, grads, item, mods, blo
         m = group * npos
         qs = np.empty((m, d), dtype=dtype)
         go = np.empty((m, dvd), dtype=dtype)
-        ref = np.empty(m, dtype=dtype)
-        row_delta = np.empty(m, dtype=dtype)
         for g in range(group):
             h = hk * group + g
             for r in range(npos):
@@ -205,11 +216,9 @@ def _backward_item_widened(q, k, v, grad_out, lse, delta, grads, item, mods, blo
                 for c in range(dvd):
                     go[row, c] = grad_out[b, h, i0 + r, c]
         tile = RowTile(b, hk, group, i0, npos)
-        _row_references(lse, delta, mods, tile, ref, row_delta)
+        ref, row_delta = _row_references(lse, delta, mods, tile, dtype)
         dq_acc = np.zeros((m, d), dtype=dtype)
-        first_pos = i0 + shift
-        j_lo = max(j_begin, first_pos - mods.win_left)
-        j_end = min(j_stop, first_pos + npos + mods.win_right)
+        j_lo, j_end = _tile_key_range(mods, tile, j_begin, j_stop, 1)
         for j0 in range(j_lo, j_end, block_n):
             n = min(block_n, j_end - j0)
             off = j0 - j_begin
@@ -234,15 +243,13 @@ def _backward_item_pairs(q, k, v, grad_out, lse, delta, grads, item, mods, block
     rounded to bfloat16 for theirs and every sum in float32. dK and dV are accumulated
     transposed (dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS), so that P and dS are packed row pair by row pair
     (``round_row_panels``) and only Qᵀ and dOᵀ, once per row tile, are transposed. Key tiles
-    start at multiples of a panel from the slice's first key (the keys this adds before a
-    window are masked, as in any tile crossing its edge)."""
+    start at multiples of a panel from the slice's first key (``_tile_key_range``)."""
     b, hk, split, j_begin, j_stop = _item_keys(k, grads, item, mods, block_n)
     if j_begin >= j_stop:
         return
     hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
     dvd = v.shape[3]
     group = hq // k.shape[1]
-    shift = mods.query_shift[b]
     dtype = grads.dq_part.dtype
     dbias = grads.dbias_part[item]
     keys = j_stop - j_begin
@@ -265,18 +272,13 @@ def _backward_item_pairs(q, k, v, grad_out, lse, delta, grads, item, mods, block
         npos = min(block_m, i_hi - i0)
         m = group * npos
         tile = RowTile(b, hk, group, i0, npos)
-        ref = np.empty(m, dtype=dtype)
-        row_delta = np.empty(m, dtype=dtype)
-        _row_references(lse, delta, mods, tile, ref, row_delta)
+        ref, row_delta = _row_references(lse, delta, mods, tile, dtype)
         q_pairs, go_pairs = row_tile_pairs(q, tile), row_tile_pairs(grad_out, tile)
         q_t, go_t = row_tile_column_pairs(q, tile), row_tile_column_pairs(grad_out, tile)
         row_panels = np.empty((block_n // PANEL + 2, (m + 1) // 2, PANEL), dtype=np.uint32)
         ds_pairs = np.empty((m, (block_n + 1) // 2), dtype=np.uint32)
         dq_acc = np.zeros((m, d_pad), dtype=dtype)
-        first_pos = i0 + shift
-        j_lo = max(j_begin, first_pos - mods.win_left)
-        j_lo = j_begin + (j_lo - j_begin) // PANEL * PANEL
-        j_end = min(j_stop, first_pos + npos + mods.win_right)
+        j_lo, j_end = _tile_key_range(mods, tile, j_begin, j_stop, PANEL)
         for j0 in range(j_lo, j_end, block_n):
             n = min(block_n, j_end - j0)
             off = j0 - j_begin
@@ -364,9 +366,7 @@ def attention_backward_numba(
     group = hq // hkv
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     # bfloat16 pairs where the CPU has AVX512-BF16: grad_out stays bfloat16 bits for them
-    pairs = (
-        q.dtype == k.dtype == v.dtype == grad_out.dtype == np.uint16 and _pair_products.available()
-    )
+    pairs = _pair_products.takes_pairs(q, k, v, grad_out)
     widened_grad_out = _widened(grad_out)
     grad_out = np.ascontiguousarray(grad_out if pairs else widened_grad_out)
     lse = np.ascontiguousarray(lse, dtype=np.float32)

@@ -942,7 +942,7 @@ def attention_paged_numba(
     else:
         kernel = _attention_paged_numba
         # bfloat16 caches on CPUs with AVX512-BF16: key tiles gathered as bfloat16 pairs
-        half = q.dtype == k.dtype == v.dtype == np.uint16 and _pair_products.available()
+        half = _pair_products.takes_pairs(q, k, v)
         args += (np.empty(0, np.uint32) if half else None,)
     (kernel.serial if serial else kernel)(*args)
     if n_splits == 1:

@@ -411,7 +411,7 @@ def flex_forward_numba(module, q, k, v, caps, plan, blocks, scale):
     # bfloat16 pairs (kernels/numba/_flex_tiles.py) for wide row tiles of bfloat16 inputs on a
     # CPU with AVX512-BF16; otherwise tiles widened to the compute dtype, wide ones through BLAS
     pairs = None
-    if wide and q.dtype == k.dtype == v.dtype == np.uint16 and _pair_products.available():
+    if wide and _pair_products.takes_pairs(q, k, v):
         pairs = np.empty(0, np.uint32)
     with single_threaded_blas() if wide and pairs is None else contextlib.nullcontext():
         kernel(

@@ -155,6 +155,18 @@ CASES = {
 }
 
 
+def _random_options(options, gen, hq, sq, sk):
+    """CASES' flags -> tensors: ALiBi slopes and a bool mask in the returned options, and the
+    sinks apart (None without them)."""
+    options = dict(options)
+    if options.pop("alibi_slopes", False):
+        options["alibi_slopes"] = torch.rand(hq, generator=gen) * 0.3
+    sinks = torch.randn(hq, generator=gen) if options.pop("sinks", False) else None
+    if options.pop("mask", False):
+        options["mask"] = torch.rand(sq, sk, generator=gen) > 0.3
+    return options, sinks
+
+
 @needs_bf16
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pair_path_within_the_half_precision_rule(case, monkeypatch):
@@ -166,12 +178,9 @@ def test_pair_path_within_the_half_precision_rule(case, monkeypatch):
     sq, sk, d = (45, 301, 33) if case == "odd-dims" else (150, 150, 64)
     q = torch.randn(2, hq, sq, d, generator=gen).bfloat16()
     k, v = (torch.randn(2, hkv, sk, d, generator=gen).bfloat16() for _ in range(2))
-    if options.pop("alibi_slopes", False):
-        options["alibi_slopes"] = torch.rand(hq, generator=gen) * 0.3
-    if options.pop("sinks", False):
-        options["sinks"] = torch.randn(hq, generator=gen)
-    if options.pop("mask", False):
-        options["mask"] = torch.rand(sq, sk, generator=gen) > 0.3
+    options, sinks = _random_options(options, gen, hq, sq, sk)
+    if sinks is not None:
+        options["sinks"] = sinks
     want = fastpe.attention(q.double(), k.double(), v.double(), backend="numpy", **options)
     got = fastpe.attention(q, k, v, backend="numba", **options)
     monkeypatch.setattr(pp, "available", lambda: False)
@@ -353,12 +362,9 @@ def test_pair_backward_within_the_half_precision_rule(case, monkeypatch):
         options["key_lengths"] = torch.tensor([length] * b)
         for name in "kv":  # poison: keys past the length are never read
             leaves[name][:, :, length:] = float("nan")
-    if options.pop("alibi_slopes", False):
-        options["alibi_slopes"] = torch.rand(hq, generator=gen) * 0.3
-    if options.pop("sinks", False):
-        leaves["sinks"] = torch.randn(hq, generator=gen)
-    if options.pop("mask", False):
-        options["mask"] = torch.rand(sq, sk, generator=gen) > 0.3
+    options, sinks = _random_options(options, gen, hq, sq, sk)
+    if sinks is not None:
+        leaves["sinks"] = sinks
     t5 = options.pop("relative_bias", False)
     if t5:
         leaves["table"] = torch.randn(32, hq, generator=gen)
