@@ -717,6 +717,12 @@ def test_kernels_are_optimised_once_with_what_they_call_linked_in(tmp_path):
             optimised.append(str(self.name))
             run(self)
         codegen.CPUCodeLibrary._optimize_final_module = recording
+        levels = set()  # the per-function pass levels asked for (None: Numba's own)
+        passes = codegen.JITCPUCodegen._function_pass_manager
+        def recording_level(self, **kwargs):
+            levels.add(kwargs.get("opt"))
+            return passes(self, **kwargs)
+        codegen.JITCPUCodegen._function_pass_manager = recording_level
 
         def intermediates(names):
             return [n for n in names if n.startswith("__numba_parfor_gufunc")
@@ -736,6 +742,10 @@ def test_kernels_are_optimised_once_with_what_they_call_linked_in(tmp_path):
             assert [n for n in optimised if n != "nrt"] == [
                 "_sinusoidal_table_numba", "_attention_numba"
             ], optimised
+            # the helpers' own clean-up is light: the kernel optimises their code in full
+            assert levels == {{None, 1}}, levels
+
+        levels.clear()
 
         optimised.clear()
 
@@ -754,6 +764,7 @@ def test_kernels_are_optimised_once_with_what_they_call_linked_in(tmp_path):
         assert np.array_equal(theirs(x), 2.0 * x)
         assert len(intermediates(optimised)) == 3, optimised
         assert "their_helper" in optimised, optimised
+        assert levels == {{None}}, levels
         print("ok")
         """
     for loaded in (False, True):  # compile into the empty cache, then load from it

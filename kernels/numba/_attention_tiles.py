@@ -316,34 +316,42 @@ def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split)
                 _set_lse(lse, b, row0 + r, h, sink)
 
 
-@njit(parallel=True, cache=True)
-def _merge_splits_numba(part_out, part_lse, out, lse):
-    """out = Σ_s part_out[s]·exp(part_lse[s] - lse), lse = log Σ_s exp(part_lse[s])."""
-    n_splits, batch, hq, sq, dv = part_out.shape
-    for row in prange(batch * hq * sq):
-        i = row % sq
-        h = (row // sq) % hq
-        b = row // (sq * hq)
-        top = -np.inf
-        for sp in range(n_splits):
-            top = max(top, part_lse[sp, b, h, i])
-        if top == -np.inf:
-            lse[b, h, i] = -np.inf
-            for c in range(dv):
-                out[b, h, i, c] = 0.0
-            continue
-        total = 0.0
-        for sp in range(n_splits):
-            total += math.exp(part_lse[sp, b, h, i] - top)
-        lse_row = top + math.log(total)
-        lse[b, h, i] = lse_row
+@njit(cache=True)
+def _merge_row(part_out, part_lse, out, lse, row):
+    """``_merge_splits_numba`` for one row (sequence, head, query)."""
+    n_splits, _, hq, sq, dv = part_out.shape
+    i = row % sq
+    h = (row // sq) % hq
+    b = row // (sq * hq)
+    top = -np.inf
+    for sp in range(n_splits):
+        top = max(top, part_lse[sp, b, h, i])
+    if top == -np.inf:
+        lse[b, h, i] = -np.inf
         for c in range(dv):
             out[b, h, i, c] = 0.0
-        for sp in range(n_splits):
-            w = math.exp(part_lse[sp, b, h, i] - lse_row)
-            if w != 0.0:  # a part that saw no key (lse -inf) adds nothing; NaN shows
-                for c in range(dv):
-                    out[b, h, i, c] += w * part_out[sp, b, h, i, c]
+        return
+    total = 0.0
+    for sp in range(n_splits):
+        total += math.exp(part_lse[sp, b, h, i] - top)
+    lse_row = top + math.log(total)
+    lse[b, h, i] = lse_row
+    for c in range(dv):
+        out[b, h, i, c] = 0.0
+    for sp in range(n_splits):
+        w = math.exp(part_lse[sp, b, h, i] - lse_row)
+        if w != 0.0:  # a part that saw no key (lse -inf) adds nothing; NaN shows
+            for c in range(dv):
+                out[b, h, i, c] += w * part_out[sp, b, h, i, c]
+
+
+@njit(parallel=True, cache=True)
+def _merge_splits_numba(part_out, part_lse, out, lse):
+    """out = Σ_s part_out[s]·exp(part_lse[s] - lse), lse = log Σ_s exp(part_lse[s]); the loop's
+    body is one call (Numba types a parallel loop's body twice)."""
+    _, batch, hq, sq, _ = part_out.shape
+    for row in prange(batch * hq * sq):
+        _merge_row(part_out, part_lse, out, lse, np.int64(row))
 
 
 def key_splits(items: int, key_tiles: int, threads: int) -> int:

@@ -12,17 +12,17 @@ own machine code ever runs. Two kinds of library are finalised that way for noth
   it over a chunk of iterations and a wrapper that hands the chunks to the threading layer.
 
 While one of fastpe's kernels compiles, both kinds are finalised as link-only: their functions
-keep Numba's per-function optimisation and are linked into the kernel, which optimises and
-emits the whole once (docs/first-calls.md has the time it saves). They also go without the
-wrappers Numba builds around every function for calls from Python and through C function
-pointers. Numba's bookkeeping still asks each for the address of its Python entry point: it is
-0 (Numba's answer for an undefined symbol), and fastpe's dispatchers keep such an overload out
-of the table that Python calls go through (``_runtime._KernelDispatcher``). The disk cache
-keeps a helper's code to link (LLVM bitcode) instead of machine code, so that a kernel compiled
-later, in another process, links the helper without typing it again; a Python call never loads
-such an entry. The environment pointer a link-only function's code reads (in error paths) is
-set once the kernel that holds its code is in the JIT engine, as Numba sets a cached kernel's
-when loading it.
+get a light per-function clean-up (LLVM's level 1, not Numba's 3) and are linked into the
+kernel, which optimises and emits the whole once (docs/first-calls.md has the time it saves).
+They also go without the wrappers Numba builds around every function for calls from Python and
+through C function pointers. Numba's bookkeeping still asks each for the address of its Python
+entry point: it is 0 (Numba's answer for an undefined symbol), and fastpe's dispatchers keep
+such an overload out of the table that Python calls go through (``_runtime._KernelDispatcher``).
+The disk cache keeps a helper's code to link (LLVM bitcode) instead of machine code, so that a
+kernel compiled later, in another process, links the helper without typing it again; a Python
+call never loads such an entry. The environment pointer a link-only function's code reads (in
+error paths) is set once the kernel that holds its code is in the JIT engine, as Numba sets a
+cached kernel's when loading it.
 
 Other programs' Numba compiles in the same process are left as they are, and so is everything
 on a Numba whose code libraries lack the methods used here (then fastpe compiles as before).
@@ -45,8 +45,14 @@ _POOL_WRAPPER_NAME = "parallelgufuncwrapper"
 
 _WRAPPERS = ("create_cpython_wrapper", "create_cfunc_wrapper")  # Lower's entry-point builders
 _LINK_ONLY_KIND = "fastpe-link-only"  # a cache entry holding a link-only library's code to link
+# LLVM's optimisation level for a link-only function's own clean-up (Numba's is 3): the kernel
+# that links it runs the full pipeline over it again. At 1 the first calls of the seven main ops
+# and a bfloat16 attention took 20.0 s against 21.6 s, the kernels' speed unchanged; at 0 the
+# kernel's pipeline had so much more to do that a first attention call took longer.
+_LINK_ONLY_OPT = 1
 
 _NEEDED = (
+    "_optimize_functions",
     "_optimize_final_module",
     "_finalize_final_module",
     "_finalize_dynamic_globals",
@@ -96,6 +102,17 @@ def install(compiling_ours: Callable[[], bool], compiling_nested: Callable[[], b
             self._link_only = compiling_ours() and (
                 compiling_nested() or _parfor_intermediate(name)
             )
+
+        def _optimize_functions(self, ll_module):
+            if not self._link_only:
+                super()._optimize_functions(ll_module)
+                return
+            # the kernel runs LLVM's full pipeline over this code again once it is linked in:
+            # here only the cheap clean-up that keeps the module small to link and to cache
+            ll_module.data_layout = self._codegen._data_layout
+            for func in ll_module.functions:
+                passes, builder = self._codegen._function_pass_manager(opt=_LINK_ONLY_OPT)
+                passes.run(func, builder)
 
         def _optimize_final_module(self):
             if not self._link_only:  # a link-only module is optimised in the kernel

@@ -758,72 +758,118 @@ def _attend_direct(
         c0 += run
 
 
+@njit(cache=True, fastmath=_FLAGS)
+def _direct_item(
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales, work_item
+):
+    """One work item of ``_attention_paged_direct_numba``: (sequence, query block, key split)
+    over every kv head."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, dv = k.shape[1], v.shape[2]
+    group = hq // hkv
+    split = work_item % n_splits
+    # the tile of kv head 0: its sequence and queries, which every kv head shares here
+    tile, row0 = _item_span(rows, work_item // n_splits, 0, group, block_m)
+    j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
+    npos = tile.npos
+    m = group * npos
+    qt = np.empty((hkv, m, d), dtype=part_out.dtype)
+    scale_units = part_out.dtype.type(mods.scale * mods.unit)
+    for hk in range(hkv):
+        for g in range(group):
+            for r in range(npos):
+                for c in range(d):
+                    qt[hk, g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
+    acc = np.zeros((hkv, m, dv), dtype=part_out.dtype)
+    row_max = np.full((hkv, m), -np.inf, dtype=part_out.dtype)
+    row_sum = np.zeros((hkv, m), dtype=part_out.dtype)
+    work = np.empty((hkv, 4, m), dtype=part_out.dtype)
+    s_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
+    p_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
+    # float16 and strided runs copied (_loop_rows); empty, and unused, for other inputs
+    scratch = np.empty(
+        RUN_ROWS * hkv * max(d, dv) if _needs_scratch(k) or _needs_scratch(v) else 0, part_out.dtype
+    )
+    tail = (j_stop - j_begin) % block_n
+    s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
+    p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
+    for j0 in range(j_begin, j_stop, block_n):
+        full = j_stop - j0 >= block_n
+        n = block_n if full else tail
+        s, p = (s_full, p_full) if full else (s_tail, p_tail)
+        _attend_direct(
+            qt,
+            k,
+            v,
+            rows,
+            tile,
+            j0,
+            n,
+            s,
+            p,
+            acc,
+            row_max,
+            row_sum,
+            work,
+            mods,
+            is_f32,
+            scratch,
+            scales,
+        )
+    for hk in range(hkv):
+        head = RowTile(tile.b, hk, group, tile.i0, npos)
+        out, lse = part_out[split], part_lse[split]
+        _finish_rows(acc[hk], row_max[hk], row_sum[hk], out, lse, row0, head, mods, split == 0)
+
+
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
     q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
-    kv head, so that each cache row is read once, in order."""
+    kv head, so that each cache row is read once, in order. The loop's body is one call: Numba
+    types a parallel loop's body twice, once in the kernel and once on its own."""
+    for work_item in prange(rows.item_seq.shape[0] * n_splits):
+        _direct_item(
+            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales,
+            np.int64(work_item),  # one type in both typings (the loop's own index is unsigned)
+        )  # fmt: skip
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _gathered_item(
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales, pairs,
+    work_item,
+):  # fmt: skip
+    """One work item of ``_attention_paged_numba``: (sequence, query block, kv head, key
+    split)."""
     hq, d = q.shape[1], q.shape[2]
     hkv, dv = k.shape[1], v.shape[2]
     group = hq // hkv
-    for work_item in prange(rows.item_seq.shape[0] * n_splits):
-        split = work_item % n_splits
-        # the tile of kv head 0: its sequence and queries, which every kv head shares here
-        tile, row0 = _item_span(rows, work_item // n_splits, 0, group, block_m)
-        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
-        npos = tile.npos
-        m = group * npos
-        qt = np.empty((hkv, m, d), dtype=part_out.dtype)
-        scale_units = part_out.dtype.type(mods.scale * mods.unit)
-        for hk in range(hkv):
-            for g in range(group):
-                for r in range(npos):
-                    for c in range(d):
-                        qt[hk, g * npos + r, c] = (
-                            _widen(q[row0 + r, hk * group + g, c]) * scale_units
-                        )
-        acc = np.zeros((hkv, m, dv), dtype=part_out.dtype)
-        row_max = np.full((hkv, m), -np.inf, dtype=part_out.dtype)
-        row_sum = np.zeros((hkv, m), dtype=part_out.dtype)
-        work = np.empty((hkv, 4, m), dtype=part_out.dtype)
-        s_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
-        p_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
-        # float16 and strided runs copied (_loop_rows); empty, and unused, for other inputs
-        scratch = np.empty(
-            RUN_ROWS * hkv * max(d, dv) if _needs_scratch(k) or _needs_scratch(v) else 0,
-            part_out.dtype,
-        )
-        tail = (j_stop - j_begin) % block_n
-        s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
-        p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
-        for j0 in range(j_begin, j_stop, block_n):
-            full = j_stop - j0 >= block_n
-            n = block_n if full else tail
-            s, p = (s_full, p_full) if full else (s_tail, p_tail)
-            _attend_direct(
-                qt,
-                k,
-                v,
-                rows,
-                tile,
-                j0,
-                n,
-                s,
-                p,
-                acc,
-                row_max,
-                row_sum,
-                work,
-                mods,
-                is_f32,
-                scratch,
-                scales,
-            )
-        for hk in range(hkv):
-            head = RowTile(tile.b, hk, group, tile.i0, npos)
-            out, lse = part_out[split], part_lse[split]
-            _finish_rows(acc[hk], row_max[hk], row_sum[hk], out, lse, row0, head, mods, split == 0)
+    split = work_item % n_splits
+    rest = work_item // n_splits
+    hk = rest % hkv
+    tile, row0 = _item_span(rows, rest // hkv, hk, group, block_m)
+    j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
+    b, npos = tile.b, tile.npos
+    m = group * npos
+    qt = _item_queries(q, row0, hk, group, npos, mods, part_out, pairs)
+    tail = (j_stop - j_begin) % block_n
+    acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
+        part_out, m, dv, block_n, tail, _tile_padding(pairs, part_out)
+    )
+    # keys and values gathered (widened, or as bfloat16 pairs) per tile
+    k_panels, v_panels, p_pairs = _tile_buffers(pairs, part_out, block_n, m, d, dv)
+    pages, page_size = rows.page_start, rows.page_size
+    for j0 in range(j_begin, j_stop, block_n):
+        n = min(block_n, j_stop - j0)
+        s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
+        _attend_gathered(
+            qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales,
+            s, p, acc, row_max, row_sum, work, mods, tile, is_f32,
+        )  # fmt: skip
+    out, lse = part_out[split], part_lse[split]
+    _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
@@ -832,35 +878,13 @@ def _attention_paged_numba(
 ):
     """Wide row tiles: one work item = (sequence, query block, kv head, key split). pairs: None
     (key tiles gathered into float panels) or an empty uint32 array (bfloat16 caches gathered
-    as pairs: ``_pair_products``)."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv, dv = k.shape[1], v.shape[2]
-    group = hq // hkv
-    for work_item in prange(rows.item_seq.shape[0] * hkv * n_splits):
-        split = work_item % n_splits
-        rest = work_item // n_splits
-        hk = rest % hkv
-        tile, row0 = _item_span(rows, rest // hkv, hk, group, block_m)
-        j_begin, j_stop = _split_key_range(mods, tile, block_n, split, n_splits, 1)
-        b, npos = tile.b, tile.npos
-        m = group * npos
-        qt = _item_queries(q, row0, hk, group, npos, mods, part_out, pairs)
-        tail = (j_stop - j_begin) % block_n
-        acc, row_max, row_sum, work, s_full, p_full, s_tail, p_tail = _row_buffers(
-            part_out, m, dv, block_n, tail, _tile_padding(pairs, part_out)
-        )
-        # keys and values gathered (widened, or as bfloat16 pairs) per tile
-        k_panels, v_panels, p_pairs = _tile_buffers(pairs, part_out, block_n, m, d, dv)
-        pages, page_size = rows.page_start, rows.page_size
-        for j0 in range(j_begin, j_stop, block_n):
-            n = min(block_n, j_stop - j0)
-            s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
-            _attend_gathered(
-                qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales,
-                s, p, acc, row_max, row_sum, work, mods, tile, is_f32,
-            )  # fmt: skip
-        out, lse = part_out[split], part_lse[split]
-        _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
+    as pairs: ``_pair_products``). The loop's body is one call, as in
+    ``_attention_paged_direct_numba``."""
+    for work_item in prange(rows.item_seq.shape[0] * k.shape[1] * n_splits):
+        _gathered_item(
+            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales,
+            pairs, np.int64(work_item),
+        )  # fmt: skip
 
 
 def attention_paged_numba(
