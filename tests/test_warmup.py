@@ -527,7 +527,6 @@ TINY_LLAMA = {
 }
 
 
-@pytest.mark.slow
 def test_warmup_model_config_then_generate_and_real_calls_compile_nothing(tmp_path):
     """The file's one attention compile: `fastpe warmup --model-config` for a Llama-shaped
     config, then a new process's generate() through register() and real-shaped prefill
