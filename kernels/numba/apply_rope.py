@@ -58,27 +58,38 @@ def _rotate_row(x, out, cos, sin, interleaved, copy_tail):
             out[i] = _narrow(out, _widen(x[i]))  # exact
 
 
+@njit(cache=True)
+def _rotate_rows(x, cos, sin, positions, out, interleaved, copy_tail, sign, c, sn, first, stop):
+    """(b, s) rows first … stop - 1 of every head: ``_apply_rope_numba``'s work for one chunk,
+    with c, sn its chunk's cos/sin row scratch."""
+    heads, seq = x.shape[1], x.shape[2]
+    half = cos.shape[1]
+    for row in range(first, stop):
+        b, s = row // seq, row % seq
+        p = positions[b, s]
+        for i in range(half):
+            c[i] = _widen(cos[p, i])
+            sn[i] = sign * _widen(sin[p, i])
+        for h in range(heads):
+            xr = _contiguous_row(x[b, h, s])
+            if out is None:
+                _rotate_row(xr, xr, c, sn, interleaved, copy_tail)
+            else:
+                _rotate_row(xr, _contiguous_row(out[b, h, s]), c, sn, interleaved, copy_tail)
+
+
 def _apply_rope_numba(x, cos, sin, positions, out, interleaved, copy_tail, inverse, scratch):
     """x and out (None: in place) with adjacent elements within each row; ``scratch``
-    [chunks, 2, R/2] in the compute dtype, one cos/sin row pair per chunk of (b, s) rows."""
-    batch, heads, seq, dim = x.shape
-    half = cos.shape[1]
-    rows, chunks = batch * seq, scratch.shape[0]
+    [chunks, 2, R/2] in the compute dtype, one cos/sin row pair per chunk of (b, s) rows. The
+    loop's body is one call: Numba types a parallel loop's body twice."""
+    rows, chunks = x.shape[0] * x.shape[2], scratch.shape[0]
     sign = -1.0 if inverse else 1.0  # negation is exact
     for chunk in prange(chunks):
-        c, sn = scratch[chunk, 0], scratch[chunk, 1]
-        for row in range(chunk * rows // chunks, (chunk + 1) * rows // chunks):
-            b, s = row // seq, row % seq
-            p = positions[b, s]
-            for i in range(half):
-                c[i] = _widen(cos[p, i])
-                sn[i] = sign * _widen(sin[p, i])
-            for h in range(heads):
-                xr = _contiguous_row(x[b, h, s])
-                if out is None:
-                    _rotate_row(xr, xr, c, sn, interleaved, copy_tail)
-                else:
-                    _rotate_row(xr, _contiguous_row(out[b, h, s]), c, sn, interleaved, copy_tail)
+        first, stop = chunk * rows // chunks, (chunk + 1) * rows // chunks
+        _rotate_rows(
+            x, cos, sin, positions, out, interleaved, copy_tail, sign,
+            scratch[chunk, 0], scratch[chunk, 1], np.int64(first), np.int64(stop),
+        )  # fmt: skip
 
 
 # Below this many rotated elements a call runs on the calling thread: splitting a decode step
