@@ -47,7 +47,8 @@ _WRAPPERS = ("create_cpython_wrapper", "create_cfunc_wrapper")  # Lower's entry-
 _LINK_ONLY_KIND = "fastpe-link-only"  # a cache entry holding a link-only library's code to link
 # LLVM's optimisation level for a link-only function's own clean-up (Numba's is 3): the kernel
 # that links it runs the full pipeline over it again. At 1 the first calls of the seven main ops
-# and a bfloat16 attention took 20.0 s against 21.6 s, the kernels' speed unchanged; at 0 the
+# and a bfloat16 attention took 1.07x less time than at 3 (a bfloat16 backward's 1.32x), the
+# kernels' speed unchanged (bench/results/cpu-2core-avx512-compile-light-helpers.txt); at 0 the
 # kernel's pipeline had so much more to do that a first attention call took longer.
 _LINK_ONLY_OPT = 1
 
