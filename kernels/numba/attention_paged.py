@@ -780,9 +780,17 @@ def _direct_item(
             for r in range(npos):
                 for c in range(d):
                     qt[hk, g * npos + r, c] = _widen(q[row0 + r, hk * group + g, c]) * scale_units
-    acc = np.zeros((hkv, m, dv), dtype=part_out.dtype)
-    row_max = np.full((hkv, m), -np.inf, dtype=part_out.dtype)
-    row_sum = np.zeros((hkv, m), dtype=part_out.dtype)
+    # np.empty and fill loops: each other allocation form (np.zeros, np.full) is one more Numba
+    # compile on a first call (``_row_buffers``)
+    acc = np.empty((hkv, m, dv), dtype=part_out.dtype)
+    row_max = np.empty((hkv, m), dtype=part_out.dtype)
+    row_sum = np.empty((hkv, m), dtype=part_out.dtype)
+    for hk in range(hkv):
+        for r in range(m):
+            row_max[hk, r] = -np.inf
+            row_sum[hk, r] = 0.0
+            for c in range(dv):
+                acc[hk, r, c] = 0.0
     work = np.empty((hkv, 4, m), dtype=part_out.dtype)
     s_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
     p_full = np.empty((hkv, m, block_n), dtype=part_out.dtype)
