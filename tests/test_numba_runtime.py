@@ -744,6 +744,10 @@ def test_kernels_are_optimised_once_with_what_they_call_linked_in(tmp_path):
             ], optimised
             # the helpers' own clean-up is light: the kernel optimises their code in full
             assert levels == {{None, 1}}, levels
+            # a call without soft-cap, mask or biases compiles none of their code
+            from fastpe.kernels.numba import _attention_common as common
+            modifiers = (common._apply_modifiers, common._softcap, common._apply_tile_masks)
+            assert not any(f.signatures for f in modifiers), modifiers
 
         levels.clear()
 

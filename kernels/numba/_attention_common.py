@@ -1,10 +1,11 @@
 """What turns Q·Kᵀ into attention weights, shared by every Numba attention kernel (dense,
 paged/varlen, backward): the score modifiers (soft-cap, masks, ALiBi, T5 relative bias, window
-and causal edges) grouped in one ``ScoreMods`` record and applied by ``_modify_scores`` (the
-backward's ``_modify_scores_for_backward`` also gives their derivative, which
-``_score_gradient`` applies), the vectorisable exp2 and the online softmax. One definition of
-what a score is, so that the forward and backward kernels agree; the tile steps call these and
-name no modifier.
+and causal edges) grouped in one ``ScoreMods`` record (``EdgesOnlyScoreMods`` when only the
+edges apply, so that such calls run kernels compiled without the other modifiers' code) and
+applied by ``_modify_scores`` (the backward's ``_modify_scores_for_backward`` also gives their
+derivative, which ``_score_gradient`` applies), the vectorisable exp2 and the online softmax.
+One definition of what a score is, so that the forward and backward kernels agree; the tile
+steps call these and name no modifier.
 
 The launchers (``attention_numba``, ``attention_backward_numba``, ``attention_paged_numba``) take
 the call's options as one record, ``options``, read by attribute (the backends pass fastpe's
@@ -31,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 from fastpe.kernels.numba._runtime import njit, read_only
+from numba.extending import overload
 
 LOG2E = 1.4426950408889634
 
@@ -222,6 +224,22 @@ class ScoreMods(NamedTuple):
     sinks: np.ndarray  # float64 [Hq]: one more logit per head, with no value
 
 
+class EdgesOnlyScoreMods(ScoreMods):
+    """The ``ScoreMods`` of a call without soft-cap, mask, ALiBi, T5 bias or sinks: only key
+    lengths and the causal and window edges apply. A Numba type of its own, so that such calls
+    (the usual causal or full one, decode steps) run kernels compiled without the modifiers'
+    code: a first float32 attention call compiles 0.8 s sooner (docs/first-calls.md). The first
+    call with any modifier compiles the kernel once more, for ``ScoreMods``, whose one compile
+    then serves every combination of them."""
+
+    __slots__ = ()
+
+
+def _edges_only(mods) -> bool:
+    """Whether a ``ScoreMods`` Numba type is ``EdgesOnlyScoreMods`` (decided while typing)."""
+    return mods.instance_class is EdgesOnlyScoreMods
+
+
 class RowTile(NamedTuple):
     """A tile of query rows: the ``group`` query heads hk·group … of kv head ``hk`` at
     positions i0 … i0 + npos - 1 of sequence ``b``; row r is head hk·group + r // npos at
@@ -294,7 +312,14 @@ def score_mods(
             max_distance,
         )
         bias_offset = -first
-    return ScoreMods(
+    has_modifier = (
+        softcap is not None
+        or mask is not None
+        or alibi_slopes is not None
+        or relative_bias is not None
+        or sinks is not None
+    )
+    return (ScoreMods if has_modifier else EdgesOnlyScoreMods)(
         scale=dtype.type(options.scale),
         query_shift=read_only(query_shift),
         key_len=read_only(key_len),
@@ -429,9 +454,17 @@ def _apply_tile_masks(s, mods, tile, j0, n):
                         x = mods.mask_limit if x > mods.mask_limit else x
                         x = -mods.mask_limit if -mods.mask_limit > x > -np.inf else x
                         s[r, c] += x
-    # Window (and causal rule): only tiles crossing an edge need masking (the caller never
-    # visits tiles wholly outside; key lengths already bound the key range).
-    first_pos = i0 + query_shift
+    _mask_edges(s, mods, tile, j0, n)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _mask_edges(s, mods, tile, j0, n):
+    """Set -inf where a row of a ``RowTile`` lies beyond the window (and causal) edges, on its
+    scores against keys j0 … j0 + n - 1. Only tiles crossing an edge need masking (the caller
+    never visits tiles wholly outside; key lengths already bound the key range)."""
+    b, hk, group, i0, npos = tile
+    m = group * npos
+    first_pos = i0 + mods.query_shift[b]
     if j0 < first_pos + npos - 1 - mods.win_left or j0 + n - 1 > first_pos + mods.win_right:
         for r in range(m):
             qpos = first_pos + r % npos
@@ -442,24 +475,49 @@ def _apply_tile_masks(s, mods, tile, j0, n):
                 s[r, c] = -np.inf
 
 
-@njit(cache=True, fastmath=_FLAGS)
 def _modify_scores(s, mods, tile, j0, n, is_f32):
     """Q·Kᵀ (in ``mods.unit``s, scaled) -> the scores the softmax takes, for a ``RowTile``
     against keys j0 … j0 + n - 1 (s [group·npos, n], in place): soft-cap, then the biases and
-    masks."""
+    masks (of ``EdgesOnlyScoreMods``: the edges alone)."""
+
+
+@overload(_modify_scores, inline="always")
+def _modify_scores_impl(s, mods, tile, j0, n, is_f32):
+    if _edges_only(mods):
+        return lambda s, mods, tile, j0, n, is_f32: _mask_edges(s, mods, tile, j0, n)
+    return lambda s, mods, tile, j0, n, is_f32: _apply_modifiers(s, mods, tile, j0, n, is_f32)
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _apply_modifiers(s, mods, tile, j0, n, is_f32):
     if mods.softcap > 0.0:
         _softcap(s, mods.softcap, is_f32, mods.unit)
     _apply_tile_masks(s, mods, tile, j0, n)
 
 
-# error_model="numpy", as the backward's tile step that calls it: no zero-division branch
-# around 1/c (c > 0 here)
-@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
 def _modify_scores_for_backward(s, mods, tile, j0, n):
     """``_modify_scores`` for the backward pass (natural units, float32 tiles, the soft-cap
     by libm tanh as the gradient formula's 1 - tanh² takes it), returning dz_ds = ∂Z/∂S
     elementwise, the factor ``_score_gradient`` applies: an empty array when every modifier
     in use only adds to or masks the scores (∂Z/∂S = 1 where a key is visible)."""
+
+
+@overload(_modify_scores_for_backward, inline="always")
+def _modify_scores_for_backward_impl(s, mods, tile, j0, n):
+    if _edges_only(mods):
+
+        def edges(s, mods, tile, j0, n):
+            _mask_edges(s, mods, tile, j0, n)
+            return np.empty((0, 0), dtype=s.dtype)
+
+        return edges
+    return lambda s, mods, tile, j0, n: _apply_modifiers_for_backward(s, mods, tile, j0, n)
+
+
+# error_model="numpy", as the backward's tile step that calls it: no zero-division branch
+# around 1/c (c > 0 here)
+@njit(cache=True, fastmath=_FLAGS, error_model="numpy")
+def _apply_modifiers_for_backward(s, mods, tile, j0, n):
     m = s.shape[0]
     cap = mods.softcap
     dz_ds = np.empty((m, n) if cap > 0.0 else (0, 0), dtype=s.dtype)

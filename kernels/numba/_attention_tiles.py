@@ -10,6 +10,7 @@ import math
 import numpy as np
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
+    _edges_only,
     _modify_scores,
     _nearest_key_distance,
     _softmax_update,
@@ -282,6 +283,45 @@ def _set_lse_impl(lse, b, row, h, value):
     return packed
 
 
+def _sink(mods, h, first_split):
+    """The sink logit of head h in a split's rows (only the first split's: merged, a sink counts
+    once), -inf for none."""
+
+
+@overload(_sink, inline="always")
+def _sink_impl(mods, h, first_split):
+    if _edges_only(mods):
+        return lambda mods, h, first_split: -np.inf
+    return lambda mods, h, first_split: (
+        mods.sinks[h] if mods.has_sinks and first_split else -np.inf
+    )
+
+
+def _lse_modifiers(lse_row, inv, mods, b, h, i, sink):
+    """(lse, 1 / row sum) of the row of query i, head h (over its keys, as the tile steps
+    leave them) -> both with ALiBi's common part and the sink: out · exp(lse_keys - lse) with
+    lse = logaddexp(lse_keys, sink)."""
+
+
+@overload(_lse_modifiers, inline="always")
+def _lse_modifiers_impl(lse_row, inv, mods, b, h, i, sink):
+    if _edges_only(mods):
+        return lambda lse_row, inv, mods, b, h, i, sink: (lse_row, inv)
+    return _with_lse_modifiers
+
+
+def _with_lse_modifiers(lse_row, inv, mods, b, h, i, sink):
+    if mods.has_alibi:  # the common ALiBi part the tile step leaves out
+        near = _nearest_key_distance(i + mods.query_shift[b], mods.key_len[b])
+        lse_row -= mods.alibi[b, h] / mods.unit * near
+    if sink > -np.inf:
+        top = max(lse_row, sink)
+        lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
+        inv *= math.exp(lse_row - lse_with)
+        lse_row = lse_with
+    return lse_row, inv
+
+
 @njit(cache=True)
 def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split):
     """out = acc / row sum and lse for the rows of a ``RowTile`` (its query heads h x its
@@ -293,18 +333,12 @@ def _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, first_split)
         for r in range(npos):
             row = g * npos + r
             total = row_sum[row]
-            sink = mods.sinks[h] if mods.has_sinks and first_split else -np.inf
+            sink = _sink(mods, h, first_split)
             if total != 0.0:  # NaN too (an overflowed score): it must show, as in SDPA
-                lse_row = row_max[row] / mods.unit + math.log(total)
-                if mods.has_alibi:  # the common ALiBi part the tile step leaves out
-                    near = _nearest_key_distance(i0 + r + mods.query_shift[b], mods.key_len[b])
-                    lse_row -= mods.alibi[b, h] / mods.unit * near
-                inv = 1.0 / total
-                if sink > -np.inf:  # out · exp(lse_keys - lse) with lse = logaddexp(·, sink)
-                    top = max(lse_row, sink)
-                    lse_with = top + math.log(math.exp(lse_row - top) + math.exp(sink - top))
-                    inv *= math.exp(lse_row - lse_with)
-                    lse_row = lse_with
+                lse_row, inv = _lse_modifiers(
+                    row_max[row] / mods.unit + math.log(total), 1.0 / total, mods, b, h,
+                    i0 + r, sink,
+                )  # fmt: skip
                 dst = _out_row(out, b, row0 + r, h)
                 for c in range(dst.shape[0]):
                     dst[c] = acc[row, c] * inv

@@ -111,18 +111,20 @@ def test_huge_finite_mask_values(backend, fw, fill, rng):
 
 
 def test_every_mask_layout_is_one_kernel_argument_type():
-    """A contiguous mask, a broadcast view and the placeholder of a call without a mask reach
-    the Numba kernels as one argument type (so one compiled kernel serves them all)."""
+    """A contiguous mask and a broadcast view reach the Numba kernels as one argument type (so
+    one compiled kernel serves them all), as do calls with any other modifier; a call with
+    none of them gets a type of its own (kernels compiled without the modifiers' code), with
+    the same fields."""
     numba = pytest.importorskip("numba")
-    from fastpe.kernels.numba._attention_common import score_mods
+    from fastpe.kernels.numba._attention_common import EdgesOnlyScoreMods, ScoreMods, score_mods
 
     from fastpe._options import AttentionOptions
 
-    def mods(mask):
+    def mods(mask=None, **options):
         return score_mods(
             np.dtype(np.float32),
             1.0,
-            AttentionOptions(scale=1.0),
+            AttentionOptions(scale=1.0, **options),
             key_len=np.array([8]),
             q_len=4,
             unbounded=13,
@@ -131,13 +133,18 @@ def test_every_mask_layout_is_one_kernel_argument_type():
 
     full = np.ones((1, 2, 4, 8), bool)
     broadcast = np.broadcast_to(np.ones((1, 1, 4, 8), bool), full.shape)
-    typed = {numba.typeof(mods(m)) for m in (None, full, broadcast)}
-    assert len(typed) == 1, typed
     floats = (full.astype(np.float32), np.zeros((1, 2, 4, 1), np.float32))
-    typed = {
-        numba.typeof(mods(m)) for m in (None, floats[0], np.broadcast_to(floats[1], (1, 2, 4, 8)))
-    }
+    float_broadcast = np.broadcast_to(floats[1], (1, 2, 4, 8))
+    with_modifiers = [mods(m) for m in (full, broadcast, floats[0], float_broadcast)]
+    with_modifiers += [mods(softcap=30.0), mods(sinks=np.zeros(2))]
+    with_modifiers += [mods(alibi_slopes=np.ones((1, 2)))]
+    assert {type(m) for m in with_modifiers} == {ScoreMods}
+    typed = {numba.typeof(m) for m in with_modifiers}
     assert len(typed) == 1, typed
+    plain = [mods(), mods(causal=True), mods(window=(2, 0))]
+    assert {type(m) for m in plain} == {EdgesOnlyScoreMods}
+    (plain_type,) = {numba.typeof(m) for m in plain}
+    assert plain_type.types == next(iter(typed)).types
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
