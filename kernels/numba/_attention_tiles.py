@@ -292,9 +292,7 @@ def _sink(mods, h, first_split):
 def _sink_impl(mods, h, first_split):
     if _edges_only(mods):
         return lambda mods, h, first_split: -np.inf
-    return lambda mods, h, first_split: (
-        mods.sinks[h] if mods.has_sinks and first_split else -np.inf
-    )
+    return lambda mods, h, first_split: mods.sinks[h] if mods.has_sinks and first_split else -np.inf
 
 
 def _lse_modifiers(lse_row, inv, mods, b, h, i, sink):
