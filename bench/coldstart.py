@@ -98,6 +98,24 @@ for name, dtype in (("", torch.float32), ("bfloat16 ", torch.bfloat16)):
 print(json.dumps(times))
 """
 
+MIXED = """
+import time, numpy as np, fastpe
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3))
+mask = rng.random((1, 1, 256, 256)) > 0.2
+calls = {
+    "causal": lambda: fastpe.attention(q, k, v, causal=True),
+    "causal softcap": lambda: fastpe.attention(q, k, v, causal=True, softcap=30.0),
+    "mask": lambda: fastpe.attention(q, k, v, mask=mask),
+}
+times = {}
+for name, call in calls.items():
+    t = time.perf_counter()
+    call()
+    times[name] = time.perf_counter() - t
+print(json.dumps(times))
+"""
+
 FLEX = """
 import time, torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention

@@ -8,6 +8,8 @@
                                          # bfloat16 one's, in one process, empty cache
     python bench/first_call.py flex    # flex_attention's first and second variant, then the
                                        # built-in attention(causal, softcap), in one empty cache
+    python bench/first_call.py mixed   # float32 attention calls without, then with score
+                                       # modifiers (soft-cap, then a mask), in one process
 
 Each prints ``  NAME median T ms`` lines (one measurement each: ``ab_processes.py`` runs it once
 per round, alternating two checkouts). The calls and cache settings are ``bench/coldstart.py``'s,
@@ -26,13 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coldstart import ATTENTION, BACKWARD, OPS, child_env, run_child
+from coldstart import ATTENTION, BACKWARD, MIXED, OPS, child_env, run_child
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "mode", choices=("cold", "warm", "ops", "backward", "flex"), help="%(choices)s"
+        "mode", choices=("cold", "warm", "ops", "backward", "mixed", "flex"), help="%(choices)s"
     )
     mode = parser.parse_args().mode
     if mode == "cold":
@@ -45,9 +47,9 @@ def main() -> None:
         for op, op_seconds in seconds.items():
             print(f"  {op} median {1000 * op_seconds:.1f} ms")
         print(f"  all first calls median {1000 * sum(seconds.values()):.1f} ms")
-    elif mode == "backward":
+    elif mode in ("backward", "mixed"):
         with tempfile.TemporaryDirectory() as root:
-            seconds = run_child(BACKWARD, root)
+            seconds = run_child(BACKWARD if mode == "backward" else MIXED, root)
         for step, step_seconds in seconds.items():
             print(f"  {step} median {1000 * step_seconds:.1f} ms")
     elif mode == "warm":
