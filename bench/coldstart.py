@@ -55,6 +55,16 @@ first = time.perf_counter() - t
 print(json.dumps({"import fastpe": imported, "first call": first}))
 """
 
+# the end of a child script that defines ``calls`` (name -> call): each call's time, in order
+_TIME_CALLS = """
+times = {}
+for name, call in calls.items():
+    t = time.perf_counter()
+    call()
+    times[name] = time.perf_counter() - t
+print(json.dumps(times))
+"""
+
 OPS = """
 import time, numpy as np, torch, fastpe  # torch for the bfloat16 call, imported before timing
 rng = np.random.default_rng(0)
@@ -76,13 +86,7 @@ calls = {
 }
 bf16 = [torch.from_numpy(a).to(torch.bfloat16) for a in (q, k, v)]
 calls["attention bfloat16"] = lambda: fastpe.attention(*bf16, causal=True)
-times = {}
-for name, call in calls.items():
-    t = time.perf_counter()
-    call()
-    times[name] = time.perf_counter() - t
-print(json.dumps(times))
-"""
+""" + _TIME_CALLS
 
 BACKWARD = """
 import time, torch, fastpe
@@ -108,13 +112,7 @@ calls = {
     "causal softcap": lambda: fastpe.attention(q, k, v, causal=True, softcap=30.0),
     "mask": lambda: fastpe.attention(q, k, v, mask=mask),
 }
-times = {}
-for name, call in calls.items():
-    t = time.perf_counter()
-    call()
-    times[name] = time.perf_counter() - t
-print(json.dumps(times))
-"""
+""" + _TIME_CALLS
 
 FLEX = """
 import time, torch
