@@ -65,7 +65,8 @@ for name, call in calls.items():
 print(json.dumps(times))
 """
 
-OPS = """
+OPS = (
+    """
 import time, numpy as np, torch, fastpe  # torch for the bfloat16 call, imported before timing
 rng = np.random.default_rng(0)
 f32 = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
@@ -86,7 +87,9 @@ calls = {
 }
 bf16 = [torch.from_numpy(a).to(torch.bfloat16) for a in (q, k, v)]
 calls["attention bfloat16"] = lambda: fastpe.attention(*bf16, causal=True)
-""" + _TIME_CALLS
+"""
+    + _TIME_CALLS
+)
 
 BACKWARD = """
 import time, torch, fastpe
@@ -102,7 +105,8 @@ for name, dtype in (("", torch.float32), ("bfloat16 ", torch.bfloat16)):
 print(json.dumps(times))
 """
 
-MIXED = """
+MIXED = (
+    """
 import time, numpy as np, fastpe
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 8, 256, 64), dtype=np.float32) for _ in range(3))
@@ -112,7 +116,9 @@ calls = {
     "causal softcap": lambda: fastpe.attention(q, k, v, causal=True, softcap=30.0),
     "mask": lambda: fastpe.attention(q, k, v, mask=mask),
 }
-""" + _TIME_CALLS
+"""
+    + _TIME_CALLS
+)
 
 FLEX = """
 import time, torch
