@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 from fastpe.kernels.numba._runtime import njit, read_only
+from numba import types
 from numba.extending import overload
 
 LOG2E = 1.4426950408889634
@@ -587,8 +588,29 @@ def _row_max(s, r, n):
     return mx
 
 
+def _exp_row(s, ref, p, r, n, totals, unit):
+    """p[r, :n] = exp(s[r, :n] - ref[r]) and totals[r] = their sum, scores in ``unit``s: by exp2
+    in float32 (``_exp_shifted``), by libm exp in float64; decided while typing, so that a
+    kernel holds only its dtype's."""
+
+
+@overload(_exp_row, inline="always")
+def _exp_row_impl(s, ref, p, r, n, totals, unit):
+    if s.dtype == types.float32:
+
+        def by_exp2(s, ref, p, r, n, totals, unit):
+            _exp_shifted(s, ref, p, r, n, totals, np.float32(LOG2E * (1.0 / unit)))
+
+        return by_exp2
+
+    def by_exp(s, ref, p, r, n, totals, unit):
+        _exp_shifted_f64(s, ref, p, r, n, totals, 1.0 / unit)
+
+    return by_exp
+
+
 @njit(cache=True, fastmath=_FLAGS)
-def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
+def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit):
     """The online-softmax step on one row tile's masked scores s [m, n]: p = the weights
     against each row's running reference, row sums updated, acc rescaled to the new reference
     (the caller then adds P·V). work [4, m] is scratch.
@@ -606,7 +628,6 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
     m = s.shape[0]
     alpha, totals, ref = work[0], work[1], work[3]
     to_nat = 1.0 / unit
-    to_log2 = s.dtype.type(LOG2E * to_nat)
     for r in range(m):
         alpha[r] = 1.0
         if row_max[r] == -np.inf:
@@ -614,20 +635,14 @@ def _softmax_update(s, p, acc, row_max, row_sum, work, n, unit, is_f32):
         ref[r] = 0.0 if row_max[r] == -np.inf else row_max[r]
         # one row at a time, here and below: a call with a constant row (0) would compile a
         # second copy of the function, specialised to the constant
-        if is_f32:
-            _exp_shifted(s, ref, p, r, n, totals, to_log2)
-        else:
-            _exp_shifted_f64(s, ref, p, r, n, totals, to_nat)
+        _exp_row(s, ref, p, r, n, totals, unit)
     for r in range(m):
         if totals[r] > n:  # the reference fell behind: redo this row exactly
             mx = max(row_max[r], _row_max(s, r, n))
             alpha[r] = math.exp((row_max[r] - mx) * to_nat)
             row_max[r] = mx
             ref[r] = mx
-            if is_f32:
-                _exp_shifted(s, ref, p, r, n, totals, to_log2)
-            else:
-                _exp_shifted_f64(s, ref, p, r, n, totals, to_nat)
+            _exp_row(s, ref, p, r, n, totals, unit)
         row_sum[r] = row_sum[r] * alpha[r] + totals[r]
         a = alpha[r]
         if a != 1.0:

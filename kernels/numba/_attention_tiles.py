@@ -131,7 +131,7 @@ def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, 
     n = kt.shape[0]
     _scores_small(qt, kt[:, None], 0, s, 0)
     _modify_scores(s, mods, tile, j0, n, is_f32)
-    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
 
 
@@ -150,7 +150,7 @@ def _attend_panels(
     n = v_panels.shape[1]
     panel_product(s, qt, k_panels, False, SCORE_SUM_TERMS)
     _modify_scores(s, mods, tile, j0, n, is_f32)
-    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
     # the tile's weighted sum joins acc at once
     panel_product(acc, p[:, :n], v_panels, True, n)
 
@@ -168,7 +168,7 @@ def _attend_pairs(
         for c in range(n):
             s[r, c] *= scale_units
     _modify_scores(s, mods, tile, j0, n, is_f32)
-    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+    _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
     half = (n + 1) // 2
     round_weight_pairs(p, n, p_pairs)
     pair_product(acc, p_pairs[:, :half], v_pairs[:, :half], True)

@@ -741,9 +741,7 @@ def _attend_direct(
         c0 += run
     for hk in range(hkv):
         _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n, is_f32)
-        _softmax_update(
-            s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit, is_f32
-        )
+        _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit)
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)

@@ -95,7 +95,7 @@ def _pair_buffers(like, m, width, pad_to):
 
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
-def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_block, caps, err, is_f32, pairs):
+def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_block, caps, err, pairs):
     batch, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     kv_count, kv_list = plan
@@ -160,7 +160,7 @@ def _flex_forward(q, k, v, out, lse, plan, mods, block_m, q_block, block_n, kv_b
                         _partial_step(s, no_dz, b, hk, group, i0, npos, j0 + half, half, half, mods.unit, caps, err)
                     elif HAS_SCORE_MOD:
                         _full_step(s, no_dz, b, hk, group, i0, npos, j0 + half, half, half, mods.unit, caps, err)
-                _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit, is_f32)
+                _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
                 tile_weighted_values(acc, p, v[b, hk, j0 : j0 + n], v_tile, p_pairs, pairs)
         _finish_rows(acc, row_max, row_sum, out, lse, i0, tile, mods, True)
 
@@ -415,8 +415,7 @@ def flex_forward_numba(module, q, k, v, caps, plan, blocks, scale):
         pairs = np.empty(0, np.uint32)
     with single_threaded_blas() if wide and pairs is None else contextlib.nullcontext():
         kernel(
-            q, k, v, out, lse, plan, mods, block_m, blocks[0], block_n, blocks[1], caps, err,
-            dtype == np.float32, pairs,
+            q, k, v, out, lse, plan, mods, block_m, blocks[0], block_n, blocks[1], caps, err, pairs,
         )  # fmt: skip
     _raise_index_error(err)
     return out, lse
