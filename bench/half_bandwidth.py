@@ -8,7 +8,8 @@ run the same command from a venv that has it, with fastpe installed there too.)
 
 Cases (layout "bshd", D 128, B 1 unless said):
 - rope q: ``apply_rope(q)`` to a new tensor, q [1, S, 32, 128], S 1024 and 4096 — against the
-  transformers eager formula in torch (``q * cos + rotate_half(q) * sin``, cos/sin [S, D]);
+  transformers eager formula in torch (``q * cos + rotate_half(q) * sin``, cos/sin [S, D]) and
+  ``q.clone()``, the floor of any op that returns a new tensor (the copy writes a warm buffer);
 - rope qk inplace: ``apply_rope((q, k), inplace=True)``, k with 8 heads — against IPEX's
   ``ipex.llm.functional.rotary_embedding(q, k, sin, cos, 128, True, positions)`` (in place,
   cos/sin [P, 64] tables) and the IPEX operator alone (``torch_ipex.rotary_position_embedding``
@@ -78,6 +79,7 @@ def rope_cases(args, ipex, dtype, seq, cos, sin):
         "copy": lambda: dst.copy_(src),
         "fastpe": lambda: fastpe.apply_rope(q, cos, sin, layout="bshd"),
         "transformers formula": lambda: q * c + rotate_half(q) * s,
+        "torch clone": lambda: q.clone(),  # a new tensor's allocation and first touch, copied
     }
     report(f"rope q, S {seq}", rounds(named, args.rounds, args.calls), "copy")
     qk = torch.cat((q, k), 2)
