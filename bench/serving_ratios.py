@@ -6,7 +6,13 @@
   fastpe.attention_varlen vs torch SDPA on the padded batch with a padding + causal mask;
 - paged decode: B 8, Sk 4096, H 32/8, D 128, block size 16 and 256 — fastpe.attention_kvcache
   on a paged cache vs fastpe.attention on the contiguous cache, and vs SDPA on the contiguous
-  cache.
+  cache; in bfloat16 also fastpe on float8_e4m3fn (a scale per kv head) and int8 (a scale per
+  token and kv head) caches of the same values.
+Where Intel Extension for PyTorch imports (it needs its own torch: run from a venv that has it,
+with fastpe installed there too), also IPEX's kernels, each on its own layout: the packed
+prefill by ``ipex.llm.functional.varlen_attention``, the paged decode by
+``PagedAttention.single_query_cached_kv_attention`` ([blocks, Hkv, block, D] caches; block 16
+only: IPEX 2.8 corrupts its heap at block 256), against fastpe's float cache and its 8-bit ones.
 Each round times every implementation once (best of a few calls), so machine noise hits all of
 them alike; the ratios are per round, reported as median [min, max]. Nothing is written.
 """
@@ -22,6 +28,11 @@ import torch.nn.functional as F
 from _interleaved import rounds
 
 import fastpe
+
+try:
+    import intel_extension_for_pytorch as ipex
+except ImportError:
+    ipex = None
 
 
 def report(title, table, pairs):
@@ -66,6 +77,13 @@ def packed_prefill(dtype, n_rounds):
             qp, kp, vp, attn_mask=mask, enable_gqa=True
         ),
     }
+    pairs = [("fastpe attention_varlen", "sdpa padded + mask")]
+    if ipex is not None:
+        ipex_out = torch.empty_like(q)
+        named["ipex varlen_attention"] = lambda: ipex.llm.functional.varlen_attention(
+            q, k, v, ipex_out, cu, cu, None, s, s, 0.0, d**-0.5, False, True, False, None
+        )
+        pairs.append(("fastpe attention_varlen", "ipex varlen_attention"))
     out = named["fastpe attention_varlen"]()
     ref = named["sdpa padded + mask"]()
     err = max(
@@ -75,11 +93,14 @@ def packed_prefill(dtype, n_rounds):
         .item()
         for b in range(8)
     )
+    if ipex is not None:
+        named["ipex varlen_attention"]()
+        err = max(err, (ipex_out.float() - out.float()).abs().max().item())
     table = rounds(named, n_rounds, 2)
     report(
         f"packed prefill, lengths {lengths.tolist()} H16/4 D128 causal {dtype} (max |diff| {err:.1e})",
         table,
-        [("fastpe attention_varlen", "sdpa padded + mask")],
+        pairs,
     )
 
 
@@ -98,6 +119,14 @@ def paged_decode(dtype, n_rounds):
             q.transpose(1, 2), k, v, enable_gqa=True
         ),
     }
+    heads = torch.arange(hkv, dtype=torch.int32).repeat_interleave(hq // hkv)  # IPEX's GQA map
+
+    def paged(k_cache, v_cache, table, k_scale=None, v_scale=None):
+        return lambda: fastpe.attention_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, causal=True,
+            k_scale=k_scale, v_scale=v_scale, backend="numba",
+        )  # fmt: skip
+
     for block in (16, 256):
         pages = sk // block
         table = torch.randperm(b * pages, dtype=torch.int32).reshape(b, pages)
@@ -105,20 +134,55 @@ def paged_decode(dtype, n_rounds):
         v_cache = torch.empty(b * pages, block, hkv, d, dtype=dtype)
         k_cache[table.long()] = k.transpose(1, 2).reshape(b, pages, block, hkv, d)
         v_cache[table.long()] = v.transpose(1, 2).reshape(b, pages, block, hkv, d)
-        named[f"fastpe paged block {block}"] = lambda kc=k_cache, vc=v_cache, t=table: (
-            fastpe.attention_kvcache(
-                q, kc, vc, cache_seqlens=lengths, block_table=t, causal=True, backend="numba"
-            )
-        )
+        named[f"fastpe paged block {block}"] = paged(k_cache, v_cache, table)
+        if dtype == torch.bfloat16 and block == 16:
+            for name, (kq, vq, ks, vs) in _eight_bit(k_cache, v_cache).items():
+                named[f"fastpe paged block 16, {name} cache"] = paged(kq, vq, table, ks, vs)
+        if ipex is not None and block == 16:  # IPEX 2.8 corrupts its heap at block 256
+            from intel_extension_for_pytorch.llm.modules import PagedAttention
+
+            out = torch.empty(b, hq, d, dtype=dtype)
+            kc, vc = (c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+            named[f"ipex paged block {block}"] = lambda kc=kc, vc=vc, t=table, out=out, n=block: (
+                PagedAttention.single_query_cached_kv_attention(
+                    out, q[:, 0], kc, vc, heads, d**-0.5, t, lengths, n, sk, None
+                ),
+                out[:, None],
+            )[1]
     ref = named["sdpa (contiguous)"]().transpose(1, 2).float()
-    err = max((named[n]().float() - ref).abs().max().item() for n in named if "paged" in n)
+    err = max(
+        (named[n]().float() - ref).abs().max().item()
+        for n in named
+        if "paged" in n and "bit" not in n
+    )  # the 8-bit caches' error is their quantisation's (tests/attention/test_kv_quant.py)
     results = rounds(named, n_rounds, 3)
     pairs = [
         (f"fastpe paged block {bs}", other)
         for bs in (16, 256)
         for other in ("fastpe attention (contiguous)", "sdpa (contiguous)")
     ]
+    if ipex is not None:
+        pairs.append(("fastpe paged block 16", "ipex paged block 16"))
+        pairs += [(n, "ipex paged block 16") for n in named if "bit" in n]
     report(f"paged decode B8 Sk4096 H32/8 D128 {dtype} (max |diff| {err:.1e})", results, pairs)
+
+
+def _eight_bit(k_cache, v_cache):
+    """{name: (k, v, k_scale, v_scale)}: the caches' values as float8_e4m3fn with a scale per kv
+    head, and as int8 with a scale per token and kv head (value = stored × scale)."""
+    fp8_scale = torch.full((k_cache.shape[2],), 5.0 / 448)  # |x| up to 5 onto the fp8 range
+    fp8 = [
+        (c.float() / fp8_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        for c in (k_cache, v_cache)
+    ]
+    int8 = []
+    for c in (k_cache, v_cache):
+        scale = c.float().abs().amax(-1).clamp_min(1e-30) / 127
+        int8.append((torch.round(c.float() / scale[..., None]).to(torch.int8), scale))
+    return {
+        "fp8 8-bit": (fp8[0], fp8[1], fp8_scale, fp8_scale),
+        "int8 8-bit": (int8[0][0], int8[1][0], int8[0][1], int8[1][1]),
+    }
 
 
 def main():
