@@ -328,6 +328,12 @@ def _calls(item: Item):
                     kwargs["mask"] = make._torch.from_numpy(mask) if make.torch else mask
                 out, lse = fastpe.attention(q, k, v, return_lse=True, backend="numba", **kwargs)
                 make.backward(out)
+                if "mask" in item.features:
+                    # transformers builds a padding mask for padded batches only; its other
+                    # calls, without one, may run the version compiled without any score
+                    # modifier (docs/first-calls.md)
+                    unmasked = {key: value for key, value in kwargs.items() if key != "mask"}
+                    make.backward(fastpe.attention(q, k, v, backend="numba", **unmasked))
                 if sq == 1 and "backward" not in item.features:  # split-key decoding merges
                     fastpe.merge_attention(out, lse, out, lse, backend="numba")
 

@@ -420,6 +420,28 @@ def test_item_calls_reach_both_twins_and_decode():
     assert any(sq == 1 and w <= SERIAL_WORK for (sq, _), w in zip(sizes, work, strict=True))
 
 
+def test_mask_feature_warms_calls_with_and_without_the_mask(monkeypatch):
+    """A padding mask as transformers builds it comes with padded batches only: the 'mask'
+    feature makes every attention call with the mask and again without, which runs the kernel
+    version without score modifiers (recorded on the float64 oracle: nothing compiles)."""
+    import fastpe
+
+    seen = []
+    attention = fastpe.attention
+
+    def recording(*args, **kwargs):
+        seen.append(("mask" in kwargs, kwargs.get("causal"), tuple(args[0].shape)))
+        return attention(*args, **{**kwargs, "backend": "numpy"})
+
+    monkeypatch.setattr(fastpe, "attention", recording)
+    (item,) = _warmup.plan(["attention"], features=["causal", "mask", "decode"])
+    for _, call in _warmup._calls(item):
+        call()
+    masked = {(causal, shape) for has_mask, causal, shape in seen if has_mask}
+    unmasked = {(causal, shape) for has_mask, causal, shape in seen if not has_mask}
+    assert masked and masked == unmasked, seen
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_planned_call_is_a_valid_call(dtype, monkeypatch):
     """Every call of every op's item, with every feature, is accepted by fastpe's validation
