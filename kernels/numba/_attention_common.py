@@ -48,6 +48,17 @@ _P0, _P1, _P2, _P3 = (
 _P4, _P5, _P6 = 0.009686186295582436, 0.001238241549274018, 0.00021871262471017766
 
 
+def _is_f32(array):
+    """True for a float32 array, as a compile-time constant of each specialisation (so that
+    float64 branches fold away inside a float32 tile loop)."""
+
+
+@overload(_is_f32, inline="always")
+def _is_f32_impl(array):
+    f32 = array.dtype == types.float32
+    return lambda array: f32
+
+
 # Flags: contraction and reassociation let LLVM fuse and vectorise the row reductions. Not
 # nnan/ninf: -inf marks masked scores and must compare and propagate exactly.
 _FLAGS = {"contract", "reassoc", "nsz", "arcp"}
@@ -116,7 +127,7 @@ def _tanh_ratio64(t):
 # error_model="numpy": Python's error model guards every division against zero with a branch,
 # which stops LLVM vectorising the loop (20x slower); here the divisor Q(x²) is >= 1.
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy")
-def _softcap(s, cap, is_f32, unit=1.0):
+def _softcap(s, cap, unit=1.0):
     """s = c·tanh(s / c) on a tile of scores in ``unit``s per natural unit, c = cap·unit.
 
     Computed as s·(tanh(x)/x) with x = s·(1/c), never as c·tanh(x): c and 1/c are each clamped
@@ -126,6 +137,7 @@ def _softcap(s, cap, is_f32, unit=1.0):
     ever used finite: for |x| > 9 (float32, where tanh rounds to ±1) or > 1 (float64). A NaN
     score stays NaN; an overflowed (infinite) one becomes ±c.
     """
+    is_f32 = _is_f32(s)
     big = 3.4028234663852886e38 if is_f32 else 1.7976931348623157e308  # finfo.max
     capped = min(cap * unit, big)
     inv = min(1.0 / cap / unit, big)
@@ -476,23 +488,23 @@ def _mask_edges(s, mods, tile, j0, n):
                 s[r, c] = -np.inf
 
 
-def _modify_scores(s, mods, tile, j0, n, is_f32):
+def _modify_scores(s, mods, tile, j0, n):
     """Q·Kᵀ (in ``mods.unit``s, scaled) -> the scores the softmax takes, for a ``RowTile``
     against keys j0 … j0 + n - 1 (s [group·npos, n], in place): soft-cap, then the biases and
     masks (of ``EdgesOnlyScoreMods``: the edges alone)."""
 
 
 @overload(_modify_scores, inline="always")
-def _modify_scores_impl(s, mods, tile, j0, n, is_f32):
+def _modify_scores_impl(s, mods, tile, j0, n):
     if _edges_only(mods):
-        return lambda s, mods, tile, j0, n, is_f32: _mask_edges(s, mods, tile, j0, n)
-    return lambda s, mods, tile, j0, n, is_f32: _apply_modifiers(s, mods, tile, j0, n, is_f32)
+        return lambda s, mods, tile, j0, n: _mask_edges(s, mods, tile, j0, n)
+    return lambda s, mods, tile, j0, n: _apply_modifiers(s, mods, tile, j0, n)
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _apply_modifiers(s, mods, tile, j0, n, is_f32):
+def _apply_modifiers(s, mods, tile, j0, n):
     if mods.softcap > 0.0:
-        _softcap(s, mods.softcap, is_f32, mods.unit)
+        _softcap(s, mods.softcap, mods.unit)
     _apply_tile_masks(s, mods, tile, j0, n)
 
 

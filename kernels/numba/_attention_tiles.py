@@ -124,13 +124,13 @@ def _add_weighted_values_small(p, col, vt, hk, acc):
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32):
+def _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0):
     """Keys j0 … j0 + n - 1 for a ``RowTile`` of at most SMALL_ROWS rows, K and V as rows
     (kt, vt [n, D]): S = Q·Kᵀ, its modifiers, online-softmax update, O += P·V (s, p and acc
     may be wider than n and Dv: ``_row_buffers``)."""
     n = kt.shape[0]
     _scores_small(qt, kt[:, None], 0, s, 0)
-    _modify_scores(s, mods, tile, j0, n, is_f32)
+    _modify_scores(s, mods, tile, j0, n)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
     _add_weighted_values_small(p, 0, vt[:, None], 0, acc)
 
@@ -141,15 +141,13 @@ SCORE_SUM_TERMS = 32
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _attend_panels(
-    qt, k_panels, v_panels, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32
-):
+def _attend_panels(qt, k_panels, v_panels, s, p, acc, row_max, row_sum, work, mods, tile, j0):
     """``_attend_tile`` for wider tiles, on keys and values in panels (``_panels``): k_panels
     holds Kᵀ of keys j0 … j0 + n - 1 from its first column (and whatever follows, up to s's
     padded width), v_panels [*, n, W] their values."""
     n = v_panels.shape[1]
     panel_product(s, qt, k_panels, False, SCORE_SUM_TERMS)
-    _modify_scores(s, mods, tile, j0, n, is_f32)
+    _modify_scores(s, mods, tile, j0, n)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
     # the tile's weighted sum joins acc at once
     panel_product(acc, p[:, :n], v_panels, True, n)
@@ -157,7 +155,7 @@ def _attend_panels(
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_pairs(
-    qt, k_pairs, v_pairs, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0, n, is_f32
+    qt, k_pairs, v_pairs, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0, n
 ):
     """``_attend_panels`` on bfloat16 pairs (``_pair_products``): qt the row tile's query
     pairs (unscaled), k_pairs Kᵀ's pairs of keys j0 … from its first panel, v_pairs the value
@@ -167,7 +165,7 @@ def _attend_pairs(
     for r in range(s.shape[0]):
         for c in range(n):
             s[r, c] *= scale_units
-    _modify_scores(s, mods, tile, j0, n, is_f32)
+    _modify_scores(s, mods, tile, j0, n)
     _softmax_update(s, p, acc, row_max, row_sum, work, n, mods.unit)
     half = (n + 1) // 2
     round_weight_pairs(p, n, p_pairs)

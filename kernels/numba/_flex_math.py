@@ -1,7 +1,7 @@
 """Scalar functions of flex_attention's generated tile steps (kernels/numba/flex_attention.py):
 vectorisable float32-accurate forms on float32 tiles (libm's tanh and exp are scalar calls that
 stop LLVM vectorising a tile loop), libm on float64 tiles. ``is_f32`` is a compile-time constant
-of each specialisation (``_is_f32``)."""
+of each specialisation (``_attention_common._is_f32``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import math
 import numpy as np
 from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, _exp2, _tanh_ratio64
 from fastpe.kernels.numba._runtime import njit
-from numba import types
-from numba.extending import overload
 
 
 @njit(cache=True, fastmath=_FLAGS, error_model="numpy", inline="always")
@@ -50,14 +48,3 @@ def _sigmoid(x, is_f32):
 @njit(cache=True, inline="always")
 def _sign(x):
     return (x > 0) - (x < 0)
-
-
-def _is_f32(array):
-    """True for a float32 array, as a compile-time constant of each specialisation (so the
-    float64 branches above fold away inside a float32 tile loop)."""
-
-
-@overload(_is_f32, inline="always")
-def _is_f32_impl(array):
-    f32 = array.dtype == types.float32
-    return lambda array: f32

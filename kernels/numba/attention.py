@@ -65,7 +65,7 @@ from numba.extending import overload
 # bfloat16 pairs (``_pair_products``, bfloat16 inputs on CPUs with AVX512-BF16).
 def _attend_key_tile(
     qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods, tile,
-    j0, n, is_f32,
+    j0, n,
 ):  # fmt: skip
     """Keys j0 … j0 + n - 1 for a row tile: ``_attend_tile`` on K and V in place when k_panels is
     None (widened into k_tile and v_tile if half), else ``_attend_panels`` on their panels, or
@@ -75,18 +75,18 @@ def _attend_key_tile(
 @overload(_attend_key_tile)
 def _attend_key_tile_impl(
     qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods, tile,
-    j0, n, is_f32,
+    j0, n,
 ):  # fmt: skip
     if isinstance(k_panels, types.NoneType):
 
         def in_place(
             qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work,
-            mods, tile, j0, n, is_f32,
+            mods, tile, j0, n,
         ):  # fmt: skip
             b, hk = tile[0], tile[1]
             kt = _load_tile(k[b, hk, j0 : j0 + n], k_tile)
             vt = _load_tile(v[b, hk, j0 : j0 + n], v_tile)
-            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+            _attend_tile(qt, kt, vt, s, p, acc, row_max, row_sum, work, mods, tile, j0)
 
         return in_place
 
@@ -94,25 +94,23 @@ def _attend_key_tile_impl(
 
         def from_pairs(
             qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work,
-            mods, tile, j0, n, is_f32,
+            mods, tile, j0, n,
         ):  # fmt: skip
             b, hk = tile[0], tile[1]
             kp = k_panels[b, hk, j0 // PANEL :]
             vp = v_panels[b, hk, :, j0 // 2 : (j0 + n + 1) // 2]
-            _attend_pairs(
-                qt, kp, vp, s, p, k_tile, acc, row_max, row_sum, work, mods, tile, j0, n, is_f32
-            )
+            _attend_pairs(qt, kp, vp, s, p, k_tile, acc, row_max, row_sum, work, mods, tile, j0, n)
 
         return from_pairs
 
     def from_panels(
         qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work, mods,
-        tile, j0, n, is_f32,
+        tile, j0, n,
     ):  # fmt: skip
         b, hk, width = tile[0], tile[1], k_panels.shape[4]
         kp = k_panels[b, hk, j0 // width : (j0 + n + width - 1) // width]
         vp = v_panels[b, hk, :, j0 : j0 + n]
-        _attend_panels(qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+        _attend_panels(qt, kp, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0)
 
     return from_panels
 
@@ -162,7 +160,7 @@ def _query_operand_impl(q, tile, mods, like, k_panels):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_query_block(
-    q, k, v, k_panels, v_panels, part_out, part_lse, mods, tile, block_n, split, n_splits, is_f32
+    q, k, v, k_panels, v_panels, part_out, part_lse, mods, tile, block_n, split, n_splits
 ):
     """One work item's rows (a ``RowTile``) against its split of the keys: S = Q·Kᵀ, modifiers,
     online softmax and O += P·V tile by tile, then the rows' output and lse in split ``split``'s
@@ -187,7 +185,7 @@ def _attend_query_block(
         s, p = (s_full, p_full) if full else (s_tail, p_tail)
         _attend_key_tile(
             qt, k, v, k_panels, v_panels, k_tile, v_tile, s, p, acc, row_max, row_sum, work,
-            mods, tile, j0, n, is_f32,
+            mods, tile, j0, n,
         )  # fmt: skip
     _finish_rows(
         acc, row_max, row_sum, part_out[split], part_lse[split], i0, tile, mods, split == 0
@@ -219,7 +217,7 @@ def _pack_head_impl(k, v, b, hk, k_panels, v_panels, length):
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_numba(
     q, k, v, k_panels, v_panels, part_out, part_lse, mods, block_m, block_n, n_splits,
-    head_items, is_f32,
+    head_items,
 ):  # fmt: skip
     """k_panels [B, Hkv, ceil(Sk / W), D, W] and v_panels [B, Hkv, ceil(Dv / W), Sk, W]
     (``_panels``, W = ``panel_width``): room for K and V packed, for calls whose row tiles are
@@ -259,7 +257,7 @@ def _attention_numba(
             tile = RowTile(b, hk, group, i0, min(block_m, sq - i0))
             _attend_query_block(
                 q, k, v, k_panels, v_panels, part_out, part_lse, mods, tile, block_n, split,
-                n_splits, is_f32,
+                n_splits,
             )  # fmt: skip
 
 
@@ -365,10 +363,7 @@ def attention_numba(q, k, v, *, options, mask=None, key_lengths=None, relative_b
     # calls too, so that the kernel has one specialisation fewer to compile
     lse = np.empty((n_splits, batch, hq, sq), dtype=np.float64)
     kernel = _attention_numba.serial if serial else _attention_numba
-    kernel(
-        q, k, v, k_panels, v_panels, out, lse, mods, block_m, block_n, n_splits, head_items,
-        dtype == np.float32,
-    )  # fmt: skip
+    kernel(q, k, v, k_panels, v_panels, out, lse, mods, block_m, block_n, n_splits, head_items)
     if n_splits == 1:
         return out[0], lse[0].astype(np.float32)
     merged = np.empty((batch, hq, sq, dv), dtype=dtype)

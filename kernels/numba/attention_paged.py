@@ -287,30 +287,29 @@ def _item_queries_impl(q, row0, hk, group, npos, mods, like, pairs):
 @njit(cache=True)
 def _attend_on_panels(
     qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, scales, s, p, acc, row_max,
-    row_sum, work, mods, tile, is_f32,
+    row_sum, work, mods, tile,
 ):  # fmt: skip
     _gather_key_panels(k, hk, b, j0, n, pages, page_size, k_panels, scales[0])
     _gather_value_panels(v, hk, b, j0, n, pages, page_size, v_panels, scales[1])
     vp = v_panels[:, :n]
-    _attend_panels(qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0, is_f32)
+    _attend_panels(qt, k_panels, vp, s, p, acc, row_max, row_sum, work, mods, tile, j0)
 
 
 @njit(cache=True)
 def _attend_on_pairs(
     qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, s, p, acc, row_max,
-    row_sum, work, mods, tile, is_f32,
+    row_sum, work, mods, tile,
 ):  # fmt: skip
     _gather_key_pairs(k, hk, b, j0, n, pages, page_size, k_panels)
     _gather_value_pairs(v, hk, b, j0, n, pages, page_size, v_panels)
     _attend_pairs(
         qt, k_panels, v_panels, s, p, p_pairs, acc, row_max, row_sum, work, mods, tile, j0, n,
-        is_f32,
     )  # fmt: skip
 
 
 def _attend_gathered(
     qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p, acc,
-    row_max, row_sum, work, mods, tile, is_f32,
+    row_max, row_sum, work, mods, tile,
 ):  # fmt: skip
     """Gather keys j0 … j0 + n - 1 into an item's tile buffers and run the tile step on them
     (``_attend_panels``, or ``_attend_pairs`` on pair panels)."""
@@ -319,28 +318,28 @@ def _attend_gathered(
 @overload(_attend_gathered)
 def _attend_gathered_impl(
     qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p, acc,
-    row_max, row_sum, work, mods, tile, is_f32,
+    row_max, row_sum, work, mods, tile,
 ):  # fmt: skip
     if isinstance(p_pairs, types.NoneType):
 
         def on_panels(
             qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p,
-            acc, row_max, row_sum, work, mods, tile, is_f32,
+            acc, row_max, row_sum, work, mods, tile,
         ):  # fmt: skip
             _attend_on_panels(
                 qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, scales, s, p,
-                acc, row_max, row_sum, work, mods, tile, is_f32,
+                acc, row_max, row_sum, work, mods, tile,
             )  # fmt: skip
 
         return on_panels
 
     def on_pairs(
         qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales, s, p,
-        acc, row_max, row_sum, work, mods, tile, is_f32,
+        acc, row_max, row_sum, work, mods, tile,
     ):  # fmt: skip
         _attend_on_pairs(
             qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, s, p, acc,
-            row_max, row_sum, work, mods, tile, is_f32,
+            row_max, row_sum, work, mods, tile,
         )  # fmt: skip
 
     return on_pairs
@@ -709,7 +708,7 @@ def _run_values_impl(p, col, rows, hk, acc, scratch, nan_run):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
-    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, is_f32, scratch, scales
+    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales
 ):
     """Keys j0 … j0 + n - 1 for the thin row tiles of every kv head at once (``tile`` names
     the sequence and queries; qt [Hkv, m, D], s/p [Hkv, m, n], acc [Hkv, m, Dv]), reading k and
@@ -740,7 +739,7 @@ def _attend_direct(
             _scale_columns(s[hk], c0, k_scale, b, row, run, hk, k)
         c0 += run
     for hk in range(hkv):
-        _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n, is_f32)
+        _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n)
         _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit)
     c0 = 0
     while c0 < n:
@@ -758,7 +757,7 @@ def _attend_direct(
 
 @njit(cache=True, fastmath=_FLAGS)
 def _direct_item(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales, work_item
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, work_item
 ):
     """One work item of ``_attention_paged_direct_numba``: (sequence, query block, key split)
     over every kv head."""
@@ -804,23 +803,7 @@ def _direct_item(
         n = block_n if full else tail
         s, p = (s_full, p_full) if full else (s_tail, p_tail)
         _attend_direct(
-            qt,
-            k,
-            v,
-            rows,
-            tile,
-            j0,
-            n,
-            s,
-            p,
-            acc,
-            row_max,
-            row_sum,
-            work,
-            mods,
-            is_f32,
-            scratch,
-            scales,
+            qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales
         )
     for hk in range(hkv):
         head = RowTile(tile.b, hk, group, tile.i0, npos)
@@ -830,21 +813,21 @@ def _direct_item(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
     kv head, so that each cache row is read once, in order. The loop's body is one call: Numba
     types a parallel loop's body twice, once in the kernel and once on its own."""
     for work_item in prange(rows.item_seq.shape[0] * n_splits):
         _direct_item(
-            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales,
+            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales,
             np.int64(work_item),  # one type in both typings (the loop's own index is unsigned)
         )  # fmt: skip
 
 
 @njit(cache=True, fastmath=_FLAGS)
 def _gathered_item(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales, pairs,
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, pairs,
     work_item,
 ):  # fmt: skip
     """One work item of ``_attention_paged_numba``: (sequence, query block, kv head, key
@@ -872,7 +855,7 @@ def _gathered_item(
         s, p = (s_full, p_full) if n == block_n else (s_tail, p_tail)
         _attend_gathered(
             qt, k, v, hk, b, j0, n, pages, page_size, k_panels, v_panels, p_pairs, scales,
-            s, p, acc, row_max, row_sum, work, mods, tile, is_f32,
+            s, p, acc, row_max, row_sum, work, mods, tile,
         )  # fmt: skip
     out, lse = part_out[split], part_lse[split]
     _finish_rows(acc, row_max, row_sum, out, lse, row0, tile, mods, split == 0)
@@ -880,7 +863,7 @@ def _gathered_item(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales, pairs
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, pairs
 ):
     """Wide row tiles: one work item = (sequence, query block, kv head, key split). pairs: None
     (key tiles gathered into float panels) or an empty uint32 array (bfloat16 caches gathered
@@ -888,7 +871,7 @@ def _attention_paged_numba(
     ``_attention_paged_direct_numba``."""
     for work_item in prange(rows.item_seq.shape[0] * k.shape[1] * n_splits):
         _gathered_item(
-            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, is_f32, scales,
+            q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales,
             pairs, np.int64(work_item),
         )  # fmt: skip
 
@@ -965,8 +948,7 @@ def attention_paged_numba(
     part_out = np.empty((n_splits, total_q, hq, dv), dtype=dtype)
     # float64 until merged, as in the contiguous kernel's launcher (attention_numba)
     part_lse = np.empty((n_splits, total_q, hq), dtype=np.float64 if n_splits > 1 else np.float32)
-    args = (q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits)
-    args += (dtype == np.float32, (k_scale, v_scale))
+    args = (q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, (k_scale, v_scale))
     if direct:
         kernel = _attention_paged_direct_numba
     else:

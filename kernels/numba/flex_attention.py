@@ -42,10 +42,12 @@ import math
 import numpy as np
 from numba import get_thread_id, prange
 
-from fastpe.kernels.numba._attention_common import _FLAGS, LOG2E, RowTile, _exp2, _softmax_update
+from fastpe.kernels.numba._attention_common import (
+    _FLAGS, LOG2E, RowTile, _exp2, _is_f32, _softmax_update,
+)
 from fastpe.kernels.numba._blas import gemm
 from fastpe.kernels.numba._attention_tiles import _finish_rows, _row_buffers
-from fastpe.kernels.numba._flex_math import _exp, _exp2f, _is_f32, _sigmoid, _sign, _tanh
+from fastpe.kernels.numba._flex_math import _exp, _exp2f, _sigmoid, _sign, _tanh
 from fastpe.kernels.numba._flex_tiles import (
     tile_padding,
     tile_queries,
