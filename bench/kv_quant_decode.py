@@ -34,6 +34,7 @@ from pathlib import Path
 import numba
 import numpy
 import torch
+from _kv_caches import eight_bit_caches
 
 import fastpe
 
@@ -47,19 +48,8 @@ def caches():
     k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     table = torch.randperm(B * pages, generator=gen).reshape(B, pages).to(torch.int32)
     q = torch.randn(B, 1, HQ, D, generator=gen).to(torch.bfloat16)
-    fp8_scale = torch.full((HKV,), 4.0 / 448)  # |x| up to 4 maps onto the fp8 range
     runs = {"bf16": (k.to(torch.bfloat16), v.to(torch.bfloat16), None, None)}
-    runs["fp8"] = (
-        (k / fp8_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn),
-        (v / fp8_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn),
-        fp8_scale,
-        fp8_scale,
-    )
-    int8 = []
-    for x in (k, v):
-        scale = x.abs().amax(-1) / 127
-        int8.append((torch.round(x / scale[..., None]).to(torch.int8), scale))
-    runs["int8"] = (int8[0][0], int8[1][0], int8[0][1], int8[1][1])
+    runs |= eight_bit_caches(k, v, fp8_bound=4.0)  # |x| up to 4 onto the fp8 range
     return q, table, runs
 
 

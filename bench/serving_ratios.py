@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from _interleaved import rounds
+from _kv_caches import eight_bit_caches
 
 import fastpe
 
@@ -136,8 +137,9 @@ def paged_decode(dtype, n_rounds):
         v_cache[table.long()] = v.transpose(1, 2).reshape(b, pages, block, hkv, d)
         named[f"fastpe paged block {block}"] = paged(k_cache, v_cache, table)
         if dtype == torch.bfloat16 and block == 16:
-            for name, (kq, vq, ks, vs) in _eight_bit(k_cache, v_cache).items():
-                named[f"fastpe paged block 16, {name} cache"] = paged(kq, vq, table, ks, vs)
+            eight_bit = eight_bit_caches(k_cache, v_cache, fp8_bound=5.0)
+            for name, (kq, vq, ks, vs) in eight_bit.items():
+                named[f"fastpe paged block 16, {name} 8-bit cache"] = paged(kq, vq, table, ks, vs)
         if ipex is not None and block == 16:  # IPEX 2.8 corrupts its heap at block 256
             from intel_extension_for_pytorch.llm.modules import PagedAttention
 
@@ -165,24 +167,6 @@ def paged_decode(dtype, n_rounds):
         pairs.append(("fastpe paged block 16", "ipex paged block 16"))
         pairs += [(n, "ipex paged block 16") for n in named if "bit" in n]
     report(f"paged decode B8 Sk4096 H32/8 D128 {dtype} (max |diff| {err:.1e})", results, pairs)
-
-
-def _eight_bit(k_cache, v_cache):
-    """{name: (k, v, k_scale, v_scale)}: the caches' values as float8_e4m3fn with a scale per kv
-    head, and as int8 with a scale per token and kv head (value = stored × scale)."""
-    fp8_scale = torch.full((k_cache.shape[2],), 5.0 / 448)  # |x| up to 5 onto the fp8 range
-    fp8 = [
-        (c.float() / fp8_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        for c in (k_cache, v_cache)
-    ]
-    int8 = []
-    for c in (k_cache, v_cache):
-        scale = c.float().abs().amax(-1).clamp_min(1e-30) / 127
-        int8.append((torch.round(c.float() / scale[..., None]).to(torch.int8), scale))
-    return {
-        "fp8 8-bit": (fp8[0], fp8[1], fp8_scale, fp8_scale),
-        "int8 8-bit": (int8[0][0], int8[1][0], int8[0][1], int8[1][1]),
-    }
 
 
 def main():
