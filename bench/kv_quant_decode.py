@@ -56,7 +56,9 @@ def caches():
 def decode_cost(runs, repeats=2000):
     """ns per cache element of the decode loops alone on one page held in L1: the scores and
     the weighted values of 4 query rows (one kv head's group) against a run of 16 cache rows,
-    head by head, as the kernel runs them (widening included)."""
+    head by head, as the kernel runs them for bfloat16 queries (widening included; int8 in
+    int16 products where the CPU has AVX512-VNNI, ``_int8_dots``)."""
+    from fastpe.kernels.numba import _int8_dots
     from fastpe.kernels.numba.attention_paged import _add_values_rows, _scores_rows
 
     @numba.njit
@@ -67,21 +69,40 @@ def decode_cost(runs, repeats=2000):
                 _add_values_rows(p, 0, rows, hk, acc)
         return acc[0, 0]
 
+    @numba.njit
+    def int_loops(rows, q16, q_scales, k_scales, s, w16, acc, repeats):
+        for _ in range(repeats):
+            for hk in range(rows.shape[1]):
+                _int8_dots.int8_scores(s, 0, q16, q_scales, rows, hk, k_scales[:, hk])
+                _int8_dots.int8_add_values(acc, w16, 0, rows, hk)
+        return acc[0, 0]
+
+    group = HQ // HKV
     rng = numpy.random.default_rng(0)
-    qt = rng.standard_normal((HQ // HKV, D)).astype(numpy.float32)
-    s = numpy.zeros((HQ // HKV, BLOCK), numpy.float32)
-    p = rng.random((HQ // HKV, BLOCK)).astype(numpy.float32) / BLOCK
-    acc = numpy.zeros((HQ // HKV, D), numpy.float32)
+    qt = rng.standard_normal((group, D)).astype(numpy.float32)
+    s = numpy.zeros((group, BLOCK), numpy.float32)
+    p = rng.random((group, BLOCK)).astype(numpy.float32) / BLOCK
+    acc = numpy.zeros((group, D), numpy.float32)
+    q16 = rng.integers(-32767, 32768, (group, D)).astype(numpy.int16)
+    q_scales, k_scales = numpy.ones(group, numpy.float32), numpy.ones((BLOCK, HKV), numpy.float32)
+    w16 = rng.integers(0, 32768, (group, BLOCK + 1)).astype(numpy.int16)
+    acc32 = numpy.zeros((group, D), numpy.int32)
     costs = {}
     for name in ("bf16", "fp8", "int8"):
         rows = runs[name][0][0]  # one block: 16 rows [16, Hkv, D]
         view = {"bf16": torch.uint16, "fp8": torch.uint8}.get(name)
         host = (rows.view(view) if view else rows).numpy()
-        loops(host, qt, s, p, acc, 1)
+        if name == "int8" and _int8_dots.available():
+            name = "int8 (int16 products)"
+            args = (host, q16, q_scales, k_scales, s, w16, acc32)
+            fn = int_loops
+        else:
+            args, fn = (host, qt, s, p, acc), loops
+        fn(*args, 1)
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
-            loops(host, qt, s, p, acc, repeats)
+            fn(*args, repeats)
             best = min(best, time.perf_counter() - t)
         costs[name] = best / repeats / host.size / 2 * 1e9  # per element of K and of V
     return costs

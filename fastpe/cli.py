@@ -63,6 +63,14 @@ def info() -> str:
             else "float32 (this CPU has no AVX512-BF16)"
         )
         lines.append(f"  bf16 tiles    {products}")
+        from fastpe.kernels.numba import _int8_dots
+
+        decode = (
+            "int16 products for half-precision queries (AVX512-VNNI vpdpwssd)"
+            if _int8_dots.available()
+            else "float32 (this CPU has no AVX512-VNNI)"
+        )
+        lines.append(f"  int8 decode   {decode}")
     except ImportError:
         pass
     try:

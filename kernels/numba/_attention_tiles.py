@@ -355,7 +355,9 @@ def _merge_row(part_out, part_lse, out, lse, row):
     b = row // (sq * hq)
     top = -np.inf
     for sp in range(n_splits):
-        top = max(top, part_lse[sp, b, h, i])
+        x = part_lse[sp, b, h, i]
+        if x > top or x != x:  # a NaN part (NaN queries) makes the row NaN
+            top = x
     if top == -np.inf:
         lse[b, h, i] = -np.inf
         for c in range(dv):

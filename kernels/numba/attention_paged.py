@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from fastpe.kernels.numba import _pair_products
+from fastpe.kernels.numba import _int8_dots, _pair_products
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
@@ -97,15 +97,16 @@ def _loop_unit_impl(cache):
 
 
 def _scale_columns(s, col, scale, b, row, n, hk, cache):
-    """s[:, col + c] *= the scale of cache row row + c, for c < n, times the unit of the
-    elements the loops read from ``cache`` (``_loop_unit``): the dequantization of the keys of a
-    run applied to their scores (values: to their weights), once per score rather than once per
-    element read. Nothing for caches that are not quantized."""
+    """s[:, col + c] *= the scale of cache row row + c, for c < n: the dequantization of an
+    int8 run's keys applied to their scores (values: to their weights), once per score rather
+    than once per element read. Nothing for other caches."""
 
 
 @overload(_scale_columns, inline="always")
 def _scale_columns_impl(s, col, scale, b, row, n, hk, cache):
-    if isinstance(scale, types.NoneType) and cache.dtype != types.uint8:
+    # fp8 scales (one per sequence and kv head) join the queries and the accumulators once per
+    # work item instead (``_head_factor``)
+    if isinstance(scale, types.NoneType) or cache.dtype == types.uint8:
         return lambda s, col, scale, b, row, n, hk, cache: None
 
     def scale_columns(s, col, scale, b, row, n, hk, cache):
@@ -116,6 +117,20 @@ def _scale_columns_impl(s, col, scale, b, row, n, hk, cache):
                 s[r, col + c] *= factor
 
     return scale_columns
+
+
+def _head_factor(scale, cache, b, hk):
+    """What every element of kv head hk of sequence b's rows of an fp8 cache is worth as the
+    decode loops read it (its scale times the loops' unit): the thin work items multiply their
+    queries by the keys' factor and their accumulators by the values' once, in place of a
+    per-score ``_scale_columns``. 1 for other caches."""
+
+
+@overload(_head_factor, inline="always")
+def _head_factor_impl(scale, cache, b, hk):
+    if cache.dtype != types.uint8:
+        return lambda scale, cache, b, hk: np.float32(1.0)
+    return lambda scale, cache, b, hk: np.float32(_scale_of(scale, b, 0, hk) * E4M3_UNIT)
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -396,15 +411,17 @@ def _prefetch_rows(src, row, n, hk):
 @overload(_prefetch_rows)
 def _prefetch_rows_impl(src, row, n, hk):
     if src.layout == "C":
+        # elements per 64-byte line, a compile-time constant: the loop divides by shifts
+        step = max(1, 512 // src.dtype.bitwidth)  # 512 bits per line
 
         def contiguous(src, row, n, hk):
             heads, width = src.shape[1], src.shape[2]
-            step = max(1, 64 // src.itemsize)
             for r in range(row, row + n):
                 base = (r * heads + hk) * width
-                for x in range(base, base + width, step):
-                    _prefetch(src, x)
-                _prefetch(src, base + width - 1)  # the last line, when the slice is unaligned
+                # each line the slice touches once (lines counted from the array's start, which
+                # the allocators align to 64 bytes)
+                for line in range(base // step, (base + width - 1) // step + 1):
+                    _prefetch(src, line * step)
 
         return contiguous
 
@@ -543,7 +560,7 @@ def _cache_widen(value):
     """An element of a cache run as the decode loops (``_scores_rows``, ``_add_values_rows``)
     read it: fp8 bits without the NaN step (``_run_scores`` and ``_run_values`` send runs that
     hold a NaN pattern through the exact widening first) and in units of E4M3_UNIT (the value /
-    256, exactly: F16C's conversion and no multiply; ``_scale_columns`` multiplies the scale by
+    256, exactly: F16C's conversion and no multiply; ``_head_factor`` multiplies the scale by
     the unit instead), anything else as ``_widen``."""
 
 
@@ -755,10 +772,170 @@ def _attend_direct(
         c0 += run
 
 
+@njit(cache=True)
+def _row_scales(scale, b, row, n, hk):
+    """The dequantization scales of cache rows row … row + n - 1 of head hk (int8: one per row;
+    their B is 1), as a 1-D view."""
+    return scale[min(b, scale.shape[0] - 1), row : row + n, hk]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def _attend_direct_int8(
+    k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scales, ints
+):
+    """``_attend_direct`` on int8 caches in integers (``_int8_dots``): ints = (q16 [Hkv, m4, D]
+    and q_scales [Hkv, m4], the scaled queries rounded to int16; acc32 [Hkv, m4, Dv], zeros;
+    w16 [Hkv, m4, block_n + 1], w_scales [Hkv, m4] and v_factors [Hkv, block_n], scratch for
+    the rounded weights). The
+    weights of each kv head (softmax weights times their value rows' scales) are rounded to
+    int16 per tile, their products summed in acc32 and added to acc in float32 once per
+    tile."""
+    q16, q_scales, acc32, w16, w_scales, v_factors = ints
+    hkv, m = s.shape[0], s.shape[1]
+    b, page_start, page_size = tile.b, rows.page_start, rows.page_size
+    k_scale, v_scale = scales
+    c0 = 0
+    while c0 < n:
+        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+        last = c0 + run == n
+        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
+        if last:
+            ahead, ahead_rows = _page_run(page_start, page_size, b, j0, n)
+        keys = k[row : row + run]
+        _prefetch_scales(v_scale if last else k_scale, ahead, ahead_rows)
+        for hk in range(hkv):
+            _prefetch_rows(v if last else k, ahead, ahead_rows, hk)
+            scale = _row_scales(k_scale, b, row, run, hk)
+            _int8_dots.int8_scores(s[hk], c0, q16[hk], q_scales[hk], keys, hk, scale)
+        c0 += run
+    for hk in range(hkv):
+        _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n)
+        _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit)
+    c0 = 0
+    while c0 < n:  # the value rows' scales, as one row per head
+        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+        scale = v_scale[min(b, v_scale.shape[0] - 1)]
+        for c in range(run):
+            for hk in range(hkv):
+                v_factors[hk, c0 + c] = scale[row + c, hk]
+        c0 += run
+    limit = _int8_dots.int16_limit(n)
+    for hk in range(hkv):
+        _int8_dots.quantize_rows(p[hk], v_factors[hk], n, limit, w16[hk], w_scales[hk])
+    c0 = 0
+    while c0 < n:
+        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
+        values = v[row : row + run]
+        _prefetch_scales(v_scale, ahead, ahead_rows)
+        for hk in range(hkv):
+            _prefetch_rows(v, ahead, ahead_rows, hk)
+            _int8_dots.int8_add_values(acc32[hk], w16[hk], c0, values, hk)
+        c0 += run
+    for hk in range(hkv):
+        for r in range(m):
+            factor = w_scales[hk, r]
+            for e in range(acc.shape[2]):
+                acc[hk, r, e] += np.float32(acc32[hk, r, e]) * factor
+                acc32[hk, r, e] = 0
+
+
+def _int8_state(qt, int_dots, dv, block_n):
+    """What ``_attend_direct_int8`` carries through a work item (None without ``int_dots``):
+    qt [Hkv, m, D] rounded to int16 and the buffers."""
+
+
+@overload(_int8_state, inline="always")
+def _int8_state_impl(qt, int_dots, dv, block_n):
+    if isinstance(int_dots, types.NoneType):
+        return lambda qt, int_dots, dv, block_n: None
+
+    def state(qt, int_dots, dv, block_n):
+        hkv, m, d = qt.shape
+        m4 = -(-m // _int8_dots.ROWS) * _int8_dots.ROWS
+        q16 = np.empty((hkv, m4, d), np.int16)
+        q_scales = np.empty((hkv, m4), np.float32)
+        limit = _int8_dots.int16_limit(d)
+        ones = np.ones(d, np.float32)
+        for hk in range(hkv):
+            _int8_dots.quantize_rows(qt[hk], ones, d, limit, q16[hk], q_scales[hk])
+        acc32 = np.zeros((hkv, m4, dv), np.int32)
+        w16 = np.zeros((hkv, m4, block_n + 1), np.int16)
+        w_scales = np.empty((hkv, m4), np.float32)
+        v_factors = np.empty((hkv, block_n), np.float32)
+        return q16, q_scales, acc32, w16, w_scales, v_factors
+
+    return state
+
+
+def _attend_direct_tile(
+    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales, ints
+):
+    """One key tile of a thin work item: ``_attend_direct``, or ``_attend_direct_int8`` when
+    ``ints`` holds its state."""
+
+
+@overload(_attend_direct_tile, inline="always")
+def _attend_direct_tile_impl(
+    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales, ints
+):
+    if isinstance(ints, types.NoneType):
+
+        def floats(
+            qt,
+            k,
+            v,
+            rows,
+            tile,
+            j0,
+            n,
+            s,
+            p,
+            acc,
+            row_max,
+            row_sum,
+            work,
+            mods,
+            scratch,
+            scales,
+            ints,
+        ):
+            _attend_direct(
+                qt,
+                k,
+                v,
+                rows,
+                tile,
+                j0,
+                n,
+                s,
+                p,
+                acc,
+                row_max,
+                row_sum,
+                work,
+                mods,
+                scratch,
+                scales,
+            )
+
+        return floats
+
+    def integers(
+        qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales, ints
+    ):
+        _attend_direct_int8(
+            k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scales, ints
+        )
+
+    return integers
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _direct_item(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, work_item
-):
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, int_dots,
+    work_item,
+):  # fmt: skip
     """One work item of ``_attention_paged_direct_numba``: (sequence, query block, key split)
     over every kv head."""
     hq, d = q.shape[1], q.shape[2]
@@ -771,8 +948,11 @@ def _direct_item(
     npos = tile.npos
     m = group * npos
     qt = np.empty((hkv, m, d), dtype=part_out.dtype)
-    scale_units = part_out.dtype.type(mods.scale * mods.unit)
+    k_scale, v_scale = scales
     for hk in range(hkv):
+        scale_units = part_out.dtype.type(
+            mods.scale * mods.unit * _head_factor(k_scale, k, tile.b, hk)
+        )
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
@@ -798,14 +978,21 @@ def _direct_item(
     tail = (j_stop - j_begin) % block_n
     s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
     p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
+    ints = _int8_state(qt, int_dots, dv, block_n)
     for j0 in range(j_begin, j_stop, block_n):
         full = j_stop - j0 >= block_n
         n = block_n if full else tail
         s, p = (s_full, p_full) if full else (s_tail, p_tail)
-        _attend_direct(
-            qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales
-        )
+        _attend_direct_tile(
+            qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales,
+            ints,
+        )  # fmt: skip
     for hk in range(hkv):
+        factor = _head_factor(v_scale, v, tile.b, hk)
+        if factor != 1.0:
+            for r in range(m):
+                for c in range(dv):
+                    acc[hk, r, c] *= factor
         head = RowTile(tile.b, hk, group, tile.i0, npos)
         out, lse = part_out[split], part_lse[split]
         _finish_rows(acc[hk], row_max[hk], row_sum[hk], out, lse, row0, head, mods, split == 0)
@@ -813,7 +1000,7 @@ def _direct_item(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, int_dots
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
     kv head, so that each cache row is read once, in order. The loop's body is one call: Numba
@@ -821,7 +1008,7 @@ def _attention_paged_direct_numba(
     for work_item in prange(rows.item_seq.shape[0] * n_splits):
         _direct_item(
             q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales,
-            np.int64(work_item),  # one type in both typings (the loop's own index is unsigned)
+            int_dots, np.int64(work_item),  # one type in both typings (the loop's own index is unsigned)
         )  # fmt: skip
 
 
@@ -951,6 +1138,9 @@ def attention_paged_numba(
     args = (q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, (k_scale, v_scale))
     if direct:
         kernel = _attention_paged_direct_numba
+        # half-precision queries on int8 caches, on CPUs with AVX512-VNNI: products in integers
+        ints = _int8_dots.takes_int8_dots(q, k, v)
+        args += (np.empty(0, np.int16) if ints else None,)
     else:
         kernel = _attention_paged_numba
         # bfloat16 caches on CPUs with AVX512-BF16: key tiles gathered as bfloat16 pairs

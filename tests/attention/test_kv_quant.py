@@ -443,3 +443,117 @@ def test_decode_row_blocks_and_fp8_nan_patterns(kind):
         ok = ~want.isnan()
         tol = 1e-2 * max(1.0, want[ok].abs().max().item()) if kind == "bf16" else 2e-5
         assert (got[ok] - want[ok]).abs().max().item() <= tol
+
+
+def _attend(q, k, v, *, dtype, causal=False, window=None, softcap=None, alibi=None, sinks=None):
+    """One sequence, q [Sq, Hq, D] against k, v [L, Hkv, D] (dequantized), in ``dtype``: float64
+    (the reference) or a half dtype (a plain torch computation: q·kᵀ and p·v in it, the softmax
+    in float64 on its scores). Returns float64 [Sq, Hq, D]."""
+    sq, hq, d = q.shape
+    length, hkv = k.shape[:2]
+    k, v = (x.to(dtype).repeat_interleave(hq // hkv, 1) for x in (k, v))
+    s = torch.einsum("ihd,jhd->hij", q.to(dtype), k).double() / math.sqrt(d)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(sq)[:, None] + length - sq
+    col = torch.arange(length)[None, :]
+    if alibi is not None:
+        s = s - alibi.double()[:, None, None] * (pos - col).abs()
+    ok = torch.ones(sq, length, dtype=torch.bool)
+    if causal:
+        ok &= col <= pos
+    if window is not None:
+        ok &= (col >= pos - window[0]) & (col <= pos + window[1])
+    s = s.masked_fill(~ok, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(hq, sq, 1)], -1)
+    # a row that sees no key (and no sink) weighs nothing; a NaN query stays NaN
+    unseen = ~ok.any(-1) if sinks is None else torch.zeros(sq, dtype=torch.bool)
+    p = torch.softmax(s, -1).masked_fill(unseen[:, None], 0.0)[..., :length]
+    return torch.einsum("hij,jhd->ihd", p.to(dtype), v).double()
+
+
+INT8_DECODE = {
+    # 6 query heads per kv head (a block of four rows and one padded), odd page runs, tiles of
+    # 256 keys with a tail, an empty sequence
+    "group6": dict(hq=12, hkv=2, sq=1, lengths=[1, 300, 517, 0]),
+    # one long sequence: its keys split between threads, then merged
+    "split": dict(hq=8, hkv=2, sq=1, lengths=[1000]),
+    # two new positions per sequence (8 rows per kv head), causal, every modifier
+    "modifiers": dict(
+        hq=8, hkv=2, sq=2, lengths=[40, 299], causal=True, window=(100, 0), softcap=6.0,
+        alibi=True, sinks=True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(INT8_DECODE))
+def test_half_queries_on_an_int8_cache_hold_the_half_precision_rule(case, dtype, d):
+    """Half-precision queries on int8 caches whose head dims are multiples of 32 (the Numba
+    decode's integer products, on CPUs with AVX512-VNNI): out within twice the error of a plain
+    computation in the queries' dtype on the same dequantized cache (+1e-6), both against
+    float64, for every sequence, head and option; a query head holding a NaN gives NaN in that
+    head's output only."""
+    opts = INT8_DECODE[case]
+    hq, hkv, sq, lengths = opts["hq"], opts["hkv"], opts["sq"], opts["lengths"]
+    block = 5
+    gen = torch.Generator().manual_seed(d + len(case))
+    pages = [-(-n // block) for n in lengths]
+    num_blocks = sum(pages) + 2
+    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=gen)
+    start = 0
+    for b, count in enumerate(pages):
+        table[b, :count] = order[start : start + count].to(torch.int32)
+        start += count
+    caches, scales = [], []
+    for _ in range(2):
+        x = torch.randn(num_blocks, block, hkv, d, generator=gen) * 2
+        scale = x.abs().amax(-1) / 127
+        caches.append(torch.round(x / scale[..., None]).to(torch.int8))
+        scales.append(scale)
+    q = torch.randn(len(lengths), sq, hq, d, generator=gen).to(dtype)
+    q[0, 0, 1, 3] = math.nan
+    alibi = torch.rand(hq, generator=gen) * 0.2 if opts.get("alibi") else None
+    sinks = torch.randn(hq, generator=gen) if opts.get("sinks") else None
+    mods = dict(
+        causal=opts.get("causal", False),
+        window=opts.get("window"),
+        softcap=opts.get("softcap"),
+        alibi=alibi,
+        sinks=sinks,
+    )
+    out = fastpe.attention_kvcache(
+        q,
+        *caches,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        block_table=table,
+        k_scale=scales[0],
+        v_scale=scales[1],
+        alibi_slopes=alibi,
+        **{key: value for key, value in mods.items() if key != "alibi"},
+        backend="numba",
+    )
+    assert out.dtype == dtype
+    errors = {"fastpe": 0.0, "plain": 0.0}
+    for b, length in enumerate(lengths):
+        got = out[b].double()
+        if length == 0:
+            continue
+        blocks = table[b, : pages[b]].long()
+        k, v = (
+            (c[blocks].double() * s[blocks].double()[..., None]).reshape(-1, hkv, d)[:length]
+            for c, s in zip(caches, scales, strict=True)
+        )
+        want = _attend(q[b], k, v, dtype=torch.float64, **mods)
+        plain = _attend(q[b], k, v, dtype=dtype, **mods)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), b
+        if b == 0:
+            assert nan[0, 1].all() and nan.sum() == d  # the NaN query's head only
+        ok = ~nan
+        errors["fastpe"] = max(errors["fastpe"], (got[ok] - want[ok]).abs().max().item())
+        errors["plain"] = max(errors["plain"], (plain[ok] - want[ok]).abs().max().item())
+    assert errors["fastpe"] <= 2 * errors["plain"] + 1e-6, errors

@@ -1,0 +1,452 @@
+"""Decode products on int8 KV caches in integers, on CPUs with AVX512-VNNI: ``vpdpwssd``
+multiplies two int16 pairs per int32 lane and adds both products to the lane, 32 multiply-adds
+per instruction where a float32 FMA does 16, and an int8 cache row widens to int16 in one
+instruction (to float32: two per 16 elements).
+
+The decode kernel (``attention_paged``) takes this path for half-precision queries on int8
+caches whose head dims are multiples of 32:
+
+- ``int8_scores``: the query rows, scaled (score scale, log2 units) and rounded to int16 with
+  one scale per row (``quantize_rows``: max |x| onto ``int16_limit``), times a run of int8 key
+  rows, summed exactly in int32; each score is the sum times its row's scale and its key's
+  dequantization scale;
+- ``int8_add_values``: the weights of a key tile (softmax weights times each value row's
+  dequantization scale), rounded to int16 with one scale per row, times a run of int8 value
+  rows, summed exactly into int32 accumulators that the kernel turns to float32 once per tile.
+
+The error this adds (docs/dtypes-and-errors.md): each query and weight element is off by at
+most half its row's step, max |row| / 65534 — below bfloat16's rounding (2⁻⁹ of the element)
+for every element within 1/128 of its row's largest, and never more than 2⁻¹⁶ of that largest.
+FlashAttention rounds P to the inputs' half dtype for its P·V the same way.
+
+Both loops are written in LLVM IR (the vectoriser does not find ``vpdpwssd`` in plain loops: it
+multiplies in int32). Q·K keeps a block of 4 query rows by 4 keys in 16 registers over D and
+then sums the 16 registers into one by a tree of lane shuffles (45 instructions for 16 sums,
+where one register at a time takes 9 each); P·V pairs each two value rows' elements along D
+(the instruction's pairs run along the summed axis: the keys) and keeps a block of 4 rows by
+32 columns in 8 registers over a run's keys.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._runtime import njit
+
+CHUNK = 32  # int8 elements per ``vpdpwssd`` step: one 512-bit register of int16
+ROWS = 4  # query rows per register block; the kernel pads its row buffers to a multiple
+_KEYS = 4  # keys per Q·K register block
+_INTRINSIC = "llvm.x86.avx512.vpdpwssd.512"
+
+
+@functools.cache
+def available() -> bool:
+    """True when Numba compiles for a CPU with AVX512-VNNI (the host's features, or those that
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name)."""
+    from numba.core.registry import cpu_target
+
+    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
+    return "+avx512vnni" in features.split(",")
+
+
+def takes_int8_dots(q, k, v) -> bool:
+    """True when the decode kernel multiplies in integers (module docstring): half-precision
+    query bits, C-contiguous int8 caches with head dims a multiple of CHUNK, and ``available()``."""
+    return (
+        q.dtype in (np.uint16, np.int16)
+        and k.dtype == np.int8
+        and v.dtype == np.int8
+        and k.shape[-1] % CHUNK == 0 < k.shape[-1]
+        and v.shape[-1] % CHUNK == 0 < v.shape[-1]
+        and k.flags.c_contiguous
+        and v.flags.c_contiguous
+        and available()
+    )
+
+
+@njit(cache=True)
+def int16_limit(d):
+    """The largest int16 magnitude a row of ``quantize_rows`` reaches for sums over d terms of
+    int8 values: d · 128 · limit stays below 2³¹, so no int32 sum wraps."""
+    return min(32767, (2**31 - 1) // (max(d, 1) * 128))
+
+
+@intrinsic
+def _magnitude_bits(typingctx, value):
+    """The bits of |value| (float32) as uint32: ordered as the magnitudes are, with every NaN
+    above the infinity's 0x7F800000, so one integer max over a row finds its largest magnitude
+    and whether it holds a NaN or an infinity (a max that vectorises; float max does not)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.bitcast(args[0], ir.IntType(32))
+        return builder.and_(bits, ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+
+    return types.uint32(value), codegen
+
+
+@intrinsic
+def _float_of_bits(typingctx, bits):
+    """float32 of the bits ``bits`` (uint32)."""
+    if bits != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+_NOT_FINITE = np.uint32(0x7F800000)  # magnitude bits of infinity; NaNs lie above
+
+
+@njit(cache=True)
+def quantize_rows(x, factors, n, limit, out, scales):
+    """out[r, c] = round(x[r, c] · factors[c] / scales[r]) for c < n, with scales[r] = max_c
+    |x[r, c] · factors[c]| / limit (1 for a row of zeros; NaN for a row holding a NaN or an
+    infinity, whose products then come out NaN, as the float products would), to nearest even;
+    rows of out past x's are zeros (scale 1). x, factors float32."""
+    for r in range(out.shape[0]):
+        top = np.uint32(0)
+        if r < x.shape[0]:
+            for c in range(n):
+                top = max(top, _magnitude_bits(x[r, c] * factors[c]))
+        if top >= _NOT_FINITE or top == 0:
+            scales[r] = np.nan if top >= _NOT_FINITE else 1.0
+            for c in range(n):
+                out[r, c] = 0
+            continue
+        scale = _float_of_bits(top) / np.float32(limit)
+        scales[r] = scale
+        inverse = np.float32(1.0) / scale
+        for c in range(n):
+            out[r, c] = np.int16(np.rint(x[r, c] * factors[c] * inverse))
+
+
+def _i32(value):
+    return ir.Constant(ir.IntType(32), value)
+
+
+def _dot(builder):
+    i16s = ir.VectorType(ir.IntType(16), 2 * 16)
+    i32s = ir.VectorType(ir.IntType(32), 16)
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(i32s, [i32s, i16s, i16s]), _INTRINSIC
+    )
+
+
+def _widened_chunk(builder, ptr):
+    """32 int8 at ptr (any alignment) sign-extended to <32 x i16>."""
+    i8s = ir.VectorType(ir.IntType(8), CHUNK)
+    raw = builder.load(builder.bitcast(ptr, i8s.as_pointer()), align=1)
+    return builder.sext(raw, ir.VectorType(ir.IntType(16), CHUNK))
+
+
+def _shuffle(builder, a, b, mask):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(mask)), mask))
+
+
+def _tree_sum(builder, vectors):
+    """One <16 x i32> whose lane i holds the sum of all lanes of vectors[i] (16 vectors): at
+    each level, two vectors of groups of w lanes become one of groups of w / 2 lanes by adding
+    each group's halves (two shuffles and an add), 15 adds in all. The lanes come out in a known
+    order, put right by a last shuffle."""
+    work = [(vec, [i] * 16) for i, vec in enumerate(vectors)]  # (vector, input of each lane)
+    width = 16
+    while len(work) > 1:
+        half = width // 2
+        low = [
+            side + g * width + i
+            for side in (0, 16)
+            for g in range(16 // width)
+            for i in range(half)
+        ]
+        high = [x + half for x in low]
+        merged = []
+        for (a, a_origin), (b, b_origin) in zip(work[0::2], work[1::2], strict=True):
+            both = a_origin + b_origin
+            total = builder.add(_shuffle(builder, a, b, low), _shuffle(builder, a, b, high))
+            merged.append((total, [both[x] for x in low]))
+        work, width = merged, half
+    total, origin = work[0]
+    return _shuffle(builder, total, total, [origin.index(i) for i in range(16)])
+
+
+def _element_step(builder, array, ndim, axis, itemsize):
+    strides = cgutils.unpack_tuple(builder, array.strides, ndim)
+    return builder.sdiv(strides[axis], itemsize)
+
+
+@intrinsic
+def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
+    """s[r, col + c] = (q16[r] · rows[c, hk]) · q_scales[r] · k_scales[c] for r < s.shape[0]
+    and c < n = rows.shape[0]. q16 int16 [>= s rows, rounded up to ROWS; D] C-contiguous (rows
+    past s's are read, not written), q_scales float32 [same rows], rows int8 [n, H, D]
+    C-contiguous with D a multiple of CHUNK, k_scales float32 [n] at any stride, s float32 2-D
+    with unit last stride. Nothing here checks shapes: the kernel passes what it sized."""
+    arrays = (s, q16, q_scales, rows, k_scales)
+    if not all(isinstance(x, types.Array) for x in arrays):
+        return None
+    wanted = (types.float32, types.int16, types.float32, types.int8, types.float32)
+    if tuple(x.dtype for x in arrays) != wanted or (s.ndim, q16.ndim, rows.ndim) != (2, 2, 3):
+        return None
+    if not (isinstance(col, types.Integer) and isinstance(hk, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        const = lambda value: ir.Constant(intp, value)  # noqa: E731
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        i32s, f32s = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+        dot = _dot(builder)
+        s_arr, q_arr, qs_arr, k_arr, ks_arr = (
+            context.make_array(signature.args[i])(context, builder, args[i])
+            for i in (0, 2, 3, 4, 6)
+        )
+        col_ = context.cast(builder, args[1], signature.args[1], types.intp)
+        hk_ = context.cast(builder, args[5], signature.args[5], types.intp)
+        m = cgutils.unpack_tuple(builder, s_arr.shape, 2)[0]
+        s_step = _element_step(builder, s_arr, 2, 0, const(4))
+        q_rows, d = cgutils.unpack_tuple(builder, q_arr.shape, 2)
+        q_step = _element_step(builder, q_arr, 2, 0, const(2))
+        n = cgutils.unpack_tuple(builder, k_arr.shape, 3)[0]
+        k_strides = cgutils.unpack_tuple(builder, k_arr.strides, 3)
+        head = builder.gep(k_arr.data, [builder.mul(hk_, k_strides[1])])
+        ks_step = _element_step(builder, ks_arr, 1, 0, const(4))
+        chunks = builder.sdiv(d, const(CHUNK))
+        last_key = builder.sub(n, const(1))
+        zeros = ir.Constant(i32s, [0] * 16)
+
+        with cgutils.for_range(builder, builder.sdiv(q_rows, const(ROWS))) as row_loop:
+            r0 = builder.mul(row_loop.index, const(ROWS))
+            q_ptrs = [
+                builder.gep(q_arr.data, [builder.mul(builder.add(r0, const(r)), q_step)])
+                for r in range(ROWS)
+            ]
+            # lane 4r + j of a block's sums: row r, key j; the rows' scales spread so once
+            q_scale = ir.Constant(ir.VectorType(f32, ROWS), ir.Undefined)
+            for r in range(ROWS):
+                value = builder.load(builder.gep(qs_arr.data, [builder.add(r0, const(r))]))
+                q_scale = builder.insert_element(q_scale, value, _i32(r))
+            q_scales = _shuffle(
+                builder, q_scale, q_scale, [r for r in range(ROWS) for _ in range(_KEYS)]
+            )
+            key_blocks = builder.sdiv(builder.add(n, const(_KEYS - 1)), const(_KEYS))
+            with cgutils.for_range(builder, key_blocks) as key_loop:
+                c0 = builder.mul(key_loop.index, const(_KEYS))
+                # keys past n re-read the last key (valid memory); their sums are not stored
+                keys = []
+                for j in range(_KEYS):
+                    c = builder.add(c0, const(j))
+                    keys.append(builder.select(builder.icmp_signed("<", c, n), c, last_key))
+                k_ptrs = [builder.gep(head, [builder.mul(c, k_strides[0])]) for c in keys]
+                entry = builder.block
+                loop = builder.append_basic_block("chunk_loop")
+                done = builder.append_basic_block("chunk_done")
+                builder.branch(loop)
+                builder.position_at_end(loop)
+                t = builder.phi(intp)
+                t.add_incoming(const(0), entry)
+                sums = [[builder.phi(i32s) for _ in range(_KEYS)] for _ in range(ROWS)]
+                for row in sums:
+                    for phi in row:
+                        phi.add_incoming(zeros, entry)
+                offset = builder.mul(t, const(CHUNK))
+                k_chunks = [_widened_chunk(builder, builder.gep(p, [offset])) for p in k_ptrs]
+                new = []
+                for r, row in enumerate(sums):
+                    q_ptr = builder.gep(q_ptrs[r], [offset])
+                    i16s = ir.VectorType(ir.IntType(16), CHUNK)
+                    q_chunk = builder.load(builder.bitcast(q_ptr, i16s.as_pointer()), align=2)
+                    new.append(
+                        [
+                            builder.call(dot, [acc, q_chunk, kc])
+                            for acc, kc in zip(row, k_chunks, strict=True)
+                        ]
+                    )
+                t_next = builder.add(t, const(1))
+                t.add_incoming(t_next, builder.block)
+                for row, row_new in zip(sums, new, strict=True):
+                    for phi, value in zip(row, row_new, strict=True):
+                        phi.add_incoming(value, builder.block)
+                builder.cbranch(builder.icmp_signed("<", t_next, chunks), loop, done)
+                builder.position_at_end(done)
+                totals = _tree_sum(builder, [x for row in new for x in row])
+                scores = builder.sitofp(totals, f32s)
+                k_scale = ir.Constant(ir.VectorType(f32, _KEYS), ir.Undefined)
+                for j, c in enumerate(keys):
+                    value = builder.load(builder.gep(ks_arr.data, [builder.mul(c, ks_step)]))
+                    k_scale = builder.insert_element(k_scale, value, _i32(j))
+                k_scales = _shuffle(builder, k_scale, k_scale, list(range(_KEYS)) * ROWS)
+                factors = builder.fmul(q_scales, k_scales)
+                scores = builder.fmul(scores, factors)
+                whole = builder.icmp_signed("<=", builder.add(c0, const(_KEYS)), n)
+                for r in range(ROWS):
+                    row_index = builder.add(r0, const(r))
+                    with builder.if_then(builder.icmp_signed("<", row_index, m)):
+                        base = builder.add(builder.mul(row_index, s_step), builder.add(col_, c0))
+                        ptr = builder.gep(s_arr.data, [base])
+                        with builder.if_else(whole) as (full, part):
+                            with full:
+                                four = ir.VectorType(f32, _KEYS)
+                                part_scores = _shuffle(
+                                    builder, scores, scores, [_KEYS * r + j for j in range(_KEYS)]
+                                )
+                                builder.store(
+                                    part_scores, builder.bitcast(ptr, four.as_pointer()), align=4
+                                )
+                            with part:
+                                for j in range(_KEYS):
+                                    inside = builder.icmp_signed("<", builder.add(c0, const(j)), n)
+                                    with builder.if_then(inside):
+                                        value = builder.extract_element(scores, _i32(_KEYS * r + j))
+                                        builder.store(value, builder.gep(ptr, [const(j)]))
+        return context.get_dummy_value()
+
+    return types.none(s, col, q16, q_scales, rows, hk, k_scales), codegen
+
+
+@intrinsic
+def int8_add_values(typingctx, acc, w16, col, rows, hk):
+    """acc[r, e] += Σ_c w16[r, col + c] · rows[c, hk, e] in int32, for c < n = rows.shape[0]
+    and every row r of acc. acc int32 [rows, a multiple of ROWS; Dv] C-contiguous, w16 int16
+    [same rows, >= col + n + 1] C-contiguous (a run of odd length reads one weight past its
+    last, and multiplies it by 0), rows int8 [n, H, Dv] C-contiguous with Dv a multiple of
+    CHUNK. Nothing here checks shapes: the kernel passes what it sized."""
+    arrays = (acc, w16, rows)
+    if not all(isinstance(x, types.Array) for x in arrays):
+        return None
+    if tuple(x.dtype for x in arrays) != (types.int32, types.int16, types.int8):
+        return None
+    if (acc.ndim, w16.ndim, rows.ndim) != (2, 2, 3):
+        return None
+    if not (isinstance(col, types.Integer) and isinstance(hk, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        const = lambda value: ir.Constant(intp, value)  # noqa: E731
+        i32 = ir.IntType(32)
+        i32s = ir.VectorType(i32, 16)
+        i16s = ir.VectorType(ir.IntType(16), CHUNK)
+        dot = _dot(builder)
+        a_arr, w_arr, v_arr = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3)
+        )
+        col_ = context.cast(builder, args[2], signature.args[2], types.intp)
+        hk_ = context.cast(builder, args[4], signature.args[4], types.intp)
+        m, dv = cgutils.unpack_tuple(builder, a_arr.shape, 2)
+        a_step = _element_step(builder, a_arr, 2, 0, const(4))
+        w_step = _element_step(builder, w_arr, 2, 0, const(2))
+        n = cgutils.unpack_tuple(builder, v_arr.shape, 3)[0]
+        v_strides = cgutils.unpack_tuple(builder, v_arr.strides, 3)
+        head = builder.gep(v_arr.data, [builder.mul(hk_, v_strides[1])])
+        low = [x for i in range(16) for x in (i, CHUNK + i)]
+        high = [x for i in range(16, CHUNK) for x in (i, CHUNK + i)]
+        zero_chunk = ir.Constant(i16s, [0] * CHUNK)
+
+        def weight_pair(w_row, c):
+            """w16[row, col + c], w16[row, col + c + 1] as one int32 in all 16 lanes."""
+            ptr = builder.gep(w_row, [builder.add(col_, c)])
+            pair = builder.load(builder.bitcast(ptr, i32.as_pointer()), align=2)
+            one = builder.insert_element(ir.Constant(i32s, ir.Undefined), pair, _i32(0))
+            splat = _shuffle(builder, one, one, [0] * 16)
+            return builder.bitcast(splat, i16s)
+
+        def step(c, sums, second):
+            """sums after keys c and c + 1 (``second`` false: key c alone)."""
+            a = _widened_chunk(builder, builder.gep(v_ptr(c), [offset]))
+            b = (
+                _widened_chunk(builder, builder.gep(v_ptr(builder.add(c, const(1))), [offset]))
+                if second
+                else zero_chunk
+            )
+            halves = [_shuffle(builder, a, b, low), _shuffle(builder, a, b, high)]
+            new = []
+            for w_row, row in zip(w_rows, sums, strict=True):
+                w = weight_pair(w_row, c)
+                new.append([builder.call(dot, [x, w, h]) for x, h in zip(row, halves, strict=True)])
+            return new
+
+        v_ptr = lambda c: builder.gep(head, [builder.mul(c, v_strides[0])])  # noqa: E731
+        with cgutils.for_range(builder, builder.sdiv(dv, const(CHUNK))) as chunk_loop:
+            offset = builder.mul(chunk_loop.index, const(CHUNK))
+            with cgutils.for_range(builder, builder.sdiv(m, const(ROWS))) as row_loop:
+                r0 = builder.mul(row_loop.index, const(ROWS))
+                rows_ = [builder.add(r0, const(r)) for r in range(ROWS)]
+                w_rows = [builder.gep(w_arr.data, [builder.mul(r, w_step)]) for r in rows_]
+                a_ptrs = [
+                    [
+                        builder.bitcast(
+                            builder.gep(
+                                a_arr.data,
+                                [
+                                    builder.add(
+                                        builder.mul(r, a_step), builder.add(offset, const(h))
+                                    )
+                                ],
+                            ),
+                            i32s.as_pointer(),
+                        )
+                        for h in (0, 16)
+                    ]
+                    for r in rows_
+                ]
+                start = [[builder.load(p, align=4) for p in row] for row in a_ptrs]
+                pairs = builder.sdiv(n, const(2))
+                entry = builder.block
+                loop = builder.append_basic_block("pair_loop")
+                done = builder.append_basic_block("pair_done")
+                builder.cbranch(builder.icmp_signed(">", pairs, const(0)), loop, done)
+                builder.position_at_end(loop)
+                t = builder.phi(intp)
+                t.add_incoming(const(0), entry)
+                sums = [[builder.phi(i32s) for _ in range(2)] for _ in range(ROWS)]
+                for phi_row, first in zip(sums, start, strict=True):
+                    for phi, value in zip(phi_row, first, strict=True):
+                        phi.add_incoming(value, entry)
+                new = step(builder.mul(t, const(2)), sums, True)
+                t_next = builder.add(t, const(1))
+                t.add_incoming(t_next, builder.block)
+                for phi_row, row_new in zip(sums, new, strict=True):
+                    for phi, value in zip(phi_row, row_new, strict=True):
+                        phi.add_incoming(value, builder.block)
+                loop_end = builder.block
+                builder.cbranch(builder.icmp_signed("<", t_next, pairs), loop, done)
+                builder.position_at_end(done)
+                totals = []
+                for first, row_new in zip(start, new, strict=True):
+                    row = []
+                    for value_before, value_after in zip(first, row_new, strict=True):
+                        phi = builder.phi(i32s)
+                        phi.add_incoming(value_before, entry)
+                        phi.add_incoming(value_after, loop_end)
+                        row.append(phi)
+                    totals.append(row)
+                odd = builder.icmp_signed("!=", builder.srem(n, const(2)), const(0))
+                before_odd = builder.block
+                with builder.if_then(odd):
+                    last = step(builder.sub(n, const(1)), totals, False)
+                    odd_block = builder.block
+                final = []
+                for row, row_last in zip(totals, last, strict=True):
+                    out = []
+                    for value, value_odd in zip(row, row_last, strict=True):
+                        phi = builder.phi(i32s)
+                        phi.add_incoming(value, before_odd)
+                        phi.add_incoming(value_odd, odd_block)
+                        out.append(phi)
+                    final.append(out)
+                for row, ptrs in zip(final, a_ptrs, strict=True):
+                    for value, ptr in zip(row, ptrs, strict=True):
+                        builder.store(value, ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.none(acc, w16, col, rows, hk), codegen
