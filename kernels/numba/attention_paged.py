@@ -725,14 +725,15 @@ def _run_values_impl(p, col, rows, hk, acc, scratch, nan_run):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
-    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales
+    qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch, scales
 ):
     """Keys j0 … j0 + n - 1 for the thin row tiles of every kv head at once (``tile`` names
     the sequence and queries; qt [Hkv, m, D], s/p [Hkv, m, n], acc [Hkv, m, Dv]), reading k and
     v through the page table in place, a run of rows at a time: a cache row holds all kv heads
     side by side, so every head of a run is consumed before the next run is touched, and the
     next run is prefetched head by head while the current one is multiplied (the hardware
-    cannot guess where the next page lies)."""
+    cannot guess where the next page lies); the last run of values prefetches the first keys
+    of the next tile (up to j_stop, where the work item's keys end)."""
     hkv = qt.shape[0]
     b, page_start, page_size = tile.b, rows.page_start, rows.page_size
     k_scale, v_scale = scales
@@ -761,12 +762,19 @@ def _attend_direct(
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+        # prefetch the next run (after the last, the next tile's first keys)
+        last = c0 + run == n
         ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
+        if last:
+            ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + n, j_stop - j0 - n)
         values = _loop_rows(v[row : row + run], scratch)
         nan_run = _holds_fp8_nan(values)
-        _prefetch_scales(v_scale, ahead, ahead_rows)
+        _prefetch_scales(k_scale if last else v_scale, ahead, ahead_rows)
         for hk in range(hkv):
-            _prefetch_rows(v, ahead, ahead_rows, hk)
+            if last:
+                _prefetch_rows(k, ahead, ahead_rows, hk)
+            else:
+                _prefetch_rows(v, ahead, ahead_rows, hk)
             _scale_columns(p[hk], c0, v_scale, b, row, run, hk, v)  # p is not read after this
             _run_values(p[hk], c0, values, hk, acc[hk], scratch, nan_run)
         c0 += run
@@ -781,7 +789,7 @@ def _row_scales(scale, b, row, n, hk):
 
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct_int8(
-    k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scales, ints
+    k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scales, ints
 ):
     """``_attend_direct`` on int8 caches in integers (``_int8_dots``): ints = (q16 [Hkv, m4, D]
     and q_scales [Hkv, m4], the scaled queries rounded to int16; acc32 [Hkv, m4, Dv], zeros;
@@ -825,11 +833,15 @@ def _attend_direct_int8(
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+        # prefetch the next run (after the last, the next tile's first keys)
+        last = c0 + run == n
         ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
+        if last:
+            ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + n, j_stop - j0 - n)
         values = v[row : row + run]
-        _prefetch_scales(v_scale, ahead, ahead_rows)
+        _prefetch_scales(k_scale if last else v_scale, ahead, ahead_rows)
         for hk in range(hkv):
-            _prefetch_rows(v, ahead, ahead_rows, hk)
+            _prefetch_rows(k if last else v, ahead, ahead_rows, hk)
             _int8_dots.int8_add_values(acc32[hk], w16[hk], c0, values, hk)
         c0 += run
     for hk in range(hkv):
@@ -869,64 +881,39 @@ def _int8_state_impl(qt, int_dots, dv, block_n):
 
 
 def _attend_direct_tile(
-    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales, ints
-):
-    """One key tile of a thin work item: ``_attend_direct``, or ``_attend_direct_int8`` when
-    ``ints`` holds its state."""
+    qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch,
+    scales, ints,
+):  # fmt: skip
+    """One key tile of a thin work item (j_stop: where the item's keys end):
+    ``_attend_direct``, or ``_attend_direct_int8`` when ``ints`` holds its state."""
 
 
 @overload(_attend_direct_tile, inline="always")
 def _attend_direct_tile_impl(
-    qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales, ints
-):
+    qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch,
+    scales, ints,
+):  # fmt: skip
     if isinstance(ints, types.NoneType):
 
         def floats(
-            qt,
-            k,
-            v,
-            rows,
-            tile,
-            j0,
-            n,
-            s,
-            p,
-            acc,
-            row_max,
-            row_sum,
-            work,
-            mods,
-            scratch,
-            scales,
-            ints,
-        ):
+            qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods,
+            scratch, scales, ints,
+        ):  # fmt: skip
             _attend_direct(
-                qt,
-                k,
-                v,
-                rows,
-                tile,
-                j0,
-                n,
-                s,
-                p,
-                acc,
-                row_max,
-                row_sum,
-                work,
-                mods,
-                scratch,
-                scales,
-            )
+                qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods,
+                scratch, scales,
+            )  # fmt: skip
 
         return floats
 
     def integers(
-        qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales, ints
-    ):
+        qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch,
+        scales, ints,
+    ):  # fmt: skip
         _attend_direct_int8(
-            k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scales, ints
-        )
+            k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scales,
+            ints,
+        )  # fmt: skip
 
     return integers
 
@@ -984,8 +971,8 @@ def _direct_item(
         n = block_n if full else tail
         s, p = (s_full, p_full) if full else (s_tail, p_tail)
         _attend_direct_tile(
-            qt, k, v, rows, tile, j0, n, s, p, acc, row_max, row_sum, work, mods, scratch, scales,
-            ints,
+            qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods,
+            scratch, scales, ints,
         )  # fmt: skip
     for hk in range(hkv):
         factor = _head_factor(v_scale, v, tile.b, hk)
