@@ -17,8 +17,9 @@ caches into other buffers: the same bytes read, and as many written); and each c
 "hot", with every page of every sequence mapped onto the same 16 blocks (the same arithmetic on
 1/256 of the memory, which stays in the CPU's caches): cold / hot near 1 means memory traffic is
 not what limits the kernel, so halving the bytes cannot halve the time. And the kernel's decode
-loops alone (``_scores_rows`` and ``_add_values_rows``: the 4 query rows of a kv head against a
-run of 16 cache rows, widening included, in L1, one thread), in ns per cache element.
+loops alone (the 4 query rows of a kv head against a run of 16 cache rows, widening included, in
+L1, one thread: ``_scores_rows`` and ``_add_values_rows``, or for 8-bit caches the pair products
+of ``_decode_pairs`` where the CPU has them), in ns per cache element.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def caches():
 def decode_cost(runs, repeats=2000):
     """ns per cache element of the decode loops alone on one page held in L1: the scores and
     the weighted values of 4 query rows (one kv head's group) against a run of 16 cache rows,
-    head by head, as the kernel runs them for bfloat16 queries (widening included; int8 in
-    int16 products where the CPU has AVX512-VNNI, ``_int8_dots``)."""
-    from fastpe.kernels.numba import _int8_dots
+    head by head, as the kernel runs them for bfloat16 queries (widening included; int8 and fp8
+    by pair products where the CPU has them, ``_decode_pairs``)."""
+    from fastpe.kernels.numba import _decode_pairs
     from fastpe.kernels.numba.attention_paged import _add_values_rows, _scores_rows
 
     @numba.njit
@@ -70,11 +71,11 @@ def decode_cost(runs, repeats=2000):
         return acc[0, 0]
 
     @numba.njit
-    def int_loops(rows, q16, q_scales, k_scales, s, w16, acc, repeats):
+    def pair_loops(rows, q16, q_scales, k_scales, s, w16, acc, repeats):
         for _ in range(repeats):
             for hk in range(rows.shape[1]):
-                _int8_dots.int8_scores(s, 0, q16, q_scales, rows, hk, k_scales[:, hk])
-                _int8_dots.int8_add_values(acc, w16, 0, rows, hk)
+                _decode_pairs.pair_scores(s, 0, q16, q_scales, rows, hk, k_scales[:, hk])
+                _decode_pairs.pair_add_values(acc, w16, 0, rows, hk)
         return acc[0, 0]
 
     group = HQ // HKV
@@ -83,19 +84,29 @@ def decode_cost(runs, repeats=2000):
     s = numpy.zeros((group, BLOCK), numpy.float32)
     p = rng.random((group, BLOCK)).astype(numpy.float32) / BLOCK
     acc = numpy.zeros((group, D), numpy.float32)
-    q16 = rng.integers(-32767, 32768, (group, D)).astype(numpy.int16)
     q_scales, k_scales = numpy.ones(group, numpy.float32), numpy.ones((BLOCK, HKV), numpy.float32)
-    w16 = rng.integers(0, 32768, (group, BLOCK + 1)).astype(numpy.int16)
-    acc32 = numpy.zeros((group, D), numpy.int32)
+    pair_args = {  # (q16, w16, acc) as each pair path takes them
+        "int8": (
+            rng.integers(-32767, 32768, (group, D)).astype(numpy.int16),
+            rng.integers(0, 32768, (group, BLOCK + 1)).astype(numpy.int16),
+            numpy.zeros((group, D), numpy.int32),
+        ),
+        "fp8": (
+            (qt.view(numpy.uint32) >> 16).astype(numpy.uint16),
+            (p.view(numpy.uint32) >> 16).astype(numpy.uint16)[:, [*range(BLOCK), 0]],
+            numpy.zeros((group, D), numpy.float32),
+        ),
+    }
+    available = {"int8": _decode_pairs.int8_available(), "fp8": _decode_pairs.fp8_available()}
     costs = {}
     for name in ("bf16", "fp8", "int8"):
         rows = runs[name][0][0]  # one block: 16 rows [16, Hkv, D]
         view = {"bf16": torch.uint16, "fp8": torch.uint8}.get(name)
         host = (rows.view(view) if view else rows).numpy()
-        if name == "int8" and _int8_dots.available():
-            name = "int8 (int16 products)"
-            args = (host, q16, q_scales, k_scales, s, w16, acc32)
-            fn = int_loops
+        if available.get(name):
+            q16, w16, pair_acc = pair_args[name]
+            args, fn = (host, q16, q_scales, k_scales, s, w16, pair_acc), pair_loops
+            name += " (pairs)"
         else:
             args, fn = (host, qt, s, p, acc), loops
         fn(*args, 1)

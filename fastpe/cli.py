@@ -63,14 +63,20 @@ def info() -> str:
             else "float32 (this CPU has no AVX512-BF16)"
         )
         lines.append(f"  bf16 tiles    {products}")
-        from fastpe.kernels.numba import _int8_dots
+        from fastpe.kernels.numba import _decode_pairs
 
-        decode = (
+        int8 = (
             "int16 products for half-precision queries (AVX512-VNNI vpdpwssd)"
-            if _int8_dots.available()
+            if _decode_pairs.int8_available()
             else "float32 (this CPU has no AVX512-VNNI)"
         )
-        lines.append(f"  int8 decode   {decode}")
+        lines.append(f"  int8 decode   {int8}")
+        fp8 = (
+            "bfloat16 pairs for bfloat16 queries (AVX512-BF16 vdpbf16ps)"
+            if _decode_pairs.fp8_available()
+            else "float32 (this CPU has no AVX512-BF16)"
+        )
+        lines.append(f"  fp8 decode    {fp8}")
     except ImportError:
         pass
     try:

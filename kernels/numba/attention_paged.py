@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from fastpe.kernels.numba import _int8_dots, _pair_products
+from fastpe.kernels.numba import _decode_pairs, _pair_products
 from fastpe.kernels.numba._attention_common import (
     _FLAGS,
     LOG2E,
@@ -780,31 +780,72 @@ def _attend_direct(
         c0 += run
 
 
-@njit(cache=True)
-def _row_scales(scale, b, row, n, hk):
-    """The dequantization scales of cache rows row … row + n - 1 of head hk (int8: one per row;
-    their B is 1), as a 1-D view."""
-    return scale[min(b, scale.shape[0] - 1), row : row + n, hk]
+def _run_key_scales(k_scale, k, b, row, n, hk, ones):
+    """The dequantization scales of key rows row … row + n - 1 of head hk, as the pair products
+    multiply their scores (a 1-D view): int8's, one per row (their B is 1); ones for fp8, whose
+    scale the queries carry (``_head_factor``)."""
+
+
+@overload(_run_key_scales, inline="always")
+def _run_key_scales_impl(k_scale, k, b, row, n, hk, ones):
+    if k.dtype == types.int8:
+        return lambda k_scale, k, b, row, n, hk, ones: k_scale[
+            min(b, k_scale.shape[0] - 1), row : row + n, hk
+        ]
+    return lambda k_scale, k, b, row, n, hk, ones: ones[:n]
+
+
+def _tile_weights(p, n, v, v_scale, rows, b, j0, state):
+    """The weights of a key tile as ``pair_add_values`` takes them, per kv head: int8: p times
+    each value row's scale, rounded to int16 with one scale per row (w16, w_scales); fp8: p
+    rounded to bfloat16 (its scale, one per head, multiplies the accumulators)."""
+
+
+@overload(_tile_weights, inline="always")
+def _tile_weights_impl(p, n, v, v_scale, rows, b, j0, state):
+    if v.dtype == types.int8:
+
+        def int16_weights(p, n, v, v_scale, rows, b, j0, state):
+            _, _, _, w16, w_scales, v_factors, _ = state
+            scale = v_scale[min(b, v_scale.shape[0] - 1)]
+            c0 = 0
+            while c0 < n:  # the value rows' scales, as one row per head
+                row, run = _page_run(rows.page_start, rows.page_size, b, j0 + c0, n - c0)
+                for c in range(run):
+                    for hk in range(p.shape[0]):
+                        v_factors[hk, c0 + c] = scale[row + c, hk]
+                c0 += run
+            limit = _decode_pairs.int16_limit(n)
+            for hk in range(p.shape[0]):
+                _decode_pairs.quantize_rows(p[hk], v_factors[hk], n, limit, w16[hk], w_scales[hk])
+
+        return int16_weights
+
+    def bf16_weights(p, n, v, v_scale, rows, b, j0, state):
+        w16 = state[3]
+        for hk in range(p.shape[0]):
+            _decode_pairs.round_rows(p[hk], n, w16[hk])
+
+    return bf16_weights
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def _attend_direct_int8(
-    k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scales, ints
+def _attend_direct_pairs(
+    k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scales, state
 ):
-    """``_attend_direct`` on int8 caches in integers (``_int8_dots``): ints = (q16 [Hkv, m4, D]
-    and q_scales [Hkv, m4], the scaled queries rounded to int16; acc32 [Hkv, m4, Dv], zeros;
-    w16 [Hkv, m4, block_n + 1], w_scales [Hkv, m4] and v_factors [Hkv, block_n], scratch for
-    the rounded weights). The
-    weights of each kv head (softmax weights times their value rows' scales) are rounded to
-    int16 per tile, their products summed in acc32 and added to acc in float32 once per
-    tile."""
-    q16, q_scales, acc32, w16, w_scales, v_factors = ints
+    """``_attend_direct`` on an 8-bit cache by pair products (``_decode_pairs``): state =
+    (q16 [Hkv, m4, D] and q_scales [Hkv, m4], the queries as the products take them; acc_pairs
+    [Hkv, m4, Dv], zeros; w16 [Hkv, m4, block_n + 1], w_scales [Hkv, m4], v_factors, ones:
+    scratch for the weights, ``_tile_weights``). A tile's P·V is summed in acc_pairs and added
+    to acc once per tile (times each row's weight scale)."""
+    q16, q_scales, acc_pairs, w16, w_scales, _, ones = state
     hkv, m = s.shape[0], s.shape[1]
     b, page_start, page_size = tile.b, rows.page_start, rows.page_size
     k_scale, v_scale = scales
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+        # prefetch the next run (after the last, V's first) head by head, as it will be read
         last = c0 + run == n
         ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
         if last:
@@ -813,23 +854,13 @@ def _attend_direct_int8(
         _prefetch_scales(v_scale if last else k_scale, ahead, ahead_rows)
         for hk in range(hkv):
             _prefetch_rows(v if last else k, ahead, ahead_rows, hk)
-            scale = _row_scales(k_scale, b, row, run, hk)
-            _int8_dots.int8_scores(s[hk], c0, q16[hk], q_scales[hk], keys, hk, scale)
+            key_scales = _run_key_scales(k_scale, k, b, row, run, hk, ones)
+            _decode_pairs.pair_scores(s[hk], c0, q16[hk], q_scales[hk], keys, hk, key_scales)
         c0 += run
     for hk in range(hkv):
         _modify_scores(s[hk], mods, RowTile(b, hk, tile.group, tile.i0, tile.npos), j0, n)
         _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit)
-    c0 = 0
-    while c0 < n:  # the value rows' scales, as one row per head
-        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
-        scale = v_scale[min(b, v_scale.shape[0] - 1)]
-        for c in range(run):
-            for hk in range(hkv):
-                v_factors[hk, c0 + c] = scale[row + c, hk]
-        c0 += run
-    limit = _int8_dots.int16_limit(n)
-    for hk in range(hkv):
-        _int8_dots.quantize_rows(p[hk], v_factors[hk], n, limit, w16[hk], w_scales[hk])
+    _tile_weights(p, n, v, v_scale, rows, b, j0, state)
     c0 = 0
     while c0 < n:
         row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
@@ -842,62 +873,90 @@ def _attend_direct_int8(
         _prefetch_scales(k_scale if last else v_scale, ahead, ahead_rows)
         for hk in range(hkv):
             _prefetch_rows(k if last else v, ahead, ahead_rows, hk)
-            _int8_dots.int8_add_values(acc32[hk], w16[hk], c0, values, hk)
+            _decode_pairs.pair_add_values(acc_pairs[hk], w16[hk], c0, values, hk)
         c0 += run
     for hk in range(hkv):
         for r in range(m):
             factor = w_scales[hk, r]
             for e in range(acc.shape[2]):
-                acc[hk, r, e] += np.float32(acc32[hk, r, e]) * factor
-                acc32[hk, r, e] = 0
+                acc[hk, r, e] += np.float32(acc_pairs[hk, r, e]) * factor
+                acc_pairs[hk, r, e] = 0
 
 
-def _int8_state(qt, int_dots, dv, block_n):
-    """What ``_attend_direct_int8`` carries through a work item (None without ``int_dots``):
-    qt [Hkv, m, D] rounded to int16 and the buffers."""
+def _pair_state(q, qt, row0, npos, q_factors, k, dv, block_n, decode_pairs):
+    """What ``_attend_direct_pairs`` carries through a work item (None without
+    ``decode_pairs``): the queries as the pair products take them (int8: qt [Hkv, m, D], the
+    scaled queries, rounded to int16 by rows; fp8: q's bfloat16 bits, the scale q_factors[hk]
+    of head hk applied to the scores) and the buffers."""
 
 
-@overload(_int8_state, inline="always")
-def _int8_state_impl(qt, int_dots, dv, block_n):
-    if isinstance(int_dots, types.NoneType):
-        return lambda qt, int_dots, dv, block_n: None
+@overload(_pair_state, inline="always")
+def _pair_state_impl(q, qt, row0, npos, q_factors, k, dv, block_n, decode_pairs):
+    if isinstance(decode_pairs, types.NoneType):
+        return lambda q, qt, row0, npos, q_factors, k, dv, block_n, decode_pairs: None
+    if k.dtype == types.int8:
 
-    def state(qt, int_dots, dv, block_n):
+        def int16_state(q, qt, row0, npos, q_factors, k, dv, block_n, decode_pairs):
+            hkv, m, d = qt.shape
+            m4 = -(-m // _decode_pairs.ROWS) * _decode_pairs.ROWS
+            q16 = np.empty((hkv, m4, d), np.int16)
+            q_scales = np.empty((hkv, m4), np.float32)
+            limit = _decode_pairs.int16_limit(d)
+            ones = np.ones(d, np.float32)
+            for hk in range(hkv):
+                _decode_pairs.quantize_rows(qt[hk], ones, d, limit, q16[hk], q_scales[hk])
+            acc_pairs = np.zeros((hkv, m4, dv), np.int32)
+            w16 = np.zeros((hkv, m4, block_n + 1), np.int16)
+            w_scales = np.empty((hkv, m4), np.float32)
+            v_factors = np.empty((hkv, block_n), np.float32)
+            return q16, q_scales, acc_pairs, w16, w_scales, v_factors, ones
+
+        return int16_state
+
+    def bf16_state(q, qt, row0, npos, q_factors, k, dv, block_n, decode_pairs):
         hkv, m, d = qt.shape
-        m4 = -(-m // _int8_dots.ROWS) * _int8_dots.ROWS
-        q16 = np.empty((hkv, m4, d), np.int16)
+        group = m // npos
+        m4 = -(-m // _decode_pairs.ROWS) * _decode_pairs.ROWS
+        q16 = np.zeros((hkv, m4, d), np.uint16)
         q_scales = np.empty((hkv, m4), np.float32)
-        limit = _int8_dots.int16_limit(d)
-        ones = np.ones(d, np.float32)
-        for hk in range(hkv):
-            _int8_dots.quantize_rows(qt[hk], ones, d, limit, q16[hk], q_scales[hk])
-        acc32 = np.zeros((hkv, m4, dv), np.int32)
-        w16 = np.zeros((hkv, m4, block_n + 1), np.int16)
         w_scales = np.empty((hkv, m4), np.float32)
-        v_factors = np.empty((hkv, block_n), np.float32)
-        return q16, q_scales, acc32, w16, w_scales, v_factors
+        for hk in range(hkv):
+            for g in range(group):
+                for r in range(npos):
+                    for c in range(d):
+                        q16[hk, g * npos + r, c] = q[row0 + r, hk * group + g, c]
+            for r in range(m4):
+                q_scales[hk, r] = q_factors[hk]
+                w_scales[hk, r] = 1.0
+        acc_pairs = np.zeros((hkv, m4, dv), np.float32)
+        # zeros: a run of odd length multiplies the weight past its last by 0, which must not
+        # be NaN
+        w16 = np.zeros((hkv, m4, block_n + 1), np.uint16)
+        v_factors = np.empty((hkv, 0), np.float32)
+        ones = np.ones(RUN_ROWS, np.float32)
+        return q16, q_scales, acc_pairs, w16, w_scales, v_factors, ones
 
-    return state
+    return bf16_state
 
 
 def _attend_direct_tile(
     qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch,
-    scales, ints,
+    scales, pair_state,
 ):  # fmt: skip
     """One key tile of a thin work item (j_stop: where the item's keys end):
-    ``_attend_direct``, or ``_attend_direct_int8`` when ``ints`` holds its state."""
+    ``_attend_direct``, or ``_attend_direct_pairs`` when ``pair_state`` holds its state."""
 
 
 @overload(_attend_direct_tile, inline="always")
 def _attend_direct_tile_impl(
     qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch,
-    scales, ints,
+    scales, pair_state,
 ):  # fmt: skip
-    if isinstance(ints, types.NoneType):
+    if isinstance(pair_state, types.NoneType):
 
         def floats(
             qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods,
-            scratch, scales, ints,
+            scratch, scales, pair_state,
         ):  # fmt: skip
             _attend_direct(
                 qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods,
@@ -908,11 +967,11 @@ def _attend_direct_tile_impl(
 
     def integers(
         qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch,
-        scales, ints,
+        scales, pair_state,
     ):  # fmt: skip
-        _attend_direct_int8(
+        _attend_direct_pairs(
             k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scales,
-            ints,
+            pair_state,
         )  # fmt: skip
 
     return integers
@@ -920,7 +979,7 @@ def _attend_direct_tile_impl(
 
 @njit(cache=True, fastmath=_FLAGS)
 def _direct_item(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, int_dots,
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, decode_pairs,
     work_item,
 ):  # fmt: skip
     """One work item of ``_attention_paged_direct_numba``: (sequence, query block, key split)
@@ -935,11 +994,13 @@ def _direct_item(
     npos = tile.npos
     m = group * npos
     qt = np.empty((hkv, m, d), dtype=part_out.dtype)
+    q_factors = np.empty(hkv, dtype=part_out.dtype)
     k_scale, v_scale = scales
     for hk in range(hkv):
         scale_units = part_out.dtype.type(
             mods.scale * mods.unit * _head_factor(k_scale, k, tile.b, hk)
         )
+        q_factors[hk] = scale_units
         for g in range(group):
             for r in range(npos):
                 for c in range(d):
@@ -965,14 +1026,14 @@ def _direct_item(
     tail = (j_stop - j_begin) % block_n
     s_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
     p_tail = np.empty((hkv, m, tail), dtype=part_out.dtype)
-    ints = _int8_state(qt, int_dots, dv, block_n)
+    pair_state = _pair_state(q, qt, row0, npos, q_factors, k, dv, block_n, decode_pairs)
     for j0 in range(j_begin, j_stop, block_n):
         full = j_stop - j0 >= block_n
         n = block_n if full else tail
         s, p = (s_full, p_full) if full else (s_tail, p_tail)
         _attend_direct_tile(
             qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods,
-            scratch, scales, ints,
+            scratch, scales, pair_state,
         )  # fmt: skip
     for hk in range(hkv):
         factor = _head_factor(v_scale, v, tile.b, hk)
@@ -987,7 +1048,7 @@ def _direct_item(
 
 @njit(parallel=True, cache=True, fastmath=_FLAGS)
 def _attention_paged_direct_numba(
-    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, int_dots
+    q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales, decode_pairs
 ):
     """Thin row tiles (decoding): one work item = (sequence, query block, key split) over every
     kv head, so that each cache row is read once, in order. The loop's body is one call: Numba
@@ -995,7 +1056,7 @@ def _attention_paged_direct_numba(
     for work_item in prange(rows.item_seq.shape[0] * n_splits):
         _direct_item(
             q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, scales,
-            int_dots, np.int64(work_item),  # one type in both typings (the loop's own index is unsigned)
+            decode_pairs, np.int64(work_item),  # one type in both typings (the loop's own index is unsigned)
         )  # fmt: skip
 
 
@@ -1125,9 +1186,9 @@ def attention_paged_numba(
     args = (q, k, v, part_out, part_lse, rows, mods, block_m, block_n, n_splits, (k_scale, v_scale))
     if direct:
         kernel = _attention_paged_direct_numba
-        # half-precision queries on int8 caches, on CPUs with AVX512-VNNI: products in integers
-        ints = _int8_dots.takes_int8_dots(q, k, v)
-        args += (np.empty(0, np.int16) if ints else None,)
+        # half-precision queries on 8-bit caches, on CPUs with the instructions: pair products
+        pairs = _decode_pairs.decode_pairs(q, k, v)
+        args += (np.empty(0, np.int16) if pairs else None,)
     else:
         kernel = _attention_paged_numba
         # bfloat16 caches on CPUs with AVX512-BF16: key tiles gathered as bfloat16 pairs

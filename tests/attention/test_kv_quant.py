@@ -473,7 +473,7 @@ def _attend(q, k, v, *, dtype, causal=False, window=None, softcap=None, alibi=No
     return torch.einsum("hij,jhd->ihd", p.to(dtype), v).double()
 
 
-INT8_DECODE = {
+PAIR_DECODE = {
     # 6 query heads per kv head (a block of four rows and one padded), odd page runs, tiles of
     # 256 keys with a tail, an empty sequence
     "group6": dict(hq=12, hkv=2, sq=1, lengths=[1, 300, 517, 0]),
@@ -489,14 +489,16 @@ INT8_DECODE = {
 
 @pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", list(INT8_DECODE))
-def test_half_queries_on_an_int8_cache_hold_the_half_precision_rule(case, dtype, d):
-    """Half-precision queries on int8 caches whose head dims are multiples of 32 (the Numba
-    decode's integer products, on CPUs with AVX512-VNNI): out within twice the error of a plain
-    computation in the queries' dtype on the same dequantized cache (+1e-6), both against
+@pytest.mark.parametrize("case", list(PAIR_DECODE))
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_half_queries_on_8bit_caches_hold_the_half_precision_rule(kind, case, dtype, d):
+    """Half-precision queries on 8-bit caches whose head dims are multiples of 32 (the Numba
+    decode's pair products where the CPU has them: int8 with bfloat16 or float16 queries on
+    AVX512-VNNI, fp8 with bfloat16 queries on AVX512-BF16): out within twice the error of a
+    plain computation in the queries' dtype on the same dequantized cache (+1e-6), both against
     float64, for every sequence, head and option; a query head holding a NaN gives NaN in that
-    head's output only."""
-    opts = INT8_DECODE[case]
+    head's output only, and an fp8 NaN pattern in a key NaN in its kv head's rows only."""
+    opts = PAIR_DECODE[case]
     hq, hkv, sq, lengths = opts["hq"], opts["hkv"], opts["sq"], opts["lengths"]
     block = 5
     gen = torch.Generator().manual_seed(d + len(case))
@@ -508,12 +510,23 @@ def test_half_queries_on_an_int8_cache_hold_the_half_precision_rule(case, dtype,
     for b, count in enumerate(pages):
         table[b, :count] = order[start : start + count].to(torch.int32)
         start += count
-    caches, scales = [], []
+    caches, scales, deq = [], [], []
     for _ in range(2):
         x = torch.randn(num_blocks, block, hkv, d, generator=gen) * 2
-        scale = x.abs().amax(-1) / 127
-        caches.append(torch.round(x / scale[..., None]).to(torch.int8))
+        if kind == "int8":
+            scale = x.abs().amax(-1) / 127
+            caches.append(torch.round(x / scale[..., None]).to(torch.int8))
+            deq.append(caches[-1].double() * scale.double()[..., None])
+        else:
+            scale = torch.rand(hkv, generator=gen) * 0.02 + 0.005  # one per kv head
+            caches.append((x / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn))
+            deq.append(caches[-1].double() * scale.double()[:, None])
         scales.append(scale)
+    if kind == "fp8" and len(lengths) > 1 and lengths[1] > 3:
+        # a NaN pattern in key 3 of sequence 1, kv head 0 (dequantized too: torch widens it)
+        blk = int(table[1, 0])
+        caches[0].view(torch.uint8)[blk, 3, 0, 5] = 0x7F
+        deq[0][blk, 3, 0, 5] = math.nan
     q = torch.randn(len(lengths), sq, hq, d, generator=gen).to(dtype)
     q[0, 0, 1, 3] = math.nan
     alibi = torch.rand(hq, generator=gen) * 0.2 if opts.get("alibi") else None
@@ -543,10 +556,7 @@ def test_half_queries_on_an_int8_cache_hold_the_half_precision_rule(case, dtype,
         if length == 0:
             continue
         blocks = table[b, : pages[b]].long()
-        k, v = (
-            (c[blocks].double() * s[blocks].double()[..., None]).reshape(-1, hkv, d)[:length]
-            for c, s in zip(caches, scales, strict=True)
-        )
+        k, v = (x[blocks].reshape(-1, hkv, d)[:length] for x in deq)
         want = _attend(q[b], k, v, dtype=torch.float64, **mods)
         plain = _attend(q[b], k, v, dtype=dtype, **mods)
         nan = want.isnan()

@@ -1,30 +1,33 @@
-"""Decode products on int8 KV caches in integers, on CPUs with AVX512-VNNI: ``vpdpwssd``
-multiplies two int16 pairs per int32 lane and adds both products to the lane, 32 multiply-adds
-per instruction where a float32 FMA does 16, and an int8 cache row widens to int16 in one
-instruction (to float32: two per 16 elements).
+"""Decode products on 8-bit KV caches in pairs, on CPUs that multiply pairs of 16-bit values
+into 32-bit lanes: twice the multiply-adds per instruction of float32 FMAs, and a cache row
+widened to 16 bits in one or a few instructions (to float32: two or more per 16 elements).
 
-The decode kernel (``attention_paged``) takes this path for half-precision queries on int8
-caches whose head dims are multiples of 32:
+- int8 caches, bfloat16 or float16 queries, AVX512-VNNI (``vpdpwssd``: two int16 products
+  per int32 lane): the query rows, scaled (score scale, log2 units), and the weights of each key
+  tile (softmax weights times each value row's dequantization scale) are rounded to int16 with
+  one scale per row (``quantize_rows``: max |x| onto ``int16_limit``) and their products with
+  the int8 values summed exactly in int32;
+- fp8 (e4m3) caches, bfloat16 queries, AVX512-BF16 (``vdpbf16ps``: two bfloat16 products per
+  float32 lane): the cache bytes become bfloat16 exactly through a 128-entry table
+  (``vpermt2w``, NaN patterns included), the queries are multiplied as they are and the weights
+  rounded to bfloat16 (``round_rows``), as FlashAttention rounds P for half inputs; sums in
+  float32.
 
-- ``int8_scores``: the query rows, scaled (score scale, log2 units) and rounded to int16 with
-  one scale per row (``quantize_rows``: max |x| onto ``int16_limit``), times a run of int8 key
-  rows, summed exactly in int32; each score is the sum times its row's scale and its key's
-  dequantization scale;
-- ``int8_add_values``: the weights of a key tile (softmax weights times each value row's
-  dequantization scale), rounded to int16 with one scale per row, times a run of int8 value
-  rows, summed exactly into int32 accumulators that the kernel turns to float32 once per tile.
+The decode kernel (``attention_paged``) takes these paths for C-contiguous caches whose head
+dims are multiples of CHUNK (``decode_pairs``); other calls keep its float32 loops.
 
-The error this adds (docs/dtypes-and-errors.md): each query and weight element is off by at
-most half its row's step, max |row| / 65534 — below bfloat16's rounding (2⁻⁹ of the element)
-for every element within 1/128 of its row's largest, and never more than 2⁻¹⁶ of that largest.
-FlashAttention rounds P to the inputs' half dtype for its P·V the same way.
+The error the int16 rounding adds (docs/dtypes-and-errors.md): each query and weight element is
+off by at most half its row's step, max |row| / 65534: below bfloat16's rounding (2⁻⁹ of the
+element) for every element within 1/128 of its row's largest, and never more than 2⁻¹⁶ of that
+largest.
 
-Both loops are written in LLVM IR (the vectoriser does not find ``vpdpwssd`` in plain loops: it
-multiplies in int32). Q·K keeps a block of 4 query rows by 4 keys in 16 registers over D and
-then sums the 16 registers into one by a tree of lane shuffles (45 instructions for 16 sums,
-where one register at a time takes 9 each); P·V pairs each two value rows' elements along D
-(the instruction's pairs run along the summed axis: the keys) and keeps a block of 4 rows by
-32 columns in 8 registers over a run's keys.
+Both loops are written in LLVM IR (the vectoriser does not find these instructions in plain
+loops: it multiplies in 32-bit lanes). Q·K (``pair_scores``) keeps a block of 4 query rows by 4
+keys in 16 registers over D and then sums the 16 registers into one by a tree of lane shuffles
+(45 instructions for 16 sums, where one register at a time takes 9 each); P·V
+(``pair_add_values``) pairs each two value rows' elements along D (the instruction's pairs run
+along the summed axis: the keys) and keeps a block of 4 rows by 32 columns in 8 registers over a
+run's keys.
 """
 
 from __future__ import annotations
@@ -37,37 +40,49 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._half import E4M3_UNIT, _float32_to_bf16
+from ._pair_products import _BFloatType
 from ._runtime import njit
 
-CHUNK = 32  # int8 elements per ``vpdpwssd`` step: one 512-bit register of int16
+CHUNK = 32  # cache elements per product step: one 512-bit register of 16-bit values
 ROWS = 4  # query rows per register block; the kernel pads its row buffers to a multiple
 _KEYS = 4  # keys per Q·K register block
-_INTRINSIC = "llvm.x86.avx512.vpdpwssd.512"
 
 
 @functools.cache
-def available() -> bool:
-    """True when Numba compiles for a CPU with AVX512-VNNI (the host's features, or those that
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name)."""
+def _features() -> set:
+    """The CPU features Numba compiles for (the host's, or those NUMBA_CPU_NAME /
+    NUMBA_CPU_FEATURES name)."""
     from numba.core.registry import cpu_target
 
     features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
-    return "+avx512vnni" in features.split(",")
+    return set(features.split(","))
 
 
-def takes_int8_dots(q, k, v) -> bool:
-    """True when the decode kernel multiplies in integers (module docstring): half-precision
-    query bits, C-contiguous int8 caches with head dims a multiple of CHUNK, and ``available()``."""
-    return (
-        q.dtype in (np.uint16, np.int16)
-        and k.dtype == np.int8
-        and v.dtype == np.int8
-        and k.shape[-1] % CHUNK == 0 < k.shape[-1]
-        and v.shape[-1] % CHUNK == 0 < v.shape[-1]
-        and k.flags.c_contiguous
-        and v.flags.c_contiguous
-        and available()
-    )
+def int8_available() -> bool:
+    """True when the CPU has AVX512-VNNI: int8 caches decode in int16 products."""
+    return "+avx512vnni" in _features()
+
+
+def fp8_available() -> bool:
+    """True when the CPU has AVX512-BF16 (and AVX512-BW's word permutes): fp8 caches decode in
+    bfloat16 pairs."""
+    return {"+avx512bf16", "+avx512bw"} <= _features()
+
+
+def decode_pairs(q, k, v) -> str | None:
+    """ "int8" or "fp8" when the decode kernel multiplies in pairs (module docstring), else
+    None. q, k, v as the kernel takes them: half q as its bits (bfloat16 uint16, float16 int16),
+    fp8 caches as uint8."""
+    if not (k.dtype == v.dtype and k.flags.c_contiguous and v.flags.c_contiguous):
+        return None
+    if not (k.shape[-1] % CHUNK == 0 < k.shape[-1] and v.shape[-1] % CHUNK == 0 < v.shape[-1]):
+        return None
+    if k.dtype == np.int8 and q.dtype in (np.uint16, np.int16) and int8_available():
+        return "int8"
+    if k.dtype == np.uint8 and q.dtype == np.uint16 and fp8_available():
+        return "fp8"
+    return None
 
 
 @njit(cache=True)
@@ -130,31 +145,142 @@ def quantize_rows(x, factors, n, limit, out, scales):
             out[r, c] = np.int16(np.rint(x[r, c] * factors[c] * inverse))
 
 
+@njit(cache=True)
+def round_rows(x, n, out):
+    """out[r, c] = x[r, c] rounded to bfloat16 (bits, to nearest even) for c < n; rows of out
+    past x's are zeros. x float32."""
+    for r in range(out.shape[0]):
+        if r < x.shape[0]:
+            for c in range(n):
+                out[r, c] = _float32_to_bf16(x[r, c])
+        else:
+            for c in range(n):
+                out[r, c] = 0
+
+
+def _e4m3_table():
+    """bfloat16 bits of every e4m3 magnitude 0 … 127 (bit patterns), in the decode loops' unit
+    (the value / E4M3_UNIT, as ``attention_paged``'s float loops read fp8; exact: bfloat16 holds
+    every such value as a normal number), the NaN pattern 0x7F as NaN."""
+    table = []
+    for m in range(128):
+        if m == 0x7F:
+            table.append(0x7FC0)
+            continue
+        exponent, mantissa = m >> 3, m & 7
+        value = (
+            (mantissa / 8) * 2.0**-6
+            if exponent == 0
+            else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+        )
+        bits = int(np.array(value / E4M3_UNIT, np.float32).view(np.uint32)) >> 16
+        assert np.array(bits << 16, np.uint32).view(np.float32) == np.float32(value / E4M3_UNIT)
+        table.append(bits)
+    return table
+
+
+_E4M3_TABLE = _e4m3_table()
+
+
 def _i32(value):
     return ir.Constant(ir.IntType(32), value)
 
 
-def _dot(builder):
-    i16s = ir.VectorType(ir.IntType(16), 2 * 16)
-    i32s = ir.VectorType(ir.IntType(32), 16)
-    return cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(i32s, [i32s, i16s, i16s]), _INTRINSIC
-    )
+def _i16s(values):
+    return ir.Constant(ir.VectorType(ir.IntType(16), len(values)), values)
 
 
-def _widened_chunk(builder, ptr):
-    """32 int8 at ptr (any alignment) sign-extended to <32 x i16>."""
-    i8s = ir.VectorType(ir.IntType(8), CHUNK)
-    raw = builder.load(builder.bitcast(ptr, i8s.as_pointer()), align=1)
-    return builder.sext(raw, ir.VectorType(ir.IntType(16), CHUNK))
+class _Int8:
+    """int8 caches: int16 products summed in int32 (``vpdpwssd``)."""
+
+    acc = ir.VectorType(ir.IntType(32), 16)
+    zero = ir.Constant(acc, [0] * 16)
+
+    @staticmethod
+    def widen(builder, ptr):
+        """32 int8 at ptr (any alignment) sign-extended to <32 x i16>."""
+        i8s = ir.VectorType(ir.IntType(8), CHUNK)
+        raw = builder.load(builder.bitcast(ptr, i8s.as_pointer()), align=1)
+        return builder.sext(raw, ir.VectorType(ir.IntType(16), CHUNK))
+
+    @classmethod
+    def dot(cls, builder, acc, a, b):
+        i16s = ir.VectorType(ir.IntType(16), CHUNK)
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(cls.acc, [cls.acc, i16s, i16s]),
+            "llvm.x86.avx512.vpdpwssd.512",
+        )
+        return builder.call(fn, [acc, a, b])
+
+    @staticmethod
+    def add(builder, a, b):
+        return builder.add(a, b)
+
+    @staticmethod
+    def to_float(builder, x):
+        return builder.sitofp(x, ir.VectorType(ir.FloatType(), 16))
+
+
+class _Fp8:
+    """fp8 caches: bfloat16 products summed in float32 (``vdpbf16ps``)."""
+
+    acc = ir.VectorType(ir.FloatType(), 16)
+    zero = ir.Constant(acc, [0.0] * 16)
+
+    @staticmethod
+    def widen(builder, ptr):
+        """32 e4m3 bytes at ptr to their bfloat16 bits, <32 x i16>: the magnitude's entry of
+        the table (two 64-entry word permutes, chosen by bit 6), then the sign."""
+        i8s = ir.VectorType(ir.IntType(8), CHUNK)
+        i16s = ir.VectorType(ir.IntType(16), CHUNK)
+        raw = builder.load(builder.bitcast(ptr, i8s.as_pointer()), align=1)
+        bits = builder.zext(raw, i16s)
+        permute = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(i16s, [i16s, i16s, i16s]),
+            "llvm.x86.avx512.vpermi2var.hi.512",
+        )
+        quarters = [_i16s(_E4M3_TABLE[i : i + CHUNK]) for i in range(0, 128, CHUNK)]
+        low = builder.call(permute, [quarters[0], bits, quarters[1]])  # indices' bits 0-5
+        high = builder.call(permute, [quarters[2], bits, quarters[3]])
+        upper = builder.icmp_unsigned(
+            "!=", builder.and_(bits, _i16s([0x40] * CHUNK)), _i16s([0] * CHUNK)
+        )
+        magnitude = builder.select(upper, high, low)
+        sign = builder.and_(builder.shl(bits, _i16s([8] * CHUNK)), _i16s([0x8000] * CHUNK))
+        return builder.or_(magnitude, sign)
+
+    @classmethod
+    def dot(cls, builder, acc, a, b):
+        bf16s = ir.VectorType(_BFloatType(), CHUNK)
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(cls.acc, [cls.acc, bf16s, bf16s]),
+            "llvm.x86.avx512bf16.dpbf16ps.512",
+        )
+        return builder.call(fn, [acc, builder.bitcast(a, bf16s), builder.bitcast(b, bf16s)])
+
+    @staticmethod
+    def add(builder, a, b):
+        return builder.fadd(a, b)
+
+    @staticmethod
+    def to_float(builder, x):
+        return x
+
+
+def _kind(rows):
+    """The products for a cache's Numba array type (None for other dtypes)."""
+    return {types.int8: _Int8, types.uint8: _Fp8}.get(rows.dtype)
 
 
 def _shuffle(builder, a, b, mask):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(mask)), mask))
 
 
-def _tree_sum(builder, vectors):
-    """One <16 x i32> whose lane i holds the sum of all lanes of vectors[i] (16 vectors): at
+def _tree_sum(builder, vectors, add):
+    """One vector of 16 lanes whose lane i holds the sum of all lanes of vectors[i] (16 vectors): at
     each level, two vectors of groups of w lanes become one of groups of w / 2 lanes by adding
     each group's halves (two shuffles and an add), 15 adds in all. The lanes come out in a known
     order, put right by a last shuffle."""
@@ -172,7 +298,7 @@ def _tree_sum(builder, vectors):
         merged = []
         for (a, a_origin), (b, b_origin) in zip(work[0::2], work[1::2], strict=True):
             both = a_origin + b_origin
-            total = builder.add(_shuffle(builder, a, b, low), _shuffle(builder, a, b, high))
+            total = add(builder, _shuffle(builder, a, b, low), _shuffle(builder, a, b, high))
             merged.append((total, [both[x] for x in low]))
         work, width = merged, half
     total, origin = work[0]
@@ -185,17 +311,22 @@ def _element_step(builder, array, ndim, axis, itemsize):
 
 
 @intrinsic
-def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
+def pair_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
     """s[r, col + c] = (q16[r] · rows[c, hk]) · q_scales[r] · k_scales[c] for r < s.shape[0]
-    and c < n = rows.shape[0]. q16 int16 [>= s rows, rounded up to ROWS; D] C-contiguous (rows
-    past s's are read, not written), q_scales float32 [same rows], rows int8 [n, H, D]
-    C-contiguous with D a multiple of CHUNK, k_scales float32 [n] at any stride, s float32 2-D
-    with unit last stride. Nothing here checks shapes: the kernel passes what it sized."""
+    and c < n = rows.shape[0]. rows [n, H, D] C-contiguous with D a multiple of CHUNK: int8
+    (q16 int16) or fp8 bits (uint8; q16 bfloat16 bits, uint16); q16 [>= s rows, rounded up to
+    ROWS; D] C-contiguous (rows past s's are read, not written), q_scales float32 [same rows],
+    k_scales float32 [n] at any stride, s float32 2-D with unit last stride. Nothing here
+    checks shapes: the kernel passes what it sized."""
     arrays = (s, q16, q_scales, rows, k_scales)
     if not all(isinstance(x, types.Array) for x in arrays):
         return None
-    wanted = (types.float32, types.int16, types.float32, types.int8, types.float32)
-    if tuple(x.dtype for x in arrays) != wanted or (s.ndim, q16.ndim, rows.ndim) != (2, 2, 3):
+    kind = _kind(rows)
+    if kind is None or q16.dtype not in (types.int16, types.uint16):
+        return None
+    if (s.dtype, q_scales.dtype, k_scales.dtype) != (types.float32,) * 3:
+        return None
+    if (s.ndim, q16.ndim, rows.ndim) != (2, 2, 3):
         return None
     if not (isinstance(col, types.Integer) and isinstance(hk, types.Integer)):
         return None
@@ -203,9 +334,7 @@ def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
     def codegen(context, builder, signature, args):
         intp = context.get_value_type(types.intp)
         const = lambda value: ir.Constant(intp, value)  # noqa: E731
-        f32, i32 = ir.FloatType(), ir.IntType(32)
-        i32s, f32s = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        dot = _dot(builder)
+        f32 = ir.FloatType()
         s_arr, q_arr, qs_arr, k_arr, ks_arr = (
             context.make_array(signature.args[i])(context, builder, args[i])
             for i in (0, 2, 3, 4, 6)
@@ -222,7 +351,6 @@ def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
         ks_step = _element_step(builder, ks_arr, 1, 0, const(4))
         chunks = builder.sdiv(d, const(CHUNK))
         last_key = builder.sub(n, const(1))
-        zeros = ir.Constant(i32s, [0] * 16)
 
         with cgutils.for_range(builder, builder.sdiv(q_rows, const(ROWS))) as row_loop:
             r0 = builder.mul(row_loop.index, const(ROWS))
@@ -254,12 +382,12 @@ def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
                 builder.position_at_end(loop)
                 t = builder.phi(intp)
                 t.add_incoming(const(0), entry)
-                sums = [[builder.phi(i32s) for _ in range(_KEYS)] for _ in range(ROWS)]
+                sums = [[builder.phi(kind.acc) for _ in range(_KEYS)] for _ in range(ROWS)]
                 for row in sums:
                     for phi in row:
-                        phi.add_incoming(zeros, entry)
+                        phi.add_incoming(kind.zero, entry)
                 offset = builder.mul(t, const(CHUNK))
-                k_chunks = [_widened_chunk(builder, builder.gep(p, [offset])) for p in k_ptrs]
+                k_chunks = [kind.widen(builder, builder.gep(p, [offset])) for p in k_ptrs]
                 new = []
                 for r, row in enumerate(sums):
                     q_ptr = builder.gep(q_ptrs[r], [offset])
@@ -267,7 +395,7 @@ def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
                     q_chunk = builder.load(builder.bitcast(q_ptr, i16s.as_pointer()), align=2)
                     new.append(
                         [
-                            builder.call(dot, [acc, q_chunk, kc])
+                            kind.dot(builder, acc, q_chunk, kc)
                             for acc, kc in zip(row, k_chunks, strict=True)
                         ]
                     )
@@ -278,8 +406,8 @@ def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
                         phi.add_incoming(value, builder.block)
                 builder.cbranch(builder.icmp_signed("<", t_next, chunks), loop, done)
                 builder.position_at_end(done)
-                totals = _tree_sum(builder, [x for row in new for x in row])
-                scores = builder.sitofp(totals, f32s)
+                totals = _tree_sum(builder, [x for row in new for x in row], kind.add)
+                scores = kind.to_float(builder, totals)
                 k_scale = ir.Constant(ir.VectorType(f32, _KEYS), ir.Undefined)
                 for j, c in enumerate(keys):
                     value = builder.load(builder.gep(ks_arr.data, [builder.mul(c, ks_step)]))
@@ -314,16 +442,23 @@ def int8_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
 
 
 @intrinsic
-def int8_add_values(typingctx, acc, w16, col, rows, hk):
-    """acc[r, e] += Σ_c w16[r, col + c] · rows[c, hk, e] in int32, for c < n = rows.shape[0]
-    and every row r of acc. acc int32 [rows, a multiple of ROWS; Dv] C-contiguous, w16 int16
+def pair_add_values(typingctx, acc, w16, col, rows, hk):
+    """acc[r, e] += Σ_c w16[r, col + c] · rows[c, hk, e], for c < n = rows.shape[0] and every
+    row r of acc: int8 rows with int16 weights into int32 acc, or fp8 bits (uint8) with bfloat16
+    weights (uint16 bits) into float32 acc. acc [rows, a multiple of ROWS; Dv] C-contiguous, w16
     [same rows, >= col + n + 1] C-contiguous (a run of odd length reads one weight past its
-    last, and multiplies it by 0), rows int8 [n, H, Dv] C-contiguous with Dv a multiple of
-    CHUNK. Nothing here checks shapes: the kernel passes what it sized."""
+    last, which must be finite, and multiplies it by 0), rows [n, H, Dv] C-contiguous with Dv a
+    multiple of CHUNK. Nothing here checks shapes: the kernel passes what it sized."""
     arrays = (acc, w16, rows)
     if not all(isinstance(x, types.Array) for x in arrays):
         return None
-    if tuple(x.dtype for x in arrays) != (types.int32, types.int16, types.int8):
+    kind = _kind(rows)
+    if kind is None or (acc.dtype, w16.dtype) not in (
+        (types.int32, types.int16),
+        (types.float32, types.uint16),
+    ):
+        return None
+    if (acc.dtype == types.int32) != (kind is _Int8):
         return None
     if (acc.ndim, w16.ndim, rows.ndim) != (2, 2, 3):
         return None
@@ -336,7 +471,6 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
         i32 = ir.IntType(32)
         i32s = ir.VectorType(i32, 16)
         i16s = ir.VectorType(ir.IntType(16), CHUNK)
-        dot = _dot(builder)
         a_arr, w_arr, v_arr = (
             context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3)
         )
@@ -362,9 +496,9 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
 
         def step(c, sums, second):
             """sums after keys c and c + 1 (``second`` false: key c alone)."""
-            a = _widened_chunk(builder, builder.gep(v_ptr(c), [offset]))
+            a = kind.widen(builder, builder.gep(v_ptr(c), [offset]))
             b = (
-                _widened_chunk(builder, builder.gep(v_ptr(builder.add(c, const(1))), [offset]))
+                kind.widen(builder, builder.gep(v_ptr(builder.add(c, const(1))), [offset]))
                 if second
                 else zero_chunk
             )
@@ -372,7 +506,7 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
             new = []
             for w_row, row in zip(w_rows, sums, strict=True):
                 w = weight_pair(w_row, c)
-                new.append([builder.call(dot, [x, w, h]) for x, h in zip(row, halves, strict=True)])
+                new.append([kind.dot(builder, x, w, h) for x, h in zip(row, halves, strict=True)])
             return new
 
         v_ptr = lambda c: builder.gep(head, [builder.mul(c, v_strides[0])])  # noqa: E731
@@ -393,7 +527,7 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
                                     )
                                 ],
                             ),
-                            i32s.as_pointer(),
+                            kind.acc.as_pointer(),
                         )
                         for h in (0, 16)
                     ]
@@ -408,7 +542,7 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
                 builder.position_at_end(loop)
                 t = builder.phi(intp)
                 t.add_incoming(const(0), entry)
-                sums = [[builder.phi(i32s) for _ in range(2)] for _ in range(ROWS)]
+                sums = [[builder.phi(kind.acc) for _ in range(2)] for _ in range(ROWS)]
                 for phi_row, first in zip(sums, start, strict=True):
                     for phi, value in zip(phi_row, first, strict=True):
                         phi.add_incoming(value, entry)
@@ -425,7 +559,7 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
                 for first, row_new in zip(start, new, strict=True):
                     row = []
                     for value_before, value_after in zip(first, row_new, strict=True):
-                        phi = builder.phi(i32s)
+                        phi = builder.phi(kind.acc)
                         phi.add_incoming(value_before, entry)
                         phi.add_incoming(value_after, loop_end)
                         row.append(phi)
@@ -439,7 +573,7 @@ def int8_add_values(typingctx, acc, w16, col, rows, hk):
                 for row, row_last in zip(totals, last, strict=True):
                     out = []
                     for value, value_odd in zip(row, row_last, strict=True):
-                        phi = builder.phi(i32s)
+                        phi = builder.phi(kind.acc)
                         phi.add_incoming(value, before_odd)
                         phi.add_incoming(value_odd, odd_block)
                         out.append(phi)
