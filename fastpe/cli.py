@@ -55,28 +55,18 @@ def info() -> str:
             "(numba.set_num_threads / NUMBA_NUM_THREADS)"
         )
         lines.append(f"  kernel cache  {_cache_line()}")
-        from fastpe.kernels.numba import _pair_products
+        from fastpe.kernels.numba import _decode_pairs, _pair_products
 
-        products = (
-            "bfloat16 pairs, forward and backward (AVX512-BF16 vdpbf16ps)"
-            if _pair_products.available()
-            else "float32 (this CPU has no AVX512-BF16)"
-        )
-        lines.append(f"  bf16 tiles    {products}")
-        from fastpe.kernels.numba import _decode_pairs
-
-        int8 = (
-            "int16 products for half-precision queries (AVX512-VNNI vpdpwssd)"
-            if _decode_pairs.int8_available()
-            else "float32 (this CPU has no AVX512-VNNI)"
-        )
-        lines.append(f"  int8 decode   {int8}")
-        fp8 = (
-            "bfloat16 pairs for bfloat16 queries (AVX512-BF16 vdpbf16ps)"
-            if _decode_pairs.fp8_available()
-            else "float32 (this CPU has no AVX512-BF16)"
-        )
-        lines.append(f"  fp8 decode    {fp8}")
+        paths = (  # (label, the CPU has it, the path, the fallback)
+            ("bf16 tiles", _pair_products.available(), "bfloat16 pairs, forward and backward "
+             "(AVX512-BF16 vdpbf16ps)", "float32 (this CPU has no AVX512-BF16)"),
+            ("int8 decode", _decode_pairs.int8_available(), "int16 products for half-precision "
+             "queries (AVX512-VNNI vpdpwssd)", "float32 (this CPU has no AVX512-VNNI)"),
+            ("fp8 decode", _decode_pairs.fp8_available(), "bfloat16 pairs for bfloat16 queries "
+             "(AVX512-BF16 vdpbf16ps)", "float32 (this CPU has no AVX512-BF16)"),
+        )  # fmt: skip
+        for label, has, path, fallback in paths:
+            lines.append(f"  {label:13s} {path if has else fallback}")
     except ImportError:
         pass
     try:

@@ -723,6 +723,38 @@ def _run_values_impl(p, col, rows, hk, acc, scratch, nan_run):
     return lambda p, col, rows, hk, acc, scratch, nan_run: _add_values_rows(p, col, rows, hk, acc)
 
 
+@njit(cache=True)
+def _run_and_next(rows, b, j0, n, c0, after_start, after_left):
+    """(row, run, last, ahead, ahead_rows): the run of key j0 + c0 of sequence b within keys
+    j0 … j0 + n - 1 (``_page_run``), whether it is the pass's last, and the run to prefetch
+    while it is multiplied: the pass's next, or after its last, the first run from key
+    after_start (at most after_left keys: the other pass's keys, or the next tile's)."""
+    page_start, page_size = rows.page_start, rows.page_size
+    row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
+    last = c0 + run == n
+    if last:
+        ahead, ahead_rows = _page_run(page_start, page_size, b, after_start, after_left)
+    else:
+        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
+    return row, run, last, ahead, ahead_rows
+
+
+def _prefetch_next(this, other, last, row, n, hk):
+    """Prefetch head hk of the run ``_run_and_next`` names: rows of ``this`` pass's cache, or
+    of the ``other``'s after the pass's last run."""
+
+
+@overload(_prefetch_next, inline="always")
+def _prefetch_next_impl(this, other, last, row, n, hk):
+    def prefetch(this, other, last, row, n, hk):
+        if last:  # a branch, not one variable: k and v may be arrays of different layouts
+            _prefetch_rows(other, row, n, hk)
+        else:
+            _prefetch_rows(this, row, n, hk)
+
+    return prefetch
+
+
 @njit(cache=True, fastmath=_FLAGS)
 def _attend_direct(
     qt, k, v, rows, tile, j0, n, j_stop, s, p, acc, row_max, row_sum, work, mods, scratch, scales
@@ -735,24 +767,17 @@ def _attend_direct(
     cannot guess where the next page lies); the last run of values prefetches the first keys
     of the next tile (up to j_stop, where the work item's keys end)."""
     hkv = qt.shape[0]
-    b, page_start, page_size = tile.b, rows.page_start, rows.page_size
+    b = tile.b
     k_scale, v_scale = scales
     c0 = 0
     while c0 < n:
-        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
         # prefetch the next run (after the last, V's first) head by head, as it will be read
-        last = c0 + run == n
-        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
-        if last:
-            ahead, ahead_rows = _page_run(page_start, page_size, b, j0, n)
+        row, run, last, ahead, ahead_rows = _run_and_next(rows, b, j0, n, c0, j0, n)
         keys = _loop_rows(k[row : row + run], scratch)
         nan_run = _holds_fp8_nan(keys)
         _prefetch_scales(v_scale if last else k_scale, ahead, ahead_rows)
         for hk in range(hkv):
-            if last:
-                _prefetch_rows(v, ahead, ahead_rows, hk)
-            else:
-                _prefetch_rows(k, ahead, ahead_rows, hk)
+            _prefetch_next(k, v, last, ahead, ahead_rows, hk)
             _run_scores(qt[hk], keys, hk, s[hk], c0, scratch, nan_run)
             _scale_columns(s[hk], c0, k_scale, b, row, run, hk, k)
         c0 += run
@@ -761,20 +786,15 @@ def _attend_direct(
         _softmax_update(s[hk], p[hk], acc[hk], row_max[hk], row_sum[hk], work[hk], n, mods.unit)
     c0 = 0
     while c0 < n:
-        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
         # prefetch the next run (after the last, the next tile's first keys)
-        last = c0 + run == n
-        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
-        if last:
-            ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + n, j_stop - j0 - n)
+        row, run, last, ahead, ahead_rows = _run_and_next(
+            rows, b, j0, n, c0, j0 + n, j_stop - j0 - n
+        )
         values = _loop_rows(v[row : row + run], scratch)
         nan_run = _holds_fp8_nan(values)
         _prefetch_scales(k_scale if last else v_scale, ahead, ahead_rows)
         for hk in range(hkv):
-            if last:
-                _prefetch_rows(k, ahead, ahead_rows, hk)
-            else:
-                _prefetch_rows(v, ahead, ahead_rows, hk)
+            _prefetch_next(v, k, last, ahead, ahead_rows, hk)
             _scale_columns(p[hk], c0, v_scale, b, row, run, hk, v)  # p is not read after this
             _run_values(p[hk], c0, values, hk, acc[hk], scratch, nan_run)
         c0 += run
@@ -840,20 +860,15 @@ def _attend_direct_pairs(
     to acc once per tile (times each row's weight scale)."""
     q16, q_scales, acc_pairs, w16, w_scales, _, ones = state
     hkv, m = s.shape[0], s.shape[1]
-    b, page_start, page_size = tile.b, rows.page_start, rows.page_size
+    b = tile.b
     k_scale, v_scale = scales
     c0 = 0
-    while c0 < n:
-        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
-        # prefetch the next run (after the last, V's first) head by head, as it will be read
-        last = c0 + run == n
-        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
-        if last:
-            ahead, ahead_rows = _page_run(page_start, page_size, b, j0, n)
+    while c0 < n:  # as in _attend_direct
+        row, run, last, ahead, ahead_rows = _run_and_next(rows, b, j0, n, c0, j0, n)
         keys = k[row : row + run]
         _prefetch_scales(v_scale if last else k_scale, ahead, ahead_rows)
         for hk in range(hkv):
-            _prefetch_rows(v if last else k, ahead, ahead_rows, hk)
+            _prefetch_next(k, v, last, ahead, ahead_rows, hk)
             key_scales = _run_key_scales(k_scale, k, b, row, run, hk, ones)
             _decode_pairs.pair_scores(s[hk], c0, q16[hk], q_scales[hk], keys, hk, key_scales)
         c0 += run
@@ -863,16 +878,13 @@ def _attend_direct_pairs(
     _tile_weights(p, n, v, v_scale, rows, b, j0, state)
     c0 = 0
     while c0 < n:
-        row, run = _page_run(page_start, page_size, b, j0 + c0, n - c0)
-        # prefetch the next run (after the last, the next tile's first keys)
-        last = c0 + run == n
-        ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + c0 + run, n - c0 - run)
-        if last:
-            ahead, ahead_rows = _page_run(page_start, page_size, b, j0 + n, j_stop - j0 - n)
+        row, run, last, ahead, ahead_rows = _run_and_next(
+            rows, b, j0, n, c0, j0 + n, j_stop - j0 - n
+        )
         values = v[row : row + run]
         _prefetch_scales(k_scale if last else v_scale, ahead, ahead_rows)
         for hk in range(hkv):
-            _prefetch_rows(k if last else v, ahead, ahead_rows, hk)
+            _prefetch_next(v, k, last, ahead, ahead_rows, hk)
             _decode_pairs.pair_add_values(acc_pairs[hk], w16[hk], c0, values, hk)
         c0 += run
     for hk in range(hkv):

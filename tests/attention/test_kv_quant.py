@@ -67,12 +67,14 @@ def _rows(paged, table, b, positions):
     return torch.full_like(positions, b), positions
 
 
-def _reference(q, keys, values, *, sq, causal, window, softcap, alibi, sinks):
-    """One sequence in float64: q [Sq, Hq, D], keys/values [L, Hkv, D] (dequantized)."""
-    group = HQ // HKV
-    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    length = k.shape[0]
-    s = torch.einsum("ihd,jhd->hij", q.double(), k) / math.sqrt(D)
+def _attend(q, k, v, *, dtype, causal=False, window=None, softcap=None, alibi=None, sinks=None):
+    """One sequence, q [Sq, Hq, D] against k, v [L, Hkv, D] (dequantized), in ``dtype``: float64
+    (the reference) or a half dtype (a plain torch computation: q·kᵀ and p·v in it, the softmax
+    in float64 on its scores). Returns float64 [Sq, Hq, D]."""
+    sq, hq, d = q.shape
+    length, hkv = k.shape[:2]
+    k, v = (x.to(dtype).repeat_interleave(hq // hkv, 1) for x in (k, v))
+    s = torch.einsum("ihd,jhd->hij", q.to(dtype), k).double() / math.sqrt(d)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     pos = torch.arange(sq)[:, None] + length - sq
@@ -86,9 +88,11 @@ def _reference(q, keys, values, *, sq, causal, window, softcap, alibi, sinks):
         ok &= (col >= pos - window[0]) & (col <= pos + window[1])
     s = s.masked_fill(~ok, -math.inf)
     if sinks is not None:
-        s = torch.cat([s, sinks.double()[:, None, None].expand(HQ, sq, 1)], -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)[..., :length]
-    return torch.einsum("hij,jhd->ihd", p, v)
+        s = torch.cat([s, sinks.double()[:, None, None].expand(hq, sq, 1)], -1)
+    # a row that sees no key (and no sink) weighs nothing; a NaN query stays NaN
+    unseen = ~ok.any(-1) if sinks is None else torch.zeros(sq, dtype=torch.bool)
+    p = torch.softmax(s, -1).masked_fill(unseen[:, None], 0.0)[..., :length]
+    return torch.einsum("hij,jhd->ihd", p.to(dtype), v).double()
 
 
 CASES = {
@@ -176,10 +180,10 @@ def test_quantized_cache(kind, paged, backend, case):
                 factor = scale[blk, off][..., None]
             deq.append(cache[blk, off].to(torch.float64) * factor)
         expected.append(
-            _reference(
+            _attend(
                 qb,
                 *deq,
-                sq=sq,
+                dtype=torch.float64,
                 causal=opts.get("causal", False),
                 window=opts.get("window"),
                 softcap=opts.get("softcap"),
@@ -337,21 +341,8 @@ def test_bfloat16_queries_on_an_fp8_cache_hold_the_half_precision_rule():
         blk, off = _rows(True, table, b, range(int(lengths[b])))
         keys = k8[blk, off].to(torch.float64) * ks[None, :, None]
         values = v8[blk, off].to(torch.float64) * vs[None, :, None]
-        want = _reference(
-            q[b],
-            keys,
-            values,
-            sq=1,
-            causal=False,
-            window=None,
-            softcap=None,
-            alibi=None,
-            sinks=None,
-        )
-        group = HQ // HKV
-        k16, v16 = (x.to(torch.bfloat16).repeat_interleave(group, 1) for x in (keys, values))
-        s = torch.einsum("ihd,jhd->hij", q[b], k16) / math.sqrt(D)
-        plain = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v16)
+        want = _attend(q[b], keys, values, dtype=torch.float64)
+        plain = _attend(q[b], keys, values, dtype=torch.bfloat16)
         errors["fastpe"] = max(errors["fastpe"], (out[b].double() - want).abs().max().item())
         errors["plain bfloat16"] = max(
             errors["plain bfloat16"], (plain.double() - want).abs().max().item()
@@ -443,34 +434,6 @@ def test_decode_row_blocks_and_fp8_nan_patterns(kind):
         ok = ~want.isnan()
         tol = 1e-2 * max(1.0, want[ok].abs().max().item()) if kind == "bf16" else 2e-5
         assert (got[ok] - want[ok]).abs().max().item() <= tol
-
-
-def _attend(q, k, v, *, dtype, causal=False, window=None, softcap=None, alibi=None, sinks=None):
-    """One sequence, q [Sq, Hq, D] against k, v [L, Hkv, D] (dequantized), in ``dtype``: float64
-    (the reference) or a half dtype (a plain torch computation: q·kᵀ and p·v in it, the softmax
-    in float64 on its scores). Returns float64 [Sq, Hq, D]."""
-    sq, hq, d = q.shape
-    length, hkv = k.shape[:2]
-    k, v = (x.to(dtype).repeat_interleave(hq // hkv, 1) for x in (k, v))
-    s = torch.einsum("ihd,jhd->hij", q.to(dtype), k).double() / math.sqrt(d)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    pos = torch.arange(sq)[:, None] + length - sq
-    col = torch.arange(length)[None, :]
-    if alibi is not None:
-        s = s - alibi.double()[:, None, None] * (pos - col).abs()
-    ok = torch.ones(sq, length, dtype=torch.bool)
-    if causal:
-        ok &= col <= pos
-    if window is not None:
-        ok &= (col >= pos - window[0]) & (col <= pos + window[1])
-    s = s.masked_fill(~ok, -math.inf)
-    if sinks is not None:
-        s = torch.cat([s, sinks.double()[:, None, None].expand(hq, sq, 1)], -1)
-    # a row that sees no key (and no sink) weighs nothing; a NaN query stays NaN
-    unseen = ~ok.any(-1) if sinks is None else torch.zeros(sq, dtype=torch.bool)
-    p = torch.softmax(s, -1).masked_fill(unseen[:, None], 0.0)[..., :length]
-    return torch.einsum("hij,jhd->ihd", p.to(dtype), v).double()
 
 
 PAIR_DECODE = {
