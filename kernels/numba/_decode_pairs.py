@@ -40,6 +40,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fastpe._kv_quant import E4M3_VALUES
+
 from ._half import E4M3_UNIT, _float32_to_bf16
 from ._pair_products import _BFloatType
 from ._runtime import njit
@@ -159,24 +161,12 @@ def round_rows(x, n, out):
 
 
 def _e4m3_table():
-    """bfloat16 bits of every e4m3 magnitude 0 … 127 (bit patterns), in the decode loops' unit
+    """bfloat16 bits of every e4m3 magnitude 0 … 127 (``E4M3_VALUES``) in the decode loops' unit
     (the value / E4M3_UNIT, as ``attention_paged``'s float loops read fp8; exact: bfloat16 holds
     every such value as a normal number), the NaN pattern 0x7F as NaN."""
-    table = []
-    for m in range(128):
-        if m == 0x7F:
-            table.append(0x7FC0)
-            continue
-        exponent, mantissa = m >> 3, m & 7
-        value = (
-            (mantissa / 8) * 2.0**-6
-            if exponent == 0
-            else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-        )
-        bits = int(np.array(value / E4M3_UNIT, np.float32).view(np.uint32)) >> 16
-        assert np.array(bits << 16, np.uint32).view(np.float32) == np.float32(value / E4M3_UNIT)
-        table.append(bits)
-    return table
+    bits = (E4M3_VALUES[:128] / E4M3_UNIT).astype(np.float32).view(np.uint32)
+    assert not (bits & 0xFFFF).any()  # each value is a bfloat16 exactly
+    return (bits >> 16).tolist()
 
 
 _E4M3_TABLE = _e4m3_table()
@@ -310,6 +300,16 @@ def _element_step(builder, array, ndim, axis, itemsize):
     return builder.sdiv(strides[axis], itemsize)
 
 
+def _shapes_fit(arrays, ndims, integers):
+    """True when each of ``arrays`` is a Numba array of its ndim and each of ``integers`` an
+    integer type: the intrinsics' shared typing rule (each adds its dtypes)."""
+    if not all(isinstance(x, types.Array) for x in arrays):
+        return False
+    return tuple(x.ndim for x in arrays) == ndims and all(
+        isinstance(i, types.Integer) for i in integers
+    )
+
+
 @intrinsic
 def pair_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
     """s[r, col + c] = (q16[r] · rows[c, hk]) · q_scales[r] · k_scales[c] for r < s.shape[0]
@@ -318,17 +318,12 @@ def pair_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
     ROWS; D] C-contiguous (rows past s's are read, not written), q_scales float32 [same rows],
     k_scales float32 [n] at any stride, s float32 2-D with unit last stride. Nothing here
     checks shapes: the kernel passes what it sized."""
-    arrays = (s, q16, q_scales, rows, k_scales)
-    if not all(isinstance(x, types.Array) for x in arrays):
+    if not _shapes_fit((s, q16, q_scales, rows, k_scales), (2, 2, 1, 3, 1), (col, hk)):
         return None
     kind = _kind(rows)
     if kind is None or q16.dtype not in (types.int16, types.uint16):
         return None
     if (s.dtype, q_scales.dtype, k_scales.dtype) != (types.float32,) * 3:
-        return None
-    if (s.ndim, q16.ndim, rows.ndim) != (2, 2, 3):
-        return None
-    if not (isinstance(col, types.Integer) and isinstance(hk, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -441,6 +436,18 @@ def pair_scores(typingctx, s, col, q16, q_scales, rows, hk, k_scales):
     return types.none(s, col, q16, q_scales, rows, hk, k_scales), codegen
 
 
+def _merge_blocks(builder, vec, *incoming):
+    """Phis (at the current block's start) joining [row][column] grids of values that reach it
+    from several blocks: ``incoming`` = (grid, block) pairs."""
+    first = incoming[0][0]
+    merged = [[builder.phi(vec) for _ in row] for row in first]
+    for grid, block in incoming:
+        for phi_row, row in zip(merged, grid, strict=True):
+            for phi, value in zip(phi_row, row, strict=True):
+                phi.add_incoming(value, block)
+    return merged
+
+
 @intrinsic
 def pair_add_values(typingctx, acc, w16, col, rows, hk):
     """acc[r, e] += Σ_c w16[r, col + c] · rows[c, hk, e], for c < n = rows.shape[0] and every
@@ -449,8 +456,7 @@ def pair_add_values(typingctx, acc, w16, col, rows, hk):
     [same rows, >= col + n + 1] C-contiguous (a run of odd length reads one weight past its
     last, which must be finite, and multiplies it by 0), rows [n, H, Dv] C-contiguous with Dv a
     multiple of CHUNK. Nothing here checks shapes: the kernel passes what it sized."""
-    arrays = (acc, w16, rows)
-    if not all(isinstance(x, types.Array) for x in arrays):
+    if not _shapes_fit((acc, w16, rows), (2, 2, 3), (col, hk)):
         return None
     kind = _kind(rows)
     if kind is None or (acc.dtype, w16.dtype) not in (
@@ -459,10 +465,6 @@ def pair_add_values(typingctx, acc, w16, col, rows, hk):
     ):
         return None
     if (acc.dtype == types.int32) != (kind is _Int8):
-        return None
-    if (acc.ndim, w16.ndim, rows.ndim) != (2, 2, 3):
-        return None
-    if not (isinstance(col, types.Integer) and isinstance(hk, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -555,29 +557,13 @@ def pair_add_values(typingctx, acc, w16, col, rows, hk):
                 loop_end = builder.block
                 builder.cbranch(builder.icmp_signed("<", t_next, pairs), loop, done)
                 builder.position_at_end(done)
-                totals = []
-                for first, row_new in zip(start, new, strict=True):
-                    row = []
-                    for value_before, value_after in zip(first, row_new, strict=True):
-                        phi = builder.phi(kind.acc)
-                        phi.add_incoming(value_before, entry)
-                        phi.add_incoming(value_after, loop_end)
-                        row.append(phi)
-                    totals.append(row)
+                totals = _merge_blocks(builder, kind.acc, (start, entry), (new, loop_end))
                 odd = builder.icmp_signed("!=", builder.srem(n, const(2)), const(0))
                 before_odd = builder.block
                 with builder.if_then(odd):
                     last = step(builder.sub(n, const(1)), totals, False)
                     odd_block = builder.block
-                final = []
-                for row, row_last in zip(totals, last, strict=True):
-                    out = []
-                    for value, value_odd in zip(row, row_last, strict=True):
-                        phi = builder.phi(kind.acc)
-                        phi.add_incoming(value, before_odd)
-                        phi.add_incoming(value_odd, odd_block)
-                        out.append(phi)
-                    final.append(out)
+                final = _merge_blocks(builder, kind.acc, (totals, before_odd), (last, odd_block))
                 for row, ptrs in zip(final, a_ptrs, strict=True):
                     for value, ptr in zip(row, ptrs, strict=True):
                         builder.store(value, ptr, align=4)
